@@ -1,0 +1,115 @@
+"""Sessions: one isolated test run per package, its wheel, integration, lint and XLA.
+
+nox -t ci                      # everything CI runs
+nox -s tests-nxd-layers        # one package, its upstream siblings and its test group only
+nox -s wheel-nxd-layers        # the same tests against wheels built without workspace sources
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nox
+import tomllib
+
+nox.options.default_venv_backend = "uv"
+nox.options.reuse_venv = "yes"
+nox.options.error_on_missing_interpreters = True
+
+ROOT = Path(__file__).parent
+# Upstream first: a package's sessions only ever see itself and what it depends on.
+PACKAGES = [
+    "nxd-state",
+    "nxd-layers",
+    "nxd-pipeline",
+    "nxd-optim",
+    "nxd-lora",
+    "nxd-ckpt",
+    "nxd-trainer",
+    "nxd-lightning",
+]
+# XLA runs on torch-xla 2.9, which needs exactly torch 2.9 (outside the lock, its own venv).
+XLA_PINS = ["torch==2.9.0", "torch-xla==2.9.0"]
+XLA_PACKAGES = ["nxd-state"]
+
+
+def _sync(session: nox.Session, *args: str) -> None:
+    """``uv sync`` the lock into this session's venv, exactly (extraneous packages removed)."""
+    session.run_install(
+        "uv",
+        "sync",
+        "--locked",
+        "--exact",
+        *args,
+        env={"UV_PROJECT_ENVIRONMENT": session.virtualenv.location},
+    )
+
+
+def _test_group(package: str) -> list[str]:
+    pyproject = tomllib.loads((ROOT / "packages" / package / "pyproject.toml").read_text())
+    return pyproject.get("dependency-groups", {}).get("test", [])
+
+
+for _package in PACKAGES:
+
+    @nox.session(name=f"tests-{_package}", tags=["ci", "tests"])
+    def tests(session: nox.Session, package: str = _package) -> None:
+        """One package with its upstream siblings and its test group, nothing else."""
+        _sync(session, "--package", package, "--group", "test")
+        session.run("pytest", f"packages/{package}/tests", *session.posargs)
+
+    @nox.session(name=f"wheel-{_package}", tags=["ci", "wheels"])
+    def wheel(session: nox.Session, package: str = _package) -> None:
+        """Install one package from wheels built with workspace sources off; run its tests.
+
+        The resolver sees only the version ranges the wheels declare, which is what proves them.
+        """
+        dist = Path(session.create_tmp()) / "dist"
+        session.run(
+            "uv", "build", "--all-packages", "--no-sources", "--out-dir", str(dist), external=True
+        )
+        wheel_file = next(dist.glob(f"{package.replace('-', '_')}-*.whl"))
+        session.install(str(wheel_file), "--find-links", str(dist), *_test_group(package))
+        # Run from outside the repository so nothing is imported from the source tree.
+        tests_dir = ROOT / "packages" / package / "tests"
+        session.chdir(session.create_tmp())
+        session.run(
+            "pytest",
+            str(tests_dir),
+            "-p",
+            "no:cacheprovider",
+            "--import-mode=importlib",
+            "--rootdir",
+            str(tests_dir),
+            *session.posargs,
+        )
+
+
+@nox.session(tags=["ci"])
+def integration(session: nox.Session) -> None:
+    """Every package together (the `nxd` meta-distribution and its compat package)."""
+    _sync(session, "--all-packages", "--group", "test")
+    session.run("pytest", "tests-integration", *session.posargs)
+
+
+@nox.session(tags=["ci"])
+def lint(session: nox.Session) -> None:
+    session.install("ruff")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session(tags=["ci"])
+def xla(session: nox.Session) -> None:
+    """Single-device tests on torch-xla's CPU client (PJRT_DEVICE=CPU), torch 2.9."""
+    session.install(*XLA_PINS, "pytest", "numpy")
+    for package in XLA_PACKAGES:
+        session.install("--no-deps", "-e", f"packages/{package}")
+    session.run(
+        "pytest",
+        "-m",
+        "xla",
+        *(f"packages/{p}/tests" for p in XLA_PACKAGES),
+        *session.posargs,
+        env={"PJRT_DEVICE": "CPU", "NXD_DEVICE": "xla"},
+    )

@@ -1,0 +1,7 @@
+"""nxd-lora: not implemented yet; this package holds only its skeleton."""
+
+from importlib.metadata import version as _version
+
+__version__ = _version("nxd-lora")
+
+__all__ = ["__version__"]

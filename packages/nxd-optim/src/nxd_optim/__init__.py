@@ -1,0 +1,7 @@
+"""nxd-optim: not implemented yet; this package holds only its skeleton."""
+
+from importlib.metadata import version as _version
+
+__version__ = _version("nxd-optim")
+
+__all__ = ["__version__"]

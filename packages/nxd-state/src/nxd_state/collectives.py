@@ -1,0 +1,287 @@
+"""Every collective nxd issues, in one module, each on an explicit group.
+
+The wrappers hide what backends lack (gloo has no reduce-scatter: it is emulated here as an
+all-reduce and a slice) and skip communication on groups of one. An opt-in
+:class:`CollectiveCounter` records calls and bytes per op and per group, so benchmarks can
+compare traffic with theory. Two byte counts are kept per call:
+
+* ``bytes``: the payload, the size of the tensor handed to the op on this rank
+  (for all-gather the local shard, for reduce-scatter the full input);
+* ``wire_bytes``: what this rank sends under the bandwidth-optimal ring algorithm, with
+  ``n`` ranks: all-reduce ``2(n-1)/n * B``, all-gather ``(n-1) * B_shard``, reduce-scatter
+  and all-to-all ``(n-1)/n * B``, broadcast ``B`` on the source, send ``B``, recv ``0``.
+  This is the volume theory talks about, whatever the backend really does (the gloo
+  reduce-scatter emulation moves more; the counter reports the op that was asked for).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup, ReduceOp
+
+__all__ = [
+    "CollectiveCounter",
+    "OpStats",
+    "P2POp",
+    "all_gather",
+    "all_reduce",
+    "all_to_all",
+    "barrier",
+    "batch_send_recv",
+    "broadcast",
+    "count_collectives",
+    "group_name",
+    "group_rank",
+    "group_size",
+    "recv",
+    "reduce_scatter",
+    "register_group_name",
+    "send",
+]
+
+Group = ProcessGroup | None
+
+# Names given to groups by whoever built them ("tp", "dp", ...), for the counter's keys.
+_GROUP_NAMES: weakref.WeakKeyDictionary[ProcessGroup, str] = weakref.WeakKeyDictionary()
+
+
+def register_group_name(group: ProcessGroup, name: str) -> None:
+    """Name ``group`` in traffic reports (``ParallelState`` names its groups tp/dp/pp/mp)."""
+    _GROUP_NAMES[group] = name
+
+
+def group_name(group: Group) -> str:
+    """The registered name of ``group``, else ``ranks[...]``."""
+    resolved = group if group is not None else dist.GroupMember.WORLD
+    if resolved in _GROUP_NAMES:
+        return _GROUP_NAMES[resolved]
+    if resolved is dist.GroupMember.WORLD:
+        return "world"
+    return f"ranks{dist.get_process_group_ranks(resolved)}"
+
+
+def group_size(group: Group = None) -> int:
+    return dist.get_world_size(group)
+
+
+def group_rank(group: Group = None) -> int:
+    return dist.get_rank(group)
+
+
+# Traffic counting ------------------------------------------------------------------------
+@dataclass
+class OpStats:
+    """Totals for one (op, group) pair."""
+
+    calls: int = 0
+    bytes: int = 0
+    wire_bytes: float = 0.0
+
+
+@dataclass
+class CollectiveCounter:
+    """Calls and bytes per ``(op, group name)``; filled while :func:`count_collectives` runs."""
+
+    stats: dict[tuple[str, str], OpStats] = field(default_factory=dict)
+
+    def record(self, op: str, group: Group, payload: int, wire: float) -> None:
+        entry = self.stats.setdefault((op, group_name(group)), OpStats())
+        entry.calls += 1
+        entry.bytes += payload
+        entry.wire_bytes += wire
+
+    def total(self, *, op: str | None = None, group: str | None = None) -> OpStats:
+        """Sum over the entries matching ``op`` and/or ``group`` name."""
+        out = OpStats()
+        for (entry_op, entry_group), entry in self.stats.items():
+            if (op is None or op == entry_op) and (group is None or group == entry_group):
+                out.calls += entry.calls
+                out.bytes += entry.bytes
+                out.wire_bytes += entry.wire_bytes
+        return out
+
+    def as_dict(self) -> dict[str, dict[str, float]]:
+        """JSON-ready ``{"op@group": {"calls", "bytes", "wire_bytes"}}``."""
+        return {
+            f"{op}@{grp}": vars(stats).copy() for (op, grp), stats in sorted(self.stats.items())
+        }
+
+    def reset(self) -> None:
+        self.stats.clear()
+
+
+_COUNTERS: list[CollectiveCounter] = []
+
+
+@contextlib.contextmanager
+def count_collectives(counter: CollectiveCounter | None = None) -> Iterator[CollectiveCounter]:
+    """Count every collective issued inside the block (nested counters all see them)."""
+    counter = counter if counter is not None else CollectiveCounter()
+    _COUNTERS.append(counter)
+    try:
+        yield counter
+    finally:
+        _COUNTERS.remove(counter)
+
+
+def _record(op: str, group: Group, payload: int, wire: float) -> None:
+    for counter in _COUNTERS:
+        counter.record(op, group, payload, wire)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+# Backends found to lack a native reduce-scatter (gloo before torch 2.6): emulated instead.
+_NO_NATIVE_REDUCE_SCATTER: set[str] = set()
+
+
+def _backend_name(group: Group) -> str:
+    return str(dist.get_backend(group)).lower()
+
+
+# Collectives -----------------------------------------------------------------------------
+def all_reduce(
+    tensor: torch.Tensor, group: Group = None, op: ReduceOp.RedOpType = ReduceOp.SUM
+) -> torch.Tensor:
+    """``tensor <- op over ranks of tensor``, in place; returns ``tensor``."""
+    n = group_size(group)
+    if n == 1:
+        return tensor
+    _record("all_reduce", group, _nbytes(tensor), 2 * (n - 1) / n * _nbytes(tensor))
+    dist.all_reduce(tensor, op=op, group=group)
+    return tensor
+
+
+def all_gather(tensor: torch.Tensor, group: Group = None, dim: int = 0) -> torch.Tensor:
+    """``cat([x_0, ..., x_{n-1}], dim)``: every rank's shard, concatenated in rank order."""
+    n = group_size(group)
+    if n == 1:
+        return tensor
+    _record("all_gather", group, _nbytes(tensor), (n - 1) * _nbytes(tensor))
+    dim = dim % tensor.dim()
+    moved = tensor.movedim(dim, 0).contiguous()
+    out = torch.empty(
+        (n * moved.shape[0], *moved.shape[1:]), dtype=tensor.dtype, device=tensor.device
+    )
+    dist.all_gather_into_tensor(out, moved, group=group)
+    return out.movedim(0, dim)
+
+
+def reduce_scatter(
+    tensor: torch.Tensor,
+    group: Group = None,
+    dim: int = 0,
+    op: ReduceOp.RedOpType = ReduceOp.SUM,
+) -> torch.Tensor:
+    """Y_r = chunk r of (op over ranks of X), X split into ``n`` equal chunks along ``dim``."""
+    n = group_size(group)
+    if n == 1:
+        return tensor
+    dim = dim % tensor.dim()
+    if tensor.shape[dim] % n != 0:
+        raise ValueError(
+            f"reduce_scatter: size {tensor.shape[dim]} of dim {dim} is not divisible by the "
+            f"group size {n}"
+        )
+    _record("reduce_scatter", group, _nbytes(tensor), (n - 1) / n * _nbytes(tensor))
+    moved = tensor.movedim(dim, 0).contiguous()
+    if _backend_name(group) not in _NO_NATIVE_REDUCE_SCATTER:
+        out = torch.empty(
+            (moved.shape[0] // n, *moved.shape[1:]), dtype=tensor.dtype, device=tensor.device
+        )
+        try:
+            dist.reduce_scatter_tensor(out, moved, op=op, group=group)
+            return out.movedim(0, dim)
+        except RuntimeError as error:  # older gloo: no reduce-scatter; raised before any traffic
+            if "support" not in str(error).lower():
+                raise
+            _NO_NATIVE_REDUCE_SCATTER.add(_backend_name(group))
+    reduced = moved.clone()
+    dist.all_reduce(reduced, op=op, group=group)
+    return reduced.chunk(n, dim=0)[group_rank(group)].contiguous().movedim(0, dim)
+
+
+def all_to_all(
+    tensor: torch.Tensor, group: Group = None, scatter_dim: int = 0, gather_dim: int = 0
+) -> torch.Tensor:
+    """Y_r = cat_j(chunk r of X_j): split along ``scatter_dim``, concat along ``gather_dim``."""
+    n = group_size(group)
+    if n == 1:
+        return tensor
+    scatter_dim %= tensor.dim()
+    gather_dim %= tensor.dim()
+    if tensor.shape[scatter_dim] % n != 0:
+        raise ValueError(
+            f"all_to_all: size {tensor.shape[scatter_dim]} of scatter dim {scatter_dim} is not "
+            f"divisible by the group size {n}"
+        )
+    _record("all_to_all", group, _nbytes(tensor), (n - 1) / n * _nbytes(tensor))
+    inputs = [chunk.contiguous() for chunk in tensor.chunk(n, dim=scatter_dim)]
+    outputs = [torch.empty_like(chunk) for chunk in inputs]
+    dist.all_to_all(outputs, inputs, group=group)
+    return torch.cat(outputs, dim=gather_dim)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: Group = None) -> torch.Tensor:
+    """Every rank's ``tensor <- tensor`` of global rank ``src``, in place; returns ``tensor``."""
+    n = group_size(group)
+    if n == 1:
+        return tensor
+    wire = _nbytes(tensor) if dist.get_rank() == src else 0
+    _record("broadcast", group, _nbytes(tensor), wire)
+    dist.broadcast(tensor, src=src, group=group)
+    return tensor
+
+
+def send(tensor: torch.Tensor, dst: int, group: Group = None) -> None:
+    """Blocking send to global rank ``dst``."""
+    _record("send", group, _nbytes(tensor), _nbytes(tensor))
+    dist.send(tensor.contiguous(), dst=dst, group=group)
+
+
+def recv(tensor: torch.Tensor, src: int, group: Group = None) -> torch.Tensor:
+    """Blocking receive from global rank ``src`` into ``tensor``; returns it."""
+    _record("recv", group, _nbytes(tensor), 0)
+    dist.recv(tensor, src=src, group=group)
+    return tensor
+
+
+@dataclass(frozen=True)
+class P2POp:
+    """One point-to-point transfer for :func:`batch_send_recv`: ``kind`` is "send" or "recv"."""
+
+    kind: str
+    tensor: torch.Tensor
+    peer: int
+    group: Group = None
+
+
+def batch_send_recv(ops: Sequence[P2POp]) -> None:
+    """Issue sends and receives together and wait for all of them (no ordering deadlock)."""
+    if not ops:
+        return
+    p2p = []
+    for op in ops:
+        if op.kind == "send":
+            _record("send", op.group, _nbytes(op.tensor), _nbytes(op.tensor))
+            p2p.append(dist.P2POp(dist.isend, op.tensor, op.peer, op.group))
+        elif op.kind == "recv":
+            _record("recv", op.group, _nbytes(op.tensor), 0)
+            p2p.append(dist.P2POp(dist.irecv, op.tensor, op.peer, op.group))
+        else:
+            raise ValueError(f"P2POp.kind must be 'send' or 'recv', got {op.kind!r}")
+    for work in dist.batch_isend_irecv(p2p):
+        work.wait()
+
+
+def barrier(group: Group = None) -> None:
+    if group_size(group) > 1:
+        dist.barrier(group=group)

@@ -1,0 +1,137 @@
+"""One place that picks the device and the process-group backend.
+
+``cpu`` runs on gloo, ``cuda`` on NCCL and ``xla`` (Trainium through torch-neuronx, TPU, or
+the CPU PJRT client) on torch-xla's ``xla`` backend. The choice is, in order: the explicit
+argument, the ``NXD_DEVICE`` environment variable, ``xla`` when ``PJRT_DEVICE`` is set,
+``cuda`` when a GPU is visible, else ``cpu``. torch_xla is imported only when ``xla`` is chosen.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import logging
+import os
+from typing import Literal, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = [
+    "DeviceType",
+    "backend_for",
+    "current_device",
+    "init_distributed",
+    "move_model_to_device",
+    "resolve_device_type",
+]
+
+logger = logging.getLogger(__name__)
+
+DeviceType = Literal["cpu", "cuda", "xla"]
+_BACKENDS: dict[str, str] = {"cpu": "gloo", "cuda": "nccl", "xla": "xla"}
+
+
+def resolve_device_type(device_type: str | None = None) -> DeviceType:
+    """The device type to run on: argument > ``NXD_DEVICE`` > ``PJRT_DEVICE`` > cuda > cpu."""
+    choice = device_type or os.environ.get("NXD_DEVICE")
+    if choice is None:
+        if os.environ.get("PJRT_DEVICE"):
+            choice = "xla"
+        elif torch.cuda.is_available():
+            choice = "cuda"
+        else:
+            choice = "cpu"
+    choice = choice.lower()
+    if choice not in _BACKENDS:
+        raise ValueError(
+            f"device type {choice!r} is not supported; expected one of {sorted(_BACKENDS)} "
+            f"(set by argument or the NXD_DEVICE environment variable)"
+        )
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(
+            "device type 'cuda' was requested but torch.cuda.is_available() is False"
+        )
+    return cast(DeviceType, choice)
+
+
+def backend_for(device_type: str | None = None) -> str:
+    """The torch.distributed backend for a device type: gloo, nccl or xla."""
+    return _BACKENDS[resolve_device_type(device_type)]
+
+
+def _import_xla() -> object:
+    try:
+        return importlib.import_module("torch_xla")
+    except ImportError as error:
+        raise ImportError(
+            "device type 'xla' needs torch-xla: pip install 'nxd-state[xla]' "
+            "(on Trainium, torch-neuronx from the Neuron package repository)"
+        ) from error
+
+
+def current_device(device_type: str | None = None) -> torch.device:
+    """The device this process computes on (``cuda:LOCAL_RANK`` for CUDA)."""
+    kind = resolve_device_type(device_type)
+    if kind == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    if kind == "xla":
+        torch_xla = _import_xla()
+        return torch_xla.device()  # type: ignore[attr-defined]
+    return torch.device("cpu")
+
+
+def init_distributed(
+    *,
+    device_type: str | None = None,
+    backend: str | None = None,
+    init_method: str | None = None,
+    timeout: datetime.timedelta | None = None,
+) -> None:
+    """Initialise the default process group, once.
+
+    Under ``torchrun`` (``WORLD_SIZE`` in the environment) this rendezvouses through ``env://``;
+    without it the process is a world of one, so the same script runs unlaunched. Calling it
+    again when a group already exists does nothing.
+    """
+    if dist.is_initialized():
+        return
+    kind = resolve_device_type(device_type)
+    backend = backend or _BACKENDS[kind]
+    kwargs: dict[str, object] = {}
+    if timeout is not None:
+        kwargs["timeout"] = timeout
+    if kind == "cuda":
+        torch.cuda.set_device(current_device(kind))
+    if backend == "xla":
+        _import_xla()
+        importlib.import_module("torch_xla.distributed.xla_backend")
+        init_method = init_method or "xla://"
+    if init_method is None and "WORLD_SIZE" not in os.environ:
+        logger.info("no WORLD_SIZE in the environment: running as a world of one on %s", backend)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+        return
+    dist.init_process_group(backend, init_method=init_method or "env://", **kwargs)
+    logger.info(
+        "initialised %s process group: rank %d of %d",
+        backend,
+        dist.get_rank(),
+        dist.get_world_size(),
+    )
+
+
+def move_model_to_device(model: nn.Module, device: torch.device | str) -> nn.Module:
+    """Move ``model`` to ``device`` in place, keeping the attributes set on its parameters.
+
+    Parallel layers tag parameters with their sharding (``tensor_model_parallel``,
+    ``partition_dim``, ...); a conversion that swaps parameter objects would drop them, so
+    they are copied onto whatever parameter ends up in the module.
+    """
+    saved = {name: dict(vars(param)) for name, param in model.named_parameters()}
+    model.to(device)
+    for name, param in model.named_parameters():
+        for key, value in saved.get(name, {}).items():
+            if not hasattr(param, key):
+                setattr(param, key, value)
+    return model

@@ -1,0 +1,313 @@
+"""Run a function on N gloo ranks and get every rank's result back: the multi-rank test harness.
+
+    results = run_distributed(check_all_reduce, world_size=4, size=8)
+
+``fn`` must be a module-level function (it is looked up by file and name in each rank). Each
+rank is a fresh process forked from a *forkserver* that imported torch and the nxd packages
+once, so starting a rank costs a fork and a gloo rendezvous, not a Python + torch start-up.
+Ranks run with one intra-op thread (2-core CI runs 8 ranks at once).
+
+Failure behaviour:
+
+* a rank that raises: the others are stopped and the original exception is re-raised in the
+  caller, with the rank number in a note and the rank's traceback as its ``__cause__``;
+* a rank that dies without reporting (segfault, ``os._exit``): :class:`RankDiedError`;
+* ``timeout`` seconds without every rank finishing: each rank's Python stack is dumped
+  (faulthandler) and raised in :class:`DistributedTimeoutError` instead of hanging.
+
+Results cross the process boundary with pickle: return plain values or CPU tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import faulthandler
+import importlib.util
+import inspect
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+__all__ = [
+    "DistributedTimeoutError",
+    "RankDiedError",
+    "RemoteTraceback",
+    "run_distributed",
+]
+
+T = TypeVar("T")
+
+# Imported once by the forkserver so ranks start warm; missing ones are skipped.
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "nxd_state",
+    "nxd_state.testing",
+    "nxd_layers",
+    "nxd_pipeline",
+    "nxd_optim",
+    "nxd_lora",
+    "nxd_ckpt",
+    "nxd_trainer",
+    "nxd_lightning",
+    *filter(None, os.environ.get("NXD_TEST_PRELOAD", "").split(",")),
+]
+_DEFAULT_TIMEOUT = float(os.environ.get("NXD_TEST_TIMEOUT", "180"))
+# After the first failure, how long the other ranks get to report theirs.
+_FAILURE_GRACE_S = 1.0
+_context: multiprocessing.context.BaseContext | None = None
+
+
+class RemoteTraceback(Exception):
+    """The traceback text of an exception raised in another rank."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class RankDiedError(RuntimeError):
+    """A rank's process ended without reporting a result or an exception."""
+
+
+class DistributedTimeoutError(TimeoutError):
+    """The ranks did not all finish in time; the message holds every live rank's stack."""
+
+
+def _get_context() -> multiprocessing.context.BaseContext:
+    global _context
+    if _context is None:
+        if sys.platform == "win32":  # pragma: no cover - no forkserver on Windows
+            _context = multiprocessing.get_context("spawn")
+        else:
+            _context = multiprocessing.get_context("forkserver")
+            _context.set_forkserver_preload(_PRELOAD)
+    return _context
+
+
+def _load_function(path: str, module: str, qualname: str) -> Callable[..., Any]:
+    loaded = sys.modules.get(module)
+    loaded_file = getattr(loaded, "__file__", None)
+    if loaded is None or loaded_file is None or str(Path(loaded_file).resolve()) != path:
+        spec = importlib.util.spec_from_file_location(f"_nxd_rank_{module}", path)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"cannot load {path}")
+        loaded = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = loaded
+        spec.loader.exec_module(loaded)
+    target: Any = loaded
+    for part in qualname.split("."):
+        target = getattr(target, part)
+    return target
+
+
+def _rank_main(
+    rank: int,
+    world_size: int,
+    rendezvous: str,
+    function: tuple[str, str, str],
+    payload: bytes,
+    conn: multiprocessing.connection.Connection,
+    stack_path: str,
+    env: dict[str, str],
+    timeout_s: float,
+) -> None:
+    stack_file = open(stack_path, "w")  # noqa: SIM115 - must stay open for faulthandler
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    os.environ.update(env)
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{rendezvous}",
+            rank=rank,
+            world_size=world_size,
+            # Outlive the parent's deadline, so a hang is reported with stacks, not a gloo error.
+            timeout=datetime.timedelta(seconds=timeout_s + 30),
+        )
+        fn = _load_function(*function)
+        args, kwargs = pickle.loads(payload)
+        result = fn(*args, **kwargs)
+        message = pickle.dumps(("ok", result))
+        dist.barrier()  # every rank done: exiting now cannot cut a peer's transfer short
+    except BaseException as error:  # report everything, KeyboardInterrupt included
+        text = traceback.format_exc()
+        try:
+            message = pickle.dumps(("error", error, text))
+        except Exception:  # unpicklable exception: send its text only
+            message = pickle.dumps(("error", None, text))
+    conn.send_bytes(message)
+    conn.close()
+    # Leave without tearing down the process group: peers may be mid-collective, and the
+    # parent reaps every rank once all have reported.
+    stack_file.close()
+    os._exit(0)
+
+
+def _raise_rank_error(rank: int, world_size: int, error: BaseException | None, text: str) -> None:
+    cause = RemoteTraceback(f"\n--- rank {rank} of {world_size} ---\n{text}")
+    if error is None:
+        raise RuntimeError(f"rank {rank} of {world_size} failed") from cause
+    if hasattr(error, "add_note"):
+        error.add_note(f"(raised on rank {rank} of {world_size})")
+    raise error from cause
+
+
+def run_distributed(
+    fn: Callable[..., T],
+    world_size: int,
+    *args: Any,
+    timeout: float | None = None,
+    env: dict[str, str] | None = None,
+    **kwargs: Any,
+) -> list[T]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return results by rank."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if "<locals>" in fn.__qualname__ or fn.__name__ == "<lambda>":
+        raise ValueError(
+            f"run_distributed needs a module-level function, got {fn.__qualname__}: ranks look "
+            f"the function up by module and name"
+        )
+    timeout = _DEFAULT_TIMEOUT if timeout is None else timeout
+    path = str(Path(inspect.getfile(fn)).resolve())
+    function = (path, fn.__module__, fn.__qualname__)
+    payload = pickle.dumps((args, kwargs))
+    rank_env = {"GLOO_SOCKET_IFNAME": "lo"} if sys.platform.startswith("linux") else {}
+    rank_env.update(env or {})
+    context = _get_context()
+
+    with tempfile.TemporaryDirectory(prefix="nxd-ranks-") as workdir:
+        rendezvous = os.path.join(workdir, "rendezvous")
+        stacks = [os.path.join(workdir, f"stack-{rank}.txt") for rank in range(world_size)]
+        procs, conns = [], {}
+        for rank in range(world_size):
+            receiver, sender = context.Pipe(duplex=False)
+            proc = context.Process(
+                target=_rank_main,
+                args=(
+                    rank,
+                    world_size,
+                    rendezvous,
+                    function,
+                    payload,
+                    sender,
+                    stacks[rank],
+                    rank_env,
+                    timeout,
+                ),
+                name=f"nxd-rank-{rank}",
+                daemon=True,
+            )
+            proc.start()
+            sender.close()
+            procs.append(proc)
+            conns[receiver] = rank
+        try:
+            return _collect(procs, conns, stacks, world_size, timeout)
+        finally:
+            for proc in procs:
+                if proc.is_alive():
+                    proc.kill()
+            for proc in procs:
+                proc.join(timeout=10)
+
+
+def _collect(
+    procs: list[Any],
+    conns: dict[multiprocessing.connection.Connection, int],
+    stacks: list[str],
+    world_size: int,
+    timeout: float,
+) -> list[Any]:
+    """Gather every rank's report; on the first failure, give the others a moment to report too.
+
+    A rank that dies makes its peers fail with "connection closed" shortly after, so the dead
+    rank is the root cause and is reported first; otherwise the earliest exception wins.
+    """
+    results: dict[int, Any] = {}
+    errors: list[tuple[int, BaseException | None, str]] = []
+    died: list[int] = []
+    pending = dict(conns)
+    deadline = time.monotonic() + timeout
+    grace_until: float | None = None
+    while pending:
+        now = time.monotonic()
+        if grace_until is not None and now >= grace_until:
+            break
+        if now >= deadline:
+            _raise_timeout(procs, pending, stacks, timeout)
+        sentinels = {procs[rank].sentinel: rank for rank in pending.values()}
+        limit = min(deadline, grace_until) if grace_until is not None else deadline
+        ready = multiprocessing.connection.wait([*pending, *sentinels], timeout=limit - now)
+        for conn in [item for item in ready if item in pending]:
+            rank = pending.pop(conn)
+            try:
+                status, *body = pickle.loads(conn.recv_bytes())
+            except EOFError:
+                died.append(rank)
+                continue
+            if status == "ok":
+                results[rank] = body[0]
+            else:
+                errors.append((rank, body[0], body[1]))
+        for item in ready:
+            rank = sentinels.get(item)  # type: ignore[call-overload]
+            conn = next((c for c, r in pending.items() if r == rank), None)
+            if conn is None or conn.poll():
+                continue  # reported already, or its report waits to be read on the next pass
+            pending.pop(conn)
+            died.append(rank)
+        if (errors or died) and grace_until is None:
+            grace_until = time.monotonic() + _FAILURE_GRACE_S
+    if died:
+        rank = died[0]
+        procs[rank].join(timeout=1)
+        others = "".join(
+            f"\n  then rank {r} raised: {text.strip().splitlines()[-1]}" for r, _, text in errors
+        )
+        raise RankDiedError(
+            f"rank {rank} of {world_size} exited with code {procs[rank].exitcode} "
+            f"without reporting a result{others}"
+        )
+    if errors:
+        _raise_rank_error(errors[0][0], world_size, errors[0][1], errors[0][2])
+    return [results[rank] for rank in range(world_size)]
+
+
+def _raise_timeout(
+    procs: list[Any],
+    pending: dict[multiprocessing.connection.Connection, int],
+    stacks: list[str],
+    timeout: float,
+) -> None:
+    waiting = sorted(pending.values())
+    for rank in waiting:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(procs[rank].pid, signal.SIGUSR1)
+    time.sleep(1.0)
+    dumps = []
+    for rank in waiting:
+        text = Path(stacks[rank]).read_text() if os.path.exists(stacks[rank]) else ""
+        dumps.append(f"--- rank {rank} ---\n{text.strip() or '(no stack captured)'}")
+    raise DistributedTimeoutError(
+        f"ranks {waiting} did not finish within {timeout:.0f}s; their stacks:\n" + "\n".join(dumps)
+    )

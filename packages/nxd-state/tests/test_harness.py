@@ -1,0 +1,91 @@
+"""The multi-rank harness itself: results, failures, dead ranks and timeouts."""
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from nxd_state.testing import (
+    DistributedTimeoutError,
+    RankDiedError,
+    RemoteTraceback,
+    run_distributed,
+)
+
+
+def rank_and_world(offset: int, *, scale: int = 1) -> tuple[int, int, int]:
+    return dist.get_rank(), dist.get_world_size(), (dist.get_rank() + offset) * scale
+
+
+def test_results_come_back_in_rank_order_with_args_and_kwargs() -> None:
+    assert run_distributed(rank_and_world, 4, 10, scale=2) == [
+        (0, 4, 20),
+        (1, 4, 22),
+        (2, 4, 24),
+        (3, 4, 26),
+    ]
+
+
+def fail_on_rank(bad_rank: int) -> int:
+    if dist.get_rank() == bad_rank:
+        raise ValueError(f"bad value on purpose, rank {bad_rank}")
+    dist.barrier()  # the healthy ranks block here; the harness must not wait for them forever
+    return dist.get_rank()
+
+
+def test_rank_exception_is_reraised_with_rank_and_traceback() -> None:
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="bad value on purpose, rank 2") as info:
+        run_distributed(fail_on_rank, 4, 2, timeout=60)
+    assert time.monotonic() - start < 30  # stopped the blocked ranks instead of timing out
+    assert isinstance(info.value.__cause__, RemoteTraceback)
+    assert "--- rank 2 of 4 ---" in str(info.value.__cause__)
+    assert "in fail_on_rank" in str(info.value.__cause__)
+    assert "(raised on rank 2 of 4)" in getattr(info.value, "__notes__", [])
+
+
+def die_without_reporting() -> None:
+    if dist.get_rank() == 1:
+        os._exit(3)
+    dist.barrier()
+
+
+def test_rank_that_dies_is_reported_not_waited_for() -> None:
+    with pytest.raises(RankDiedError, match=r"rank 1 of 2 exited with code 3"):
+        run_distributed(die_without_reporting, 2, timeout=60)
+
+
+def sleep_in_rank(seconds: float) -> None:
+    if dist.get_rank() == 0:
+        time.sleep(seconds)
+    dist.barrier()
+
+
+def test_timeout_reports_every_waiting_rank_stack() -> None:
+    with pytest.raises(DistributedTimeoutError) as info:
+        run_distributed(sleep_in_rank, 2, 60.0, timeout=3)
+    message = str(info.value)
+    assert "ranks [0, 1] did not finish within 3s" in message
+    assert "--- rank 0 ---" in message
+    assert "--- rank 1 ---" in message
+    assert "sleep_in_rank" in message  # the Python frames of the stuck ranks
+
+
+def use_torch_threads() -> int:
+    return torch.get_num_threads()
+
+
+def test_ranks_run_single_threaded() -> None:
+    assert run_distributed(use_torch_threads, 2) == [1, 1]
+
+
+def test_local_functions_are_rejected_with_a_reason() -> None:
+    def local() -> None:
+        return None
+
+    with pytest.raises(ValueError, match="needs a module-level function"):
+        run_distributed(local, 2)
+    with pytest.raises(ValueError, match="world_size must be >= 1, got 0"):
+        run_distributed(rank_and_world, 0, 0)

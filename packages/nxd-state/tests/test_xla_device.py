@@ -1,0 +1,67 @@
+"""nxd-state on one XLA device (torch-xla's CPU client): device, process group, RNG, moves."""
+
+import pytest
+import torch
+from torch import nn
+
+import nxd_state as ps
+from nxd_state import collectives as C
+
+pytestmark = pytest.mark.xla
+
+
+@pytest.fixture
+def xla_world(monkeypatch: pytest.MonkeyPatch):
+    import torch.distributed as dist
+
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("NXD_DEVICE", "xla")
+    ps.init_distributed()
+    yield
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def test_xla_is_selected_and_groups_build(xla_world: None) -> None:
+    import torch.distributed as dist
+
+    assert ps.resolve_device_type() == "xla"
+    assert ps.current_device().type == "xla"
+    assert dist.get_backend() == "xla"
+    state = ps.initialize_model_parallel(1, 1)
+    assert (state.tensor_parallel_size, state.data_parallel_size) == (1, 1)
+    assert ps.get_data_parallel_group(as_list=True) == [[0]]
+
+
+def test_collectives_on_one_device_are_identities(xla_world: None) -> None:
+    ps.initialize_model_parallel(1, 1)
+    x = torch.arange(6.0, device=ps.current_device()).reshape(2, 3)
+    tp = ps.get_tensor_model_parallel_group()
+    for out in (
+        C.all_reduce(x, group=tp),
+        C.all_gather(x, group=tp, dim=1),
+        C.reduce_scatter(x, group=tp),
+    ):
+        torch.testing.assert_close(out.cpu(), torch.arange(6.0).reshape(2, 3), rtol=0, atol=0)
+
+
+def test_rng_tracker_forks_xla_seed_state(xla_world: None) -> None:
+    device = ps.current_device()
+    ps.model_parallel_manual_seed(5)
+    with ps.get_rng_tracker().fork():
+        inside = torch.rand(4, device=device).cpu()
+    outside = torch.rand(4, device=device).cpu()
+    assert not torch.equal(inside, outside)
+    saved = ps.rng_state_dict()
+    again = torch.rand(4, device=device).cpu()
+    ps.load_rng_state_dict(saved)
+    torch.testing.assert_close(torch.rand(4, device=device).cpu(), again, rtol=0, atol=0)
+
+
+def test_move_model_to_xla_keeps_attributes(xla_world: None) -> None:
+    model = nn.Linear(3, 2)
+    model.weight.partition_dim = 1
+    move = ps.move_model_to_device(model, ps.current_device())
+    assert move.weight.device.type == "xla"
+    assert move.weight.partition_dim == 1

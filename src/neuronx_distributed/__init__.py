@@ -1,0 +1,1 @@
+"""NeuronX Distributed compatibility package."""
