@@ -42,6 +42,7 @@ __all__ = [
     "DistributedTimeoutError",
     "RankDiedError",
     "RemoteTraceback",
+    "add_preload",
     "run_distributed",
 ]
 
@@ -81,6 +82,19 @@ class RankDiedError(RuntimeError):
 
 class DistributedTimeoutError(TimeoutError):
     """The ranks did not all finish in time; the message holds every live rank's stack."""
+
+
+def add_preload(*modules: str) -> None:
+    """Have the forkserver import ``modules`` once, so ranks do not each import them.
+
+    Call it before the first :func:`run_distributed` (a package's ``conftest.py`` is the place):
+    the forkserver starts on first use and its imports are fixed from then on.
+    """
+    for module in modules:
+        if module not in _PRELOAD:
+            _PRELOAD.append(module)
+    if _context is not None:
+        _context.set_forkserver_preload(_PRELOAD)  # effective only if not started yet
 
 
 def _get_context() -> multiprocessing.context.BaseContext:
