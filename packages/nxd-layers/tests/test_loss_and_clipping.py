@@ -1,0 +1,190 @@
+"""parallel_cross_entropy vs F.cross_entropy and clip_grad_norm vs torch's clip_grad_norm_.
+
+Cross entropy: the parallel loss is computed from per-shard max / sum-exp / target logit,
+reduced over ranks, where torch uses one log-softmax over the vocabulary: the same math in a
+different summation order, so fp32 with torch's defaults (rtol=1.3e-6, atol=1e-5).
+
+Clipping: the norm is a sum of squares regrouped by shard and rank (a few ulps apart), and the
+clipped gradients scale by the same factor: rtol=1e-5, atol=1e-6 (tight: the values are
+O(0.01-1); any mis-counted shard would change the norm by >= 10%).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import nxd_state
+from nxd_layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    clip_grad_norm,
+    full_tensor,
+    parallel_cross_entropy,
+)
+from nxd_state import count_collectives
+from nxd_state.testing import run_distributed
+
+FP32 = {"rtol": 1.3e-6, "atol": 1e-5}  # see the module docstring
+NORM = {"rtol": 1e-5, "atol": 1e-6}  # see the module docstring
+B, S, V = 2, 8, 32
+
+
+def _ce_case(tp: int, smoothing: float, single: dist.ProcessGroup) -> dict[str, float]:
+    rank = nxd_state.get_tensor_model_parallel_rank()
+    torch.manual_seed(5)
+    logits = torch.randn(B, S, V) * 3
+    labels = torch.randint(0, V, (B, S))
+    labels[0, :3] = -100  # ignored positions
+    labels[1, 0], labels[1, 1] = 0, V - 1  # the first and last shard's edges
+    upstream = torch.rand(B, S)
+    full = logits.clone().requires_grad_()
+    ref = F.cross_entropy(
+        full.reshape(-1, V), labels.reshape(-1), reduction="none", label_smoothing=smoothing
+    ).reshape(B, S)
+    (ref * upstream).sum().backward()
+    shard = logits.chunk(tp, dim=-1)[rank].clone().requires_grad_()
+    with count_collectives() as counter:
+        loss = parallel_cross_entropy(shard, labels, label_smoothing=smoothing)
+    (loss * upstream).sum().backward()
+    torch.testing.assert_close(loss, ref, **FP32)
+    torch.testing.assert_close(shard.grad, full.grad.chunk(tp, dim=-1)[rank], **FP32)
+    assert torch.count_nonzero(shard.grad[0, :3]) == 0  # ignored labels: no gradient
+    # Only per-token scalars cross ranks: never the vocabulary.
+    traffic = counter.total()
+    per_token = B * S * 4
+    assert traffic.bytes == (4 if smoothing else 3) * per_token
+    assert counter.total(op="all_gather").calls == 0
+    mean_ref = F.cross_entropy(
+        logits.reshape(-1, V), labels.reshape(-1), reduction="mean", label_smoothing=smoothing
+    )
+    mean = parallel_cross_entropy(shard, labels, smoothing, reduction="mean")
+    torch.testing.assert_close(mean, mean_ref, **FP32)
+    # A TP group of one rank holds the whole vocabulary (torch's fused kernel is used).
+    whole = logits.clone().requires_grad_()
+    loss_tp1 = parallel_cross_entropy(whole, labels, smoothing, tensor_parallel_group=single)
+    (loss_tp1 * upstream).sum().backward()
+    torch.testing.assert_close(loss_tp1, ref, **FP32)
+    torch.testing.assert_close(whole.grad, full.grad, **FP32)
+    return {"loss": float(ref.sum())}
+
+
+def run_cross_entropy(tp: int) -> list[str]:
+    singles = [dist.new_group([r]) for r in range(dist.get_world_size())]  # collective
+    for smoothing in (0.0, 0.1):
+        _ce_case(tp, smoothing, singles[dist.get_rank()])
+    shard = torch.randn(B, S, V // tp)
+    bad = []
+    for kwargs in (
+        {"labels": torch.zeros(B, S + 1, dtype=torch.long)},
+        {"labels": torch.zeros(B, S, dtype=torch.long), "label_smoothing": 1.5},
+        {"labels": torch.zeros(B, S)},
+    ):
+        try:
+            parallel_cross_entropy(shard, **kwargs)
+            bad.append("no error")
+        except ValueError as error:
+            bad.append(str(error))
+    return bad
+
+
+# clip_grad_norm ---------------------------------------------------------------------------
+H, FF = 8, 16
+
+
+def _reference_blocks(n_blocks: int) -> list[nn.ModuleList]:
+    """Per block: Linear(H, FF), Linear(FF, H), LayerNorm(H), with seeded random gradients."""
+    torch.manual_seed(11)
+    blocks = []
+    for _ in range(n_blocks):
+        block = nn.ModuleList([nn.Linear(H, FF), nn.Linear(FF, H), nn.LayerNorm(H)])
+        for p in block.parameters():
+            p.grad = torch.randn_like(p) * 0.3
+        blocks.append(block)
+    return blocks
+
+
+def _parallel_block(ref: nn.ModuleList) -> nn.ModuleList:
+    tp, rank = (
+        nxd_state.get_tensor_model_parallel_size(),
+        nxd_state.get_tensor_model_parallel_rank(),
+    )
+    col, row = ColumnParallelLinear(H, FF, gather_output=False), RowParallelLinear(FF, H)
+    norm = nn.LayerNorm(H)
+    with torch.no_grad():
+        col.weight.grad = ref[0].weight.grad.chunk(tp, 0)[rank].clone()
+        col.bias.grad = ref[0].bias.grad.chunk(tp, 0)[rank].clone()
+        row.weight.grad = ref[1].weight.grad.chunk(tp, 1)[rank].clone()
+        row.bias.grad = ref[1].bias.grad.clone()
+        for p, p_ref in zip(norm.parameters(), ref[2].parameters()):
+            p.grad = p_ref.grad.clone()
+    return nn.ModuleList([col, row, norm])
+
+
+def run_clipping(tp: int, pp: int) -> list[str]:
+    """Stage s of the pipeline holds block s of the reference; grads are set, not computed."""
+    nxd_state.destroy_model_parallel()
+    state = nxd_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+    )
+    pp_group = state.pipeline_parallel_group if pp > 1 else None
+    for norm_type in (2.0, math.inf, 1.0):
+        refs = _reference_blocks(pp)
+        stage = _parallel_block(refs[state.pipeline_parallel_rank])
+        ref_params = [p for block in refs for p in block.parameters()]
+        norm_ref = torch.nn.utils.clip_grad_norm_(ref_params, 0.1, norm_type=norm_type)
+        norm = clip_grad_norm(
+            stage.parameters(), 0.1, norm_type=norm_type, pipeline_parallel_group=pp_group
+        )
+        assert norm_ref > 0.1  # clipping happened
+        torch.testing.assert_close(norm, norm_ref, **NORM, msg=f"norm_type={norm_type}")
+        ref_block = refs[state.pipeline_parallel_rank]
+        for p, p_ref in zip(stage.parameters(), ref_block.parameters()):
+            torch.testing.assert_close(full_tensor(p, p.grad), p_ref.grad, **NORM)
+    # A single tensor, and a norm that needs no clipping: returned, gradients untouched.
+    singles = [dist.new_group([r]) for r in range(dist.get_world_size())]  # collective
+    lone = nn.Parameter(torch.zeros(3))
+    lone.grad = torch.tensor([3.0, 4.0, 0.0])
+    assert float(clip_grad_norm(lone, 100.0, tensor_parallel_group=singles[dist.get_rank()])) == 5.0
+    assert lone.grad.tolist() == [3.0, 4.0, 0.0]
+    messages = []
+    for kwargs in ({"norm_type": -1}, {"norm_type": "nan"}, {"max_norm": -1.0}):
+        try:
+            clip_grad_norm(stage.parameters(), **{"max_norm": 1.0, **kwargs})
+            messages.append("no error")
+        except ValueError as error:
+            messages.append(str(error))
+    return messages
+
+
+def run_all(world: int) -> dict[str, list[str]]:
+    """Cross entropy and clipping at TP=world; with 4 ranks also clipping at TP=2 x PP=2."""
+    nxd_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    out = {"cross_entropy": run_cross_entropy(world), "clip": run_clipping(world, 1)}
+    if world == 4:
+        out["clip_pp"] = run_clipping(2, 2)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_cross_entropy_and_clipping_match_torch(world: int) -> None:
+    """Loss and logits gradient vs F.cross_entropy (smoothing, ignored labels, mean), no
+    vocabulary gathered; norm and clipped gradients vs clip_grad_norm_ (2, inf, 1; TP, TP+PP)."""
+    out = run_distributed(run_all, world, world)[0]
+    messages = out["cross_entropy"]
+    assert (
+        "labels shape (2, 9) must equal the logits shape without the vocabulary dim"
+        in (messages[0])
+    )
+    assert "label_smoothing must be in [0, 1], got 1.5" in messages[1]
+    assert "labels must be integer ids" in messages[2]
+    for key in ("clip", "clip_pp") if world == 4 else ("clip",):
+        messages = out[key]
+        assert "norm_type must be a positive number or inf, got -1" in messages[0]
+        assert "norm_type must be a positive number or inf, got 'nan'" in messages[1]
+        assert "max_norm must be a non-negative number, got -1.0" in messages[2]

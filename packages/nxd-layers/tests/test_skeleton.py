@@ -1,9 +1,0 @@
-"""The skeleton installs, imports, and reports the version its metadata declares."""
-
-import importlib.metadata
-
-import nxd_layers
-
-
-def test_version_matches_distribution_metadata() -> None:
-    assert nxd_layers.__version__ == importlib.metadata.version("nxd-layers")
