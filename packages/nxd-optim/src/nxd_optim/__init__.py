@@ -1,7 +1,28 @@
-"""nxd-optim: not implemented yet; this package holds only its skeleton."""
+"""nxd-optim: the optimizer side of nxd's data parallelism, on CPU (gloo), CUDA and XLA.
+
+* :class:`NeuronZero1Optimizer`: ZeRO-1. Each param group is flattened into one padded buffer
+  sharded over the data-parallel group; gradients are reduce-scattered, any ``torch.optim``
+  optimizer steps the local shard (fp32 master weights for bf16 params), parameters are
+  all-gathered. Sharded and full state dicts, safetensors + JSON files.
+* :class:`NxDOptimizer`: NxD's optimizer wrapper. Without ZeRO-1 it all-reduces gradients over
+  data parallelism (bucketed, averaged); it sums sequence-parallel gradients over TP, clips with
+  ``nxd_layers.clip_grad_norm`` across TP/PP and exposes ``grad_norm``.
+* :class:`OptimizerConfig` and :func:`build_optimizer`: NxD's ``optimizer_config`` /
+  ``mixed_precision_config`` keys as a dataclass, and the factory that applies them.
+"""
 
 from importlib.metadata import version as _version
 
+from nxd_optim.config import OptimizerConfig
+from nxd_optim.wrapper import NxDOptimizer, build_optimizer
+from nxd_optim.zero1 import NeuronZero1Optimizer
+
 __version__ = _version("nxd-optim")
 
-__all__ = ["__version__"]
+__all__ = [
+    "NeuronZero1Optimizer",
+    "NxDOptimizer",
+    "OptimizerConfig",
+    "__version__",
+    "build_optimizer",
+]

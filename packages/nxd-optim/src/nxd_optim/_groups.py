@@ -1,0 +1,171 @@
+"""Which process groups an optimizer communicates on, validated before any traffic.
+
+Groups may be given as a ``ProcessGroup`` or in NxD's ``as_list`` form (every group of a family
+as lists of global ranks, e.g. ``get_data_parallel_group(as_list=True)``); ``None`` means the
+current nxd_state parallel state's group.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+import nxd_state
+from nxd_state import ParallelState
+
+__all__ = [
+    "GroupSpec",
+    "check_params_on_backend_device",
+    "current_state_or_none",
+    "resolve_group",
+    "resolve_sharding_group",
+    "shard_norm_group",
+]
+
+logger = logging.getLogger(__name__)
+
+GroupSpec = ProcessGroup | Sequence[Sequence[int]] | None
+
+# Device types each backend moves (gloo also handles CUDA tensors).
+_BACKEND_DEVICE_TYPES: dict[str, tuple[str, ...]] = {
+    "gloo": ("cpu", "cuda"),
+    "nccl": ("cuda",),
+    "xla": ("xla",),
+}
+# Groups this module created from rank lists, so repeated optimizers reuse them.
+_CREATED: dict[tuple[tuple[int, ...], ...], dict[tuple[int, ...], ProcessGroup]] = {}
+
+
+def current_state_or_none() -> ParallelState | None:
+    return nxd_state.get_parallel_state() if nxd_state.model_parallel_is_initialized() else None
+
+
+def _groups_from_lists(lists: Sequence[Sequence[int]], what: str) -> tuple[ProcessGroup, list[int]]:
+    """This rank's group out of a partition of the world given as rank lists (collective)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    groups = [tuple(int(r) for r in ranks) for ranks in lists]
+    flat = sorted(r for ranks in groups for r in ranks)
+    if flat != list(range(world)):
+        raise ValueError(
+            f"{what} {[list(g) for g in groups]} must partition the world's ranks "
+            f"0..{world - 1} (each rank in exactly one group)"
+        )
+    if len({len(g) for g in groups}) != 1:
+        raise ValueError(f"{what} {[list(g) for g in groups]} have unequal sizes")
+    mine = next(g for g in groups if rank in g)
+    state = current_state_or_none()
+    if state is not None:  # the state's own groups: reuse them instead of creating new ones
+        for group, all_lists in (
+            (state.data_parallel_group, state.layout.data_parallel_groups()),
+            (state.tensor_parallel_group, state.layout.tensor_parallel_groups()),
+            (state.pipeline_parallel_group, state.layout.pipeline_parallel_groups()),
+        ):
+            if {tuple(g) for g in all_lists} == set(groups):
+                return group, list(mine)
+    key = tuple(groups)
+    if key not in _CREATED:
+        logger.info("creating process groups %s for %s", [list(g) for g in groups], what)
+        _CREATED[key] = {g: dist.new_group(list(g)) for g in groups}  # collective, same order
+    return _CREATED[key][mine], list(mine)
+
+
+def resolve_group(spec: GroupSpec, default: ProcessGroup | None, what: str) -> ProcessGroup:
+    """A ``ProcessGroup`` for ``spec``; ``None`` gives ``default``."""
+    if spec is None:
+        if default is None:
+            raise RuntimeError(
+                f"no {what} given and no nxd_state parallel state to take it from: call "
+                f"nxd_state.initialize_model_parallel(...) or pass {what} explicitly"
+            )
+        return default
+    if isinstance(spec, ProcessGroup):
+        ranks = dist.get_process_group_ranks(spec)
+        if dist.get_rank() not in ranks:
+            raise ValueError(f"{what} {ranks} does not contain this rank ({dist.get_rank()})")
+        return spec
+    return _groups_from_lists(spec, what)[0]
+
+
+def resolve_sharding_group(spec: GroupSpec) -> tuple[ProcessGroup, list[int]]:
+    """The data-parallel group ZeRO-1 shards over, checked against the parallel layout.
+
+    Sharding is only meaningful over replicas: every rank of the group must hold the same
+    tensor- and pipeline-parallel slice of the model (same TP and PP coordinates).
+    """
+    state = current_state_or_none()
+    group = resolve_group(spec, state.data_parallel_group if state else None, "sharding_groups")
+    ranks = dist.get_process_group_ranks(group)
+    if state is not None:
+        mine = state.coordinates
+        for rank in ranks:
+            theirs = state.layout.coordinates(rank)
+            if (theirs.tp, theirs.pp) != (mine.tp, mine.pp):
+                raise ValueError(
+                    f"sharding group {ranks} does not match the data-parallel layout: rank "
+                    f"{rank} is at tp={theirs.tp}, pp={theirs.pp} but this rank "
+                    f"({state.rank}) is at tp={mine.tp}, pp={mine.pp}; ZeRO-1 shards over "
+                    f"replicas only (expected the data-parallel group "
+                    f"{state.data_parallel_ranks} or a subset of it)"
+                )
+    return group, ranks
+
+
+def shard_norm_group(sharding_ranks: Sequence[int]) -> ProcessGroup | None:
+    """The group that sums shard-local norms: sharding group x pipeline stages (same TP rank).
+
+    Grad shards are disjoint across the sharding group and across pipeline stages, so their
+    squared norms add over both; tensor parallelism is reduced separately. ``None`` when the
+    sharding group alone covers it (one pipeline stage). Collective on first use.
+    """
+    state = current_state_or_none()
+    if state is None or state.pipeline_parallel_size == 1:
+        return None
+    layout = state.layout
+    lists = []
+    for tp in range(layout.tensor_parallel_size):
+        lists.append(
+            [
+                layout.rank_of(pp=pp, dp=dp, tp=tp)
+                for pp in range(layout.pipeline_parallel_size)
+                for dp in range(layout.data_parallel_size)
+            ]
+        )
+    if sorted(sharding_ranks) != sorted(
+        layout.rank_of(pp=state.coordinates.pp, dp=dp, tp=state.coordinates.tp)
+        for dp in range(layout.data_parallel_size)
+    ):
+        raise ValueError(
+            f"with pipeline parallelism the grad norm needs the sharding group to be the whole "
+            f"data-parallel group {state.data_parallel_ranks}, got {list(sharding_ranks)}"
+        )
+    return _groups_from_lists(lists, "grad norm groups (dp x pp)")[0]
+
+
+def check_params_on_backend_device(
+    params: Iterable[torch.Tensor], group: ProcessGroup, where: str
+) -> torch.device:
+    """All params on one device that ``group``'s backend moves; returns that device."""
+    backend = str(dist.get_backend(group)).lower()
+    allowed = _BACKEND_DEVICE_TYPES.get(backend)
+    device: torch.device | None = None
+    for index, param in enumerate(params):
+        if allowed is not None and param.device.type not in allowed:
+            raise ValueError(
+                f"{where}: param {index} (shape {tuple(param.shape)}) is on {param.device}, "
+                f"but the {backend} process group moves {' or '.join(allowed)} tensors: move "
+                f"the model to the device first"
+            )
+        if device is None:
+            device = param.device
+        elif param.device != device:
+            raise ValueError(
+                f"{where}: param {index} (shape {tuple(param.shape)}) is on {param.device}, "
+                f"expected {device} like the params before it"
+            )
+    if device is None:
+        raise ValueError(f"{where}: no parameters")
+    return device

@@ -1,0 +1,202 @@
+"""ZeRO-1 state dicts: the local shard, the gathered full state, and sharded files on disk.
+
+The inner optimizer holds, per param group, state tensors shaped like the master shard
+(exp_avg, momentum_buffer …: "sharded" state) and scalars (step). The full state dict splits
+the gathered sharded state back into one tensor per model parameter, which is the form a plain
+optimizer over the model's parameters has, and what allows a change of data-parallel size.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from nxd_optim._groups import current_state_or_none
+from nxd_optim._state_io import read_state, write_state
+from nxd_state import collectives
+
+if TYPE_CHECKING:
+    from nxd_optim.zero1 import NeuronZero1Optimizer
+
+__all__ = [
+    "full_state_dict",
+    "load_full_state_dict",
+    "load_local_state_dict",
+    "load_sharded",
+    "local_state_dict",
+    "save_sharded",
+]
+
+_SCALAR_KEYS = frozenset({"step"})
+
+
+def _hyper(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def _shard_meta(opt: NeuronZero1Optimizer) -> dict[str, Any]:
+    return {
+        "sharding_size": opt.sharding_size,
+        "sharding_rank": opt.sharding_rank,
+        "shapes": [[list(shape) for shape in layout.shapes] for layout in opt._layouts],
+        "optimizer_class": opt.optimizer_class.__name__,
+    }
+
+
+def _check_meta(opt: NeuronZero1Optimizer, meta: dict[str, Any], source: str) -> None:
+    if meta["sharding_size"] != opt.sharding_size:
+        raise ValueError(
+            f"{source} was saved by a ZeRO-1 optimizer sharded over {meta['sharding_size']} "
+            f"ranks, but this one shards over {opt.sharding_size}: sharded state does not "
+            f"reshard; save full_state_dict() and load it with load_full_state_dict() to change "
+            f"the data-parallel size"
+        )
+    if meta["sharding_rank"] != opt.sharding_rank:
+        raise ValueError(
+            f"{source} holds shard {meta['sharding_rank']}, but this rank owns shard "
+            f"{opt.sharding_rank}"
+        )
+    mine = _shard_meta(opt)["shapes"]
+    if meta["shapes"] != mine:
+        raise ValueError(
+            f"{source} was saved for param shapes {meta['shapes']}, this optimizer holds {mine}"
+        )
+
+
+def local_state_dict(opt: NeuronZero1Optimizer) -> dict[str, Any]:
+    inner = opt.inner_optimizer.state_dict()
+    out: dict[str, Any] = {
+        "state": inner["state"],
+        "param_groups": [_hyper(group) for group in opt.param_groups],
+        "shard": _shard_meta(opt),
+    }
+    if opt.use_master_weights_in_ckpt:
+        out["master_weights"] = [master.detach().clone() for master in opt._masters]
+    return out
+
+
+def load_local_state_dict(opt: NeuronZero1Optimizer, state_dict: dict[str, Any]) -> None:
+    _check_meta(opt, state_dict["shard"], "the state dict")
+    groups = state_dict["param_groups"]
+    opt.inner_optimizer.load_state_dict(
+        {
+            "state": state_dict["state"],
+            "param_groups": [{**hyper, "params": [i]} for i, hyper in enumerate(groups)],
+        }
+    )
+    for group, hyper in zip(opt.param_groups, groups):
+        group.update(hyper)
+    if "master_weights" in state_dict:
+        with torch.no_grad():
+            for master, saved in zip(opt._masters, state_dict["master_weights"]):
+                master.copy_(saved)
+    else:
+        opt.refresh_masters_from_params()
+
+
+def full_state_dict(opt: NeuronZero1Optimizer) -> dict[str, Any]:
+    state: dict[int, dict[str, Any]] = {}
+    groups_out = []
+    base = 0
+    inner_state = opt.inner_optimizer.state
+    for group, layout, master in zip(opt.param_groups, opt._layouts, opt._masters):
+        shard_state = inner_state.get(master, {})
+        per_param: list[dict[str, Any]] = [{} for _ in layout.shapes]
+        for key in sorted(shard_state):  # same order on every rank: the gathers pair up
+            value = shard_state[key]
+            if isinstance(value, torch.Tensor) and value.shape == master.shape:
+                full = collectives.all_gather(value.detach(), opt.sharding_group)
+                for entry, start, numel, shape in zip(
+                    per_param, layout.offsets, layout.numels, layout.shapes
+                ):
+                    entry[key] = full[start : start + numel].view(shape).clone()
+            else:
+                for entry in per_param:
+                    entry[key] = value.clone() if isinstance(value, torch.Tensor) else value
+        for i, entry in enumerate(per_param):
+            if entry:
+                state[base + i] = entry
+        groups_out.append({**_hyper(group), "params": list(range(base, base + len(per_param)))})
+        base += len(per_param)
+    return {"state": state, "param_groups": groups_out}
+
+
+def load_full_state_dict(opt: NeuronZero1Optimizer, state_dict: dict[str, Any]) -> None:
+    groups = state_dict["param_groups"]
+    if [len(g["params"]) for g in groups] != [len(layout.shapes) for layout in opt._layouts]:
+        raise ValueError(
+            f"full state dict has param groups of sizes {[len(g['params']) for g in groups]}, "
+            f"this optimizer has {[len(layout.shapes) for layout in opt._layouts]}"
+        )
+    inner_state: dict[int, dict[str, Any]] = {}
+    for index, (saved, layout, master) in enumerate(zip(groups, opt._layouts, opt._masters)):
+        per_param = [state_dict["state"].get(i, {}) for i in saved["params"]]
+        entry: dict[str, Any] = {}
+        for key in sorted({key for states in per_param for key in states}):
+            values = [states.get(key) for states in per_param]
+            sharded = key not in _SCALAR_KEYS and all(
+                isinstance(v, torch.Tensor) and v.shape == shape
+                for v, shape in zip(values, layout.shapes)
+            )
+            if sharded:
+                flat = layout.flatten(values, values[0].dtype, master.device)
+                entry[key] = layout.shard(flat, opt.sharding_rank).clone()
+            else:  # a copy: the inner optimizer updates its state in place
+                first = values[0]
+                entry[key] = first.clone() if isinstance(first, torch.Tensor) else first
+        if entry:
+            inner_state[index] = entry
+    opt.inner_optimizer.load_state_dict(
+        {
+            "state": inner_state,
+            "param_groups": [{**_hyper(g), "params": [i]} for i, g in enumerate(groups)],
+        }
+    )
+    for group, saved in zip(opt.param_groups, groups):
+        group.update(_hyper(saved))
+    opt.refresh_masters_from_params()
+
+
+def _shard_prefix(opt: NeuronZero1Optimizer, output_dir: Path, dp: int | str) -> Path:
+    state = current_state_or_none()
+    tp = state.tensor_parallel_rank if state else 0
+    pp = state.pipeline_parallel_rank if state else 0
+    dp_part = f"{dp:02d}" if isinstance(dp, int) else dp
+    return output_dir / f"zero1_optim.tp{tp:02d}.pp{pp:02d}.dp{dp_part}"
+
+
+def save_sharded(opt: NeuronZero1Optimizer, output_dir: Path, *, save_serially: bool) -> None:
+    prefix = _shard_prefix(opt, output_dir, opt.sharding_rank)
+    state = local_state_dict(opt)
+    meta = state.pop("shard")
+    if save_serially:  # one rank of the sharding group at a time (bounded host memory)
+        for turn in range(opt.sharding_size):
+            if turn == opt.sharding_rank:
+                write_state(state, prefix, meta)
+            collectives.barrier(opt.sharding_group)
+    else:
+        write_state(state, prefix, meta)
+        collectives.barrier(opt.sharding_group)
+
+
+def load_sharded(opt: NeuronZero1Optimizer, output_dir: Path, num_workers_per_step: int) -> None:
+    if num_workers_per_step < 1:
+        raise ValueError(f"num_workers_per_step must be >= 1, got {num_workers_per_step}")
+    pattern = _shard_prefix(opt, output_dir, "*").name + ".json"
+    found = sorted(output_dir.glob(pattern))
+    if not found:
+        raise FileNotFoundError(f"no ZeRO-1 optimizer shards matching {pattern} in {output_dir}")
+    if len(found) != opt.sharding_size:
+        raise ValueError(
+            f"{output_dir} holds {len(found)} ZeRO-1 shards ({pattern}) but this optimizer shards "
+            f"over {opt.sharding_size} ranks: load_sharded_state_dict does not reshard; load a "
+            f"full state dict (load_full_state_dict) to change the data-parallel size"
+        )
+    prefix = _shard_prefix(opt, output_dir, opt.sharding_rank)
+    for start in range(0, opt.sharding_size, num_workers_per_step):
+        if start <= opt.sharding_rank < start + num_workers_per_step:
+            state, meta = read_state(prefix)
+            load_local_state_dict(opt, {**state, "shard": meta})
+        collectives.barrier(opt.sharding_group)

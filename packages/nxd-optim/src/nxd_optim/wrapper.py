@@ -1,0 +1,279 @@
+"""NxD's optimizer wrapper: data-parallel gradient sync, clipping and precision around any
+``torch.optim`` optimizer.
+
+One step, with n data-parallel ranks:
+
+    g <- Σ_TP g                    for sequence-parallel params (replicated, partial per shard)
+    g <- (1/n) Σ_DP g              bucketed all-reduce (or, with ZeRO-1, reduce-scatter)
+    g <- g · min(1, c / ‖g‖)       ‖g‖ over the whole model across TP and PP, c = max_grad_norm
+    θ32 <- inner.step(θ32, g)      fp32 master weights for bf16/fp16 params, then θ <- cast(θ32)
+
+Gradients of micro-batches accumulate locally (in fp32 with ``use_fp32_grad_acc``); nothing is
+communicated before :meth:`NxDOptimizer.step`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+import nxd_state
+from nxd_layers import clip_grad_norm, copy_tensor_model_parallel_attributes
+from nxd_optim._grad_sync import all_reduce_bucketed, is_sequence_parallel_param
+from nxd_optim._groups import check_params_on_backend_device
+from nxd_optim._mixed_precision import GradientStore, is_low_precision
+from nxd_optim._state_io import read_state, write_state
+from nxd_optim.config import OptimizerConfig
+from nxd_optim.zero1 import NeuronZero1Optimizer, as_param_groups
+from nxd_state import collectives
+
+__all__ = ["NxDOptimizer", "build_optimizer"]
+
+logger = logging.getLogger(__name__)
+
+
+class NxDOptimizer(Optimizer):
+    """θ <- step(θ, clip((1/n) Σ_DP g)): NxD's optimizer wrapper around ``optimizer_class``.
+
+    Behaves like ``optimizer_class(params, **defaults)``, plus the parallel work of one step
+    (see the module docstring).
+
+    ``param_groups``, ``state`` and ``defaults`` are the wrapped optimizer's, so LR schedulers
+    work unchanged. With ``config.zero_one_enabled`` the wrapped optimizer is a
+    :class:`NeuronZero1Optimizer` over the data-parallel group.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        optimizer_class: type[Optimizer],
+        *,
+        config: OptimizerConfig | None = None,
+        **defaults: Any,
+    ) -> None:
+        # Optimizer.__init__ is not called: the wrapped optimizer owns the groups and state.
+        self.config = config if config is not None else OptimizerConfig()
+        self.parallel_state = nxd_state.get_parallel_state()
+        groups = as_param_groups(params, "NxDOptimizer")
+        self._params = [p for group in groups for p in group["params"]]
+        check_params_on_backend_device(
+            self._params, self.parallel_state.data_parallel_group, "NxDOptimizer"
+        )
+        self._grad_norm: torch.Tensor | None = None
+        self._masters: dict[torch.Tensor, torch.Tensor] = {}
+        self.optimizer: Optimizer
+        if self.config.zero_one_enabled:
+            self.optimizer = NeuronZero1Optimizer(
+                groups,
+                optimizer_class,
+                grad_clipping=self.config.grad_clipping,
+                max_norm=self.config.max_grad_norm,
+                norm_type=self.config.norm_type,
+                sharding_groups=self.parallel_state.data_parallel_group,
+                grad_norm_groups=self.parallel_state.tensor_parallel_group,
+                use_master_weights=self.config.use_master_weights,
+                use_fp32_grad_acc=self.config.use_fp32_grad_acc,
+                use_master_weights_in_ckpt=self.config.use_master_weights_in_ckpt,
+                **defaults,
+            )
+            self._grads: GradientStore | None = None
+        else:
+            self._grads = GradientStore(
+                self._params, fp32_accumulation=self.config.use_fp32_grad_acc
+            )
+            self.optimizer = optimizer_class([self._inner_group(g) for g in groups], **defaults)
+        logger.info(
+            "NxDOptimizer(%s): zero1=%s clipping=%s max_norm=%s masters=%d fp32_grad_acc=%s",
+            optimizer_class.__name__,
+            self.config.zero_one_enabled,
+            self.config.grad_clipping,
+            self.config.max_grad_norm,
+            len(self._masters),
+            self.config.use_fp32_grad_acc,
+        )
+
+    def _inner_group(self, group: Mapping[str, Any]) -> dict[str, Any]:
+        """The group the wrapped optimizer steps: fp32 masters stand in for bf16/fp16 params."""
+        params = []
+        for param in group["params"]:
+            if self.config.use_master_weights and is_low_precision(param.dtype):
+                master = param.detach().clone().float()
+                copy_tensor_model_parallel_attributes(master, param)
+                self._masters[param] = master
+                params.append(master)
+            else:
+                params.append(param)
+        return {**group, "params": params}
+
+    # torch.optim.Optimizer surface, delegated --------------------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    @property
+    def grad_norm(self) -> torch.Tensor | None:
+        """The total gradient norm before clipping at the last step; None before the first
+        step or when clipping is off."""
+        return self._grad_norm
+
+    def __repr__(self) -> str:
+        return f"NxDOptimizer({self.optimizer!r}, config={self.config})"
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        group = as_param_groups([param_group], "NxDOptimizer.add_param_group")[0]
+        check_params_on_backend_device(
+            group["params"], self.parallel_state.data_parallel_group, "NxDOptimizer"
+        )
+        self._params.extend(group["params"])
+        if isinstance(self.optimizer, NeuronZero1Optimizer):
+            self.optimizer.add_param_group(group)
+        else:
+            assert self._grads is not None
+            self._grads.add_params(group["params"])
+            self.optimizer.add_param_group(self._inner_group(group))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if isinstance(self.optimizer, NeuronZero1Optimizer):
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+            return
+        assert self._grads is not None
+        self._grads.zero(self._params, set_to_none=set_to_none)
+        for master in self._masters.values():
+            master.grad = None
+
+    # The step ------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        state = self.parallel_state
+        zero = self.optimizer if isinstance(self.optimizer, NeuronZero1Optimizer) else None
+        # Frozen params (requires_grad=False) are left alone: no gradient, no update. ZeRO-1
+        # refuses them at construction, so both lists below are in the same order.
+        params = [p for p in self._params if p.requires_grad]
+        grads = zero.gradients() if zero is not None else self._store().grads(params)
+        sequence_parallel = [g for p, g in zip(params, grads) if is_sequence_parallel_param(p)]
+        all_reduce_bucketed(
+            sequence_parallel,
+            state.tensor_parallel_group,
+            average=False,
+            bucket_cap_bytes=self.config.bucket_cap_bytes,
+        )
+        if zero is not None:
+            zero.step()
+            self._grad_norm = zero.grad_norm
+            return loss
+        all_reduce_bucketed(
+            grads,
+            state.data_parallel_group,
+            average=True,
+            bucket_cap_bytes=self.config.bucket_cap_bytes,
+        )
+        stepped = []
+        for param, grad in zip(params, grads):
+            target = self._masters.get(param, param)
+            if target is not param or grad is not param.grad:
+                target.grad = grad.to(target.dtype)
+            stepped.append(target)
+        if self.config.grad_clipping:
+            self._grad_norm = clip_grad_norm(
+                stepped,
+                self.config.max_grad_norm,
+                self.config.norm_type,
+                tensor_parallel_group=state.tensor_parallel_group,
+                pipeline_parallel_group=state.pipeline_parallel_group,
+            )
+        self.optimizer.step()
+        for param, master in self._masters.items():
+            param.copy_(master)
+        return loss
+
+    def _store(self) -> GradientStore:
+        assert self._grads is not None
+        return self._grads
+
+    # State --------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state dict (this rank's shard with ZeRO-1); with
+        ``use_master_weights_in_ckpt`` also ``master_weights`` (in param order)."""
+        out = self.optimizer.state_dict()
+        if self._masters and self.config.use_master_weights_in_ckpt:
+            out["master_weights"] = [m.detach().clone() for m in self._masters.values()]
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if isinstance(self.optimizer, NeuronZero1Optimizer):  # it restores its own masters
+            self.optimizer.load_state_dict(state_dict)
+            return
+        state_dict = dict(state_dict)
+        masters = state_dict.pop("master_weights", None)
+        self.optimizer.load_state_dict(state_dict)
+        with torch.no_grad():
+            if masters is not None:
+                for master, saved in zip(self._masters.values(), masters, strict=True):
+                    master.copy_(saved)
+            else:  # rebuild the masters from the model's (already loaded) params
+                for param, master in self._masters.items():
+                    master.copy_(param)
+
+    def _unsharded_prefix(self, output_dir: Path) -> Path:
+        state = self.parallel_state
+        return output_dir / (
+            f"optim.tp{state.tensor_parallel_rank:02d}.pp{state.pipeline_parallel_rank:02d}"
+        )
+
+    def save_sharded_state_dict(self, output_dir: str | Path, save_serially: bool = True) -> None:
+        """ZeRO-1: every rank writes its shard. Otherwise DP rank 0 of each TP/PP coordinate
+        writes the (DP-replicated) state. safetensors + JSON either way."""
+        if isinstance(self.optimizer, NeuronZero1Optimizer):
+            self.optimizer.save_sharded_state_dict(output_dir, save_serially=save_serially)
+            return
+        if self.parallel_state.data_parallel_rank == 0:
+            write_state(self.state_dict(), self._unsharded_prefix(Path(output_dir)), {})
+        collectives.barrier(self.parallel_state.data_parallel_group)
+
+    def load_sharded_state_dict(
+        self, output_dir: str | Path, num_workers_per_step: int = 8
+    ) -> None:
+        if isinstance(self.optimizer, NeuronZero1Optimizer):
+            self.optimizer.load_sharded_state_dict(output_dir, num_workers_per_step)
+            return
+        state, _ = read_state(self._unsharded_prefix(Path(output_dir)))
+        self.load_state_dict(state)
+
+
+def build_optimizer(
+    optimizer_config: Mapping[str, Any] | OptimizerConfig | None,
+    optimizer_class: type[Optimizer],
+    parameters: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+    *,
+    mixed_precision_config: Mapping[str, Any] | None = None,
+    **defaults: Any,
+) -> NxDOptimizer:
+    """An :class:`NxDOptimizer` from NxD's ``optimizer_config`` dict (keys zero_one_enabled,
+    grad_clipping, max_grad_norm) and ``mixed_precision_config`` dict (use_master_weights,
+    use_fp32_grad_acc, use_master_weights_in_ckpt); ``defaults`` go to ``optimizer_class``."""
+    if isinstance(optimizer_config, OptimizerConfig):
+        if mixed_precision_config:
+            raise ValueError(
+                "pass mixed precision settings inside the OptimizerConfig, not as a dict as well"
+            )
+        config = optimizer_config
+    else:
+        config = OptimizerConfig.from_nxd(optimizer_config, mixed_precision_config)
+    return NxDOptimizer(parameters, optimizer_class, config=config, **defaults)

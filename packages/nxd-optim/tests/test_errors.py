@@ -1,0 +1,109 @@
+"""Bad input fails early with a message naming the offending value and what was expected."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import nxd_state
+from nxd_optim import NeuronZero1Optimizer, NxDOptimizer, OptimizerConfig, build_optimizer
+from nxd_state.testing import run_distributed
+
+
+def test_empty_param_list_and_wrong_optimizer_class() -> None:
+    with pytest.raises(ValueError, match="empty parameter list"):
+        NeuronZero1Optimizer([], torch.optim.AdamW, lr=1e-3)
+    with pytest.raises(ValueError, match="param group 0 has an empty 'params' list"):
+        NeuronZero1Optimizer([{"params": []}], torch.optim.AdamW, lr=1e-3)
+    with pytest.raises(TypeError, match=r"torch\.optim\.Optimizer subclass, got 'adamw'"):
+        NeuronZero1Optimizer([nn.Parameter(torch.zeros(2))], "adamw")  # type: ignore[arg-type]
+
+
+def test_config_rejects_unknown_keys_and_bad_values() -> None:
+    with pytest.raises(ValueError, match=r"unknown optimizer_config keys \['zero1_enabled'\]"):
+        OptimizerConfig.from_nxd({"zero1_enabled": True})
+    with pytest.raises(ValueError, match=r"unknown mixed_precision_config keys \['use_fp32'\]"):
+        OptimizerConfig.from_nxd({}, {"use_fp32": True})
+    with pytest.raises(ValueError, match=r"max_grad_norm must be a positive finite number.*-1"):
+        OptimizerConfig(max_grad_norm=-1.0)
+    with pytest.raises(ValueError, match="bucket_cap_mb must be positive, got 0"):
+        OptimizerConfig(bucket_cap_mb=0)
+    config = OptimizerConfig.from_nxd(
+        {"zero_one_enabled": True, "grad_clipping": False, "max_grad_norm": 2.0},
+        {"use_fp32_grad_acc": True},
+    )
+    assert (config.zero_one_enabled, config.grad_clipping, config.use_fp32_grad_acc) == (
+        True,
+        False,
+        True,
+    )
+
+
+def _bad_inputs() -> list[str]:
+    nxd_state.initialize_model_parallel(tensor_model_parallel_size=2)  # DP = 1, TP = 2
+    messages = []
+
+    def expect(error: type[Exception], pattern: str, make: object) -> None:
+        with pytest.raises(error, match=pattern) as info:
+            make()  # type: ignore[operator]
+        messages.append(str(info.value))
+
+    good = nn.Parameter(torch.zeros(3))
+    expect(  # sharding over TP ranks is not data parallelism
+        ValueError,
+        r"sharding group \[0, 1\] does not match the data-parallel layout",
+        lambda: NeuronZero1Optimizer([good], torch.optim.SGD, lr=0.1, sharding_groups=[[0, 1]]),
+    )
+    expect(
+        ValueError,
+        r"must partition the world's ranks 0..1",
+        lambda: NeuronZero1Optimizer([good], torch.optim.SGD, lr=0.1, sharding_groups=[[0]]),
+    )
+    expect(
+        ValueError,
+        r"param 1 \(shape \(2,\)\) is on meta, but the gloo process group moves cpu or cuda",
+        lambda: NeuronZero1Optimizer(
+            [good, nn.Parameter(torch.zeros(2, device="meta"))], torch.optim.SGD, lr=0.1
+        ),
+    )
+    expect(
+        ValueError,
+        r"holds params of dtypes \['torch.bfloat16', 'torch.float32'\]",
+        lambda: NeuronZero1Optimizer(
+            [good, nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))], torch.optim.SGD, lr=0.1
+        ),
+    )
+    expect(
+        ValueError,
+        r"param 0 \(shape \(4,\)\) does not require grad",
+        lambda: NeuronZero1Optimizer(
+            [nn.Parameter(torch.zeros(4), requires_grad=False)], torch.optim.SGD, lr=0.1
+        ),
+    )
+    expect(
+        ValueError,
+        "NxDOptimizer got an empty parameter list",
+        lambda: NxDOptimizer([], torch.optim.SGD),
+    )
+    expect(
+        ValueError,
+        r"NxDOptimizer: param 0 \(shape \(2,\)\) is on meta",
+        lambda: build_optimizer(
+            None, torch.optim.SGD, [nn.Parameter(torch.zeros(2, device="meta"))], lr=0.1
+        ),
+    )
+    opt = NeuronZero1Optimizer([good], torch.optim.SGD, lr=0.1)
+    state = opt.state_dict()
+    state["shard"] = {**state["shard"], "sharding_size": 4}
+    expect(
+        ValueError,
+        "sharded over 4 ranks, but this one shards over 1",
+        lambda: opt.load_state_dict(state),
+    )
+    return messages
+
+
+def test_bad_distributed_input_fails_early_with_clear_errors() -> None:
+    results = run_distributed(_bad_inputs, 2)
+    assert len(results[0]) == 8
