@@ -55,8 +55,14 @@ def get_grad_norm(
     *,
     tensor_parallel_group: ProcessGroup | None = None,
     pipeline_parallel_group: ProcessGroup | None = None,
+    data_parallel_group: ProcessGroup | None = None,
 ) -> torch.Tensor:
-    """||g||_p over the full (unsharded) model, as a float32 scalar on the gradients' device."""
+    """||g||_p over the full (unsharded) model, as a float32 scalar on the gradients' device.
+
+    ``data_parallel_group`` is for gradients sharded over data-parallel ranks (ZeRO-1: each
+    rank holds a disjoint slice), summed over like pipeline stages; plain DP replicas hold
+    the same gradients and must not pass it.
+    """
     p = _parse_norm_type(norm_type)
     params = [param for param in _as_list(parameters) if param.grad is not None]
     tp_group = _default_tp_group(tensor_parallel_group)
@@ -80,8 +86,9 @@ def get_grad_norm(
     op = ReduceOp.MAX if p == math.inf else ReduceOp.SUM
     if tp_group is not None:
         collectives.all_reduce(total, group=tp_group, op=op)
-    if pipeline_parallel_group is not None:
-        collectives.all_reduce(total, group=pipeline_parallel_group, op=op)
+    for group in (pipeline_parallel_group, data_parallel_group):
+        if group is not None:
+            collectives.all_reduce(total, group=group, op=op)
     return total if p == math.inf else total.pow(1.0 / p)
 
 
@@ -92,12 +99,14 @@ def clip_grad_norm(
     *,
     tensor_parallel_group: ProcessGroup | None = None,
     pipeline_parallel_group: ProcessGroup | None = None,
+    data_parallel_group: ProcessGroup | None = None,
 ) -> torch.Tensor:
     """g <- g * min(1, max_norm / (||g||_p + 1e-6)); returns ||g||_p before clipping.
 
     The norm is that of the full model (see :func:`get_grad_norm`), so every TP/PP rank
     scales by the same factor. ``tensor_parallel_group`` defaults to the current state's TP
-    group; the PP group is reduced over only when given.
+    group; the PP group, and the DP group of ZeRO-1-sharded gradients, are reduced over only
+    when given.
     """
     if float(max_norm) < 0 or math.isnan(float(max_norm)):
         raise ValueError(f"max_norm must be a non-negative number, got {max_norm!r}")
@@ -107,6 +116,7 @@ def clip_grad_norm(
         norm_type,
         tensor_parallel_group=tensor_parallel_group,
         pipeline_parallel_group=pipeline_parallel_group,
+        data_parallel_group=data_parallel_group,
     )
     # No host sync (XLA-friendly): scale by min(1, coef) whether or not clipping is needed.
     clip_coef = torch.clamp(float(max_norm) / (total_norm + _CLIP_EPS), max=1.0)

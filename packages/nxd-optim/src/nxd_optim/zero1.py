@@ -260,8 +260,8 @@ class NeuronZero1Optimizer(Optimizer):
 
         Each piece stands for the slice of one parameter held here, carrying that parameter's
         tensor-parallel attributes (so TP-replicated slices count once). Pieces are disjoint
-        across the sharding group and pipeline stages, so their norms are reduced over that
-        group (passed as the "pipeline" group: the extra group to reduce the norm over).
+        across the sharding group and pipeline stages, so their norms are summed over the
+        sharding group (or the DP x PP group joining it with the stages, one collective).
         """
         pieces = []
         for group, layout, master in zip(self.param_groups, self._layouts, self._masters):
@@ -282,7 +282,7 @@ class NeuronZero1Optimizer(Optimizer):
             self.max_norm,
             self.norm_type,
             tensor_parallel_group=self.grad_norm_group,
-            pipeline_parallel_group=self._norm_reduce_group,
+            data_parallel_group=self._norm_reduce_group,
         )
 
     def _all_gather_params(self) -> None:
