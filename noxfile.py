@@ -94,7 +94,8 @@ def integration(session: nox.Session) -> None:
 
 @nox.session(tags=["ci"])
 def lint(session: nox.Session) -> None:
-    session.install("ruff")
+    """ruff at the locked version (the root `dev` group), so local and CI agree."""
+    _sync(session, "--only-group", "dev")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
 

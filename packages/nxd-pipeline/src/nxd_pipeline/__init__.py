@@ -1,7 +1,52 @@
-"""nxd-pipeline: not implemented yet; this package holds only its skeleton."""
+"""nxd-pipeline: pipeline parallelism with NeuronX Distributed's ``NxDPPModel``.
+
+Graph capture (torch.fx, or torch.export for Hugging Face models), partitioning at layer names
+with original parameter names, schedules as data (GPipe, 1F1B, interleaved 1F1B, ZB-H1) that
+are validated and dry-run without processes, and a runtime whose point-to-point transfers go
+through :mod:`nxd_state.collectives`.
+"""
 
 from importlib.metadata import version as _version
 
+from nxd_pipeline._actions import Action, ActionKind
+from nxd_pipeline._backward import backward_full, backward_input, backward_weight
+from nxd_pipeline._model import NxDPPModel
+from nxd_pipeline._partition import PartitionPlan, auto_pipeline_cuts, partition_graph
+from nxd_pipeline._schedules import (
+    SCHEDULE_NAMES,
+    PipelineSchedule,
+    build_schedule,
+    stage_to_rank,
+)
+from nxd_pipeline._timeline import ActionTiming, Timeline
+from nxd_pipeline._trace import CapturedGraph, PipelineTraceError, capture_graph
+from nxd_pipeline._validate import DryRun, ScheduleError, dry_run, format_grid, validate_schedule
+
 __version__ = _version("nxd-pipeline")
 
-__all__ = ["__version__"]
+__all__ = [
+    "SCHEDULE_NAMES",
+    "Action",
+    "ActionKind",
+    "ActionTiming",
+    "CapturedGraph",
+    "DryRun",
+    "NxDPPModel",
+    "PartitionPlan",
+    "PipelineSchedule",
+    "PipelineTraceError",
+    "ScheduleError",
+    "Timeline",
+    "__version__",
+    "auto_pipeline_cuts",
+    "backward_full",
+    "backward_input",
+    "backward_weight",
+    "build_schedule",
+    "capture_graph",
+    "dry_run",
+    "format_grid",
+    "partition_graph",
+    "stage_to_rank",
+    "validate_schedule",
+]

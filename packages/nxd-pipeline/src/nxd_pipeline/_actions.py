@@ -1,0 +1,73 @@
+"""Pipeline actions: one unit of work of one stage on one microbatch, printable and parseable.
+
+An action reads ``{stage}{kind}{microbatch}``: ``1F0`` is stage 1's forward of microbatch 0,
+``2B3`` its full backward, ``2I3`` / ``2W3`` the input-gradient and weight-gradient halves of a
+split (zero-bubble) backward, and ``0SEND_F1`` / ``1RECV_F1`` the transfer of microbatch 1's
+activations from stage 0 to stage 1 (``SEND_B`` / ``RECV_B`` carry gradients back).
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass
+
+__all__ = ["Action", "ActionKind"]
+
+
+class ActionKind(enum.Enum):
+    """What an action does; the value is its spelling in ``str(action)``."""
+
+    FORWARD = "F"
+    BACKWARD = "B"
+    BACKWARD_INPUT = "I"
+    BACKWARD_WEIGHT = "W"
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+
+    @property
+    def is_compute(self) -> bool:
+        return self in _COMPUTE
+
+    @property
+    def is_comm(self) -> bool:
+        return not self.is_compute
+
+
+_COMPUTE = {
+    ActionKind.FORWARD,
+    ActionKind.BACKWARD,
+    ActionKind.BACKWARD_INPUT,
+    ActionKind.BACKWARD_WEIGHT,
+}
+# Longest spellings first, so "SEND_F" is not read as something shorter.
+_KINDS = sorted((kind.value for kind in ActionKind), key=len, reverse=True)
+_PATTERN = re.compile(rf"^(\d+)({'|'.join(_KINDS)})(\d+)$")
+
+
+@dataclass(frozen=True)
+class Action:
+    """``kind`` of ``stage`` (global stage index) on ``microbatch``."""
+
+    stage: int
+    kind: ActionKind
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind.value}{self.microbatch}"
+
+    def __repr__(self) -> str:
+        return f"Action({self})"
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        """The inverse of ``str``: ``Action.parse("1F0") == Action(1, FORWARD, 0)``."""
+        match = _PATTERN.match(text.strip())
+        if match is None:
+            raise ValueError(
+                f"cannot parse action {text!r}: expected <stage><kind><microbatch> with kind one "
+                f"of {[kind.value for kind in ActionKind]}, e.g. '1F0' or '0SEND_F2'"
+            )
+        return cls(int(match.group(1)), ActionKind(match.group(2)), int(match.group(3)))

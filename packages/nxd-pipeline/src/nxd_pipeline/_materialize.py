@@ -1,0 +1,77 @@
+"""Materialise only this rank's parameters of a model built on the meta device.
+
+Every parameter the local stages use that still lives on ``meta`` is replaced, in the model
+itself, by an uninitialised tensor on ``device`` (one per parameter, so weights tied inside the
+rank stay tied; attributes such as ``tensor_model_parallel`` are kept). ``param_init_fn`` is
+then called on each module owning such a parameter (or a meta buffer the stages read), as NxD
+does: it initialises that module's own parameters and must set its meta buffers (rotary
+tables...); a buffer still on ``meta`` afterwards is an error. The rest of the model stays on
+``meta``: the rank never holds it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+__all__ = ["materialize_local_parameters"]
+
+logger = logging.getLogger(__name__)
+
+
+def materialize_local_parameters(
+    model: nn.Module,
+    stage_parameters: list[dict[str, nn.Parameter]],
+    device: torch.device,
+    param_init_fn: Callable[[nn.Module], None] | None,
+    stage_buffers: list[dict[str, torch.Tensor]] | None = None,
+) -> None:
+    """Materialise and initialise the meta parameters (and meta buffers) of the local stages."""
+    wanted = {id(p) for params in stage_parameters for p in params.values()}
+    meta = {id(p) for params in stage_parameters for p in params.values() if p.is_meta}
+    meta_buffers = {
+        name for buffers in stage_buffers or [] for name, b in buffers.items() if b.is_meta
+    }
+    if not meta and not meta_buffers:
+        return
+    if param_init_fn is None:
+        raise ValueError(
+            f"{len(meta)} local parameters and {len(meta_buffers)} buffers are on the meta "
+            f"device: pass param_init_fn "
+            f"(called on each module to initialise its own parameters)"
+        )
+    replaced: dict[int, nn.Parameter] = {}
+    owners: list[nn.Module] = []
+    for _, module in model.named_modules():
+        owns = False
+        for name, param in list(module._parameters.items()):
+            if param is None or id(param) not in wanted or not param.is_meta:
+                continue
+            if id(param) not in replaced:
+                new = nn.Parameter(
+                    torch.empty(param.shape, dtype=param.dtype, device=device),
+                    requires_grad=param.requires_grad,
+                )
+                new.__dict__.update(param.__dict__)  # sharding attributes set by nxd layers
+                replaced[id(param)] = new
+            module._parameters[name] = replaced[id(param)]
+            owns = True
+        if owns:
+            owners.append(module)
+    for name in sorted(meta_buffers):
+        owner = model.get_submodule(name.rpartition(".")[0])
+        if all(owner is not known for known in owners):
+            owners.append(owner)
+    with torch.no_grad():
+        for module in owners:
+            param_init_fn(module)
+    still_meta = [name for name in sorted(meta_buffers) if model.get_buffer(name).is_meta]
+    if still_meta:
+        raise ValueError(
+            f"buffers {still_meta} are still on the meta device after param_init_fn: "
+            f"param_init_fn must also set the buffers of the modules it is given"
+        )
+    logger.info("materialised %d local parameters on %s", len(replaced), device)

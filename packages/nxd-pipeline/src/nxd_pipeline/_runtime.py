@@ -1,0 +1,243 @@
+"""Execute one rank's action list: forwards, backwards, transfers, losses, timeline."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed import ProcessGroup
+
+from nxd_pipeline._actions import Action, ActionKind
+from nxd_pipeline._backward import (
+    WeightGradState,
+    backward_full,
+    backward_input,
+    backward_weight,
+)
+from nxd_pipeline._p2p import AsyncSenders, TensorMeta, Transfer, exchange, exchange_async
+from nxd_pipeline._partition import StageModule
+from nxd_pipeline._schedules import PipelineSchedule, stage_to_rank
+from nxd_pipeline._timeline import ActionTiming, Timeline
+
+__all__ = ["StepRunner"]
+
+_SWITCH_INTERVAL_S = 1e-4
+
+logger = logging.getLogger(__name__)
+F, B, BI, W = (
+    ActionKind.FORWARD,
+    ActionKind.BACKWARD,
+    ActionKind.BACKWARD_INPUT,
+    ActionKind.BACKWARD_WEIGHT,
+)
+
+
+@dataclass
+class _Context:
+    """What a forward leaves for its backward."""
+
+    inputs: list[torch.Tensor] = field(default_factory=list)
+    roots: list[torch.Tensor] = field(default_factory=list)
+    weight_state: WeightGradState | None = None
+
+
+@dataclass(kw_only=True)
+class StepRunner:
+    """Runs a schedule's actions for this pipeline rank over its local stage modules."""
+
+    schedule: PipelineSchedule
+    """The schedule (all ranks' lists; this runner executes ``actions[pipeline_rank]``)."""
+    pipeline_rank: int
+    """This rank's index in the pipeline group."""
+    pipeline_ranks: list[int]
+    """Global rank of every pipeline index (the p2p peers)."""
+    group: ProcessGroup | None
+    """The pipeline parallel group."""
+    stages: dict[int, StageModule]
+    """Local stage index -> module."""
+    select_loss: Callable[[Any], torch.Tensor]
+    """Picks the loss out of the last stage's output."""
+    device: torch.device
+    """Where received tensors are allocated."""
+    async_sends: bool = False
+    """Send from per-peer threads (gloo) instead of synchronous batches."""
+    header_cache: dict[Hashable, list[TensorMeta]] = field(default_factory=dict)
+    senders: AsyncSenders | None = None
+
+    def run(
+        self, microbatches: list[dict[str, Any]], *, train: bool, signature: Hashable
+    ) -> tuple[list[torch.Tensor], Timeline]:
+        """Run the step; returns the per-microbatch losses (last stage only) and the timeline."""
+        if not self.async_sends:
+            return self._run(microbatches, train=train, signature=signature)
+        # Sender threads need the GIL to post a send; Python's default 5 ms switch interval
+        # would delay each transfer by up to that much while the main thread computes.
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(_SWITCH_INTERVAL_S)
+        try:
+            return self._run(microbatches, train=train, signature=signature)
+        finally:
+            sys.setswitchinterval(interval)
+
+    def _run(
+        self, microbatches: list[dict[str, Any]], *, train: bool, signature: Hashable
+    ) -> tuple[list[torch.Tensor], Timeline]:
+        p, n_stages = self.schedule.num_ranks, self.schedule.num_stages
+        m = len(microbatches)
+        actions = self.schedule.actions[self.pipeline_rank]
+        if not train:  # forwards only, with their transfers
+            actions = [a for a in actions if a.kind in (F, ActionKind.SEND_F, ActionKind.RECV_F)]
+        inbox: dict[tuple[str, int, int], list[torch.Tensor]] = {}
+        outbox: dict[tuple[str, int, int], list[torch.Tensor]] = {}
+        contexts: dict[tuple[int, int], _Context] = {}
+        losses: dict[int, torch.Tensor] = {}
+        timeline = Timeline(start=time.perf_counter())
+        i = 0
+        while i < len(actions):
+            action = actions[i]
+            start = time.perf_counter()
+            if action.kind.is_comm:
+                batch = [action]
+                while i + 1 < len(actions) and actions[i + 1].kind.is_comm:
+                    i += 1
+                    batch.append(actions[i])
+                self._communicate(batch, inbox, outbox, contexts, signature, train)
+                label = ",".join(str(a) for a in batch)
+            else:
+                grad_ctx = torch.enable_grad() if train else torch.no_grad()
+                with grad_ctx:
+                    self._compute(action, microbatches, inbox, outbox, contexts, losses, m)
+                label = str(action)
+                nxt = action.stage + 1 if action.kind is F else action.stage - 1
+                if (
+                    action.kind in (F, B, BI)
+                    and 0 <= nxt < n_stages
+                    and stage_to_rank(nxt, p) == self.pipeline_rank
+                ):
+                    self._hand_over_locally(action, outbox, inbox)
+            timeline.entries.append(
+                ActionTiming(label, action.kind.is_compute, start, time.perf_counter())
+            )
+            i += 1
+        if self.senders is not None:
+            self.senders.drain()  # sent buffers stay alive until the peer has them
+        timeline.end = time.perf_counter()
+        if contexts and train:
+            raise RuntimeError(f"schedule left backwards undone for {sorted(contexts)}")
+        return [losses[mb] for mb in sorted(losses)], timeline
+
+    def _hand_over_locally(self, action: Action, outbox: dict, inbox: dict) -> None:
+        """Consecutive stages on this rank (p = 1): the output becomes the next input."""
+        direction = "F" if action.kind is F else "B"
+        tensors = outbox.pop((direction, action.stage, action.microbatch))
+        target = action.stage + 1 if direction == "F" else action.stage - 1
+        if direction == "F":
+            tensors = [t.detach().requires_grad_(t.requires_grad) for t in tensors]
+        inbox[(direction, target, action.microbatch)] = tensors
+
+    def _compute(
+        self,
+        action: Action,
+        microbatches: list[dict[str, Any]],
+        inbox: dict,
+        outbox: dict,
+        contexts: dict[tuple[int, int], _Context],
+        losses: dict[int, torch.Tensor],
+        m: int,
+    ) -> None:
+        s, mb = action.stage, action.microbatch
+        stage = self.stages[s]
+        last = s == self.schedule.num_stages - 1
+        if action.kind is F:
+            received = inbox.pop(("F", s, mb), []) if s > 0 else []
+            args = [*received, *(microbatches[mb][name] for name in stage.input_names)]
+            output = stage(*args)
+            if last:
+                loss = self.select_loss(output)
+                losses[mb] = loss.detach()
+                roots = [loss / m] if loss.requires_grad else []
+            else:
+                for value in output:
+                    if not isinstance(value, torch.Tensor):
+                        raise TypeError(
+                            f"stage {s} would send a {type(value).__name__} to stage {s + 1}; "
+                            f"only tensors can cross a pipeline cut: move the cut"
+                        )
+                outbox[("F", s, mb)] = list(output)
+                roots = [t for t in output if t.requires_grad]
+            if torch.is_grad_enabled():
+                contexts[(s, mb)] = _Context(
+                    inputs=[t for t in received if t.requires_grad], roots=roots
+                )
+            return
+        if action.kind is W:
+            context = contexts.pop((s, mb))
+            assert context.weight_state is not None
+            backward_weight(context.weight_state)
+            return
+        context = contexts[(s, mb)] if action.kind is BI else contexts.pop((s, mb))
+        grads: list[torch.Tensor | None] = (
+            [None] * len(context.roots) if last else list(inbox.pop(("B", s, mb)))
+        )
+        if action.kind is B:
+            input_grads = backward_full(context.roots, grads, context.inputs)
+        else:
+            params = list(stage.parameters())
+            input_grads, context.weight_state = backward_input(
+                context.roots, grads, context.inputs, params
+            )
+            context.roots = []
+        if s > 0:
+            outbox[("B", s, mb)] = [
+                g if g is not None else torch.zeros_like(x)
+                for g, x in zip(input_grads, context.inputs)
+            ]
+        context.inputs = []
+
+    def _communicate(
+        self,
+        batch: list[Action],
+        inbox: dict,
+        outbox: dict,
+        contexts: dict[tuple[int, int], _Context],
+        signature: Hashable,
+        train: bool,
+    ) -> None:
+        p = self.schedule.num_ranks
+        transfers: list[tuple[Action, Transfer]] = []
+        for action in batch:
+            s, mb, kind = action.stage, action.microbatch, action.kind
+            if kind is ActionKind.SEND_F:
+                peer, tensors = s + 1, outbox.pop(("F", s, mb))
+                transfer = Transfer(True, 0, ("F", s, signature, train), tensors=tensors)
+            elif kind is ActionKind.RECV_F:
+                peer = s - 1
+                transfer = Transfer(False, 0, ("F", s - 1, signature, train))
+            elif kind is ActionKind.SEND_B:
+                peer, tensors = s - 1, outbox.pop(("B", s, mb))
+                metas = [TensorMeta(tuple(t.shape), t.dtype, False) for t in tensors]
+                transfer = Transfer(True, 0, ("B", s), tensors=tensors, metas=metas)
+            else:  # RECV_B: gradients of this stage's own outputs
+                peer = s + 1
+                metas = [
+                    TensorMeta(tuple(t.shape), t.dtype, False) for t in contexts[(s, mb)].roots
+                ]
+                transfer = Transfer(False, 0, ("B", s), metas=metas)
+            transfer.peer = self.pipeline_ranks[stage_to_rank(peer, p)]
+            transfers.append((action, transfer))
+        if self.async_sends:
+            if self.senders is None:
+                self.senders = AsyncSenders(self.group)
+            exchange_async([t for _, t in transfers], self.header_cache, self.device, self.senders)
+        else:
+            exchange([t for _, t in transfers], self.header_cache, self.device, self.group)
+        for action, transfer in transfers:
+            if action.kind is ActionKind.RECV_F:
+                inbox[("F", action.stage, action.microbatch)] = transfer.tensors
+            elif action.kind is ActionKind.RECV_B:
+                inbox[("B", action.stage, action.microbatch)] = transfer.tensors

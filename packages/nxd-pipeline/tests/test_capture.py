@@ -1,0 +1,164 @@
+"""Graph capture and partitioning in one process: stages chained by hand equal the model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from nxd_pipeline import PipelineTraceError, auto_pipeline_cuts, capture_graph, partition_graph
+from nxd_pipeline._partition import build_stage_module
+from nxd_pipeline.testing import Block, TinyGPT
+
+# fp32 and the same ops in the same order: chaining the stages by hand reproduces the model's
+# loss and gradients up to round-off in how autograd sums a gradient's contributions.
+TOL = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def _chain(plan, root: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Run every stage in order, feeding each the previous stage's outputs."""
+    received: tuple = ()
+    output = None
+    for stage in range(plan.num_stages):
+        module = build_stage_module(plan, root, stage)
+        output = module(*received, *(inputs[n] for n in module.input_names))
+        received = tuple(output) if stage < plan.num_stages - 1 else ()
+    return output
+
+
+def test_fx_partition_of_gpt_keeps_names_and_equals_the_model() -> None:
+    torch.manual_seed(0)
+    reference = TinyGPT(layers=4)
+    model = copy.deepcopy(reference)
+    ids = torch.randint(0, 64, (2, 8))
+    captured = capture_graph(model, leaf_module_cls=(Block,))
+    assert captured.input_names == ["input_ids", "labels"]
+    assert [n.target for n in captured.graph_module.graph.nodes if n.op == "call_module"][2:6] == [
+        "h.0",
+        "h.1",
+        "h.2",
+        "h.3",
+    ]  # transformer layers stay whole (leaves)
+    plan = partition_graph(captured, model, ["h.0", "h.2"], num_stages=3)
+    names = [sorted(params) for params in plan.stage_parameters]
+    assert names[0][:2] == ["h.0.fc.bias", "h.0.fc.weight"]
+    assert "wte.weight" in names[0]
+    assert "lm_head.weight" in names[2]
+    assert not any(n.startswith("h.0.") for n in names[2])
+    assert {n for stage in names for n in stage} == {n for n, _ in model.named_parameters()}
+    assert plan.stage_parameters[1]["h.1.q_proj.weight"] is model.h[1].q_proj.weight
+    assert all(len(values) == 1 for values in plan.crossing)  # only the hidden states cross
+    loss = _chain(plan, model, {"input_ids": ids, "labels": ids})
+    expected = reference(ids, ids)
+    torch.testing.assert_close(loss, expected, **TOL)
+    loss.backward()
+    expected.backward()
+    for (name, param), (_, ref) in zip(model.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(param.grad, ref.grad, **TOL, msg=name)
+
+
+def test_hf_llama_is_captured_with_export_and_partitioned_at_decoder_layers() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=16,
+    )
+    torch.manual_seed(0)
+    reference = LlamaForCausalLM(config)
+    model = copy.deepcopy(reference)
+    captured = capture_graph(model, tracer_cls="hf", input_names=["input_ids", "labels"])
+    assert captured.route == "export"
+    plan = partition_graph(captured, model, ["model.layers.0"], num_stages=2)
+    assert "model.layers.0.mlp.up_proj.weight" in plan.stage_parameters[0]
+    assert "model.layers.1.mlp.up_proj.weight" in plan.stage_parameters[1]
+    assert "model.embed_tokens.weight" in plan.stage_parameters[0]
+    # Masks and rotary tables come from the inputs alone: recomputed, not sent.
+    assert len(plan.crossing[0]) == 1
+    ids = torch.randint(0, 64, (3, 5))  # batch and sequence differ from the capture's
+    flat = _chain(plan, model, {"input_ids": ids, "labels": ids, "use_cache": False})
+    loss = torch.utils._pytree.tree_unflatten(list(flat), captured.output_spec).loss
+    expected = reference(input_ids=ids, labels=ids, use_cache=False).loss
+    torch.testing.assert_close(loss, expected, **TOL)
+
+
+def test_auto_partition_balances_parameters_not_layer_count() -> None:
+    # A large tied embedding sits in stage 0: balancing parameter count cuts after h.0, where
+    # an even layer split would cut after h.1.
+    model = TinyGPT(vocab=2048, layers=4, tie_embeddings=True)
+    captured = capture_graph(model, leaf_module_cls=(Block,))
+    layers = [f"h.{i}" for i in range(4)]
+    assert auto_pipeline_cuts(captured, model, layers, 2) == ["h.0"]
+    assert auto_pipeline_cuts(captured, TinyGPT(layers=4), layers, 2) == ["h.1"]
+    assert auto_pipeline_cuts(captured, model, layers, 4) == ["h.0", "h.1", "h.2"]
+    with pytest.raises(ValueError, match=r"at least 5 transformer layers.*for 6 stages"):
+        auto_pipeline_cuts(captured, model, layers, 6)
+
+
+def test_bad_cuts_fail_with_the_offending_names() -> None:
+    model = TinyGPT(layers=4)
+    captured = capture_graph(model, leaf_module_cls=(Block,))
+    with pytest.raises(ValueError, match=r"pipeline cut 'h.9' names no module executed"):
+        partition_graph(captured, model, ["h.9"], 2)
+    with pytest.raises(ValueError, match=r"has 1 names \['h.1'\], but 3 stages need 2 cuts"):
+        partition_graph(captured, model, ["h.1"], 3)
+    with pytest.raises(ValueError, match=r"\['h.2', 'h.0'\] are not in execution order"):
+        partition_graph(captured, model, ["h.2", "h.0"], 3)
+
+
+class _Gate(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:  # data-dependent: torch.fx cannot trace through this
+            return self.linear(x)
+        return x
+
+
+def flip_if_negative(x: torch.Tensor) -> torch.Tensor:
+    return x if x.sum() > 0 else -x
+
+
+class _Net(nn.Module):
+    def __init__(self, use_function: bool) -> None:
+        super().__init__()
+        self.first = nn.Linear(8, 8)
+        self.gate = _Gate()
+        self.use_function = use_function
+
+    def forward(self, x: torch.Tensor, scale: float = 2.0) -> torch.Tensor:
+        x = self.first(x) * scale
+        return flip_if_negative(x) if self.use_function else self.gate(x)
+
+
+def test_trace_errors_name_the_module_and_the_fix() -> None:
+    with pytest.raises(PipelineTraceError) as info:
+        capture_graph(_Net(use_function=False))
+    message = str(info.value)
+    assert "module 'gate' (_Gate)" in message
+    assert "leaf_module_cls=[_Gate]" in message
+    assert "if x.sum() > 0" in message
+    captured = capture_graph(_Net(use_function=False), leaf_module_cls=(_Gate,))
+    assert "gate" in [n.target for n in captured.graph_module.graph.nodes]
+    with pytest.raises(PipelineTraceError, match="autowrap_functions"):
+        capture_graph(_Net(use_function=True))
+    wrapped = capture_graph(_Net(use_function=True), autowrap_functions=(flip_if_negative,))
+    assert flip_if_negative in [n.target for n in wrapped.graph_module.graph.nodes]
+
+
+def test_input_names_select_the_traced_inputs() -> None:
+    captured = capture_graph(_Net(use_function=False), input_names=["x"], leaf_module_cls=(_Gate,))
+    assert captured.input_names == ["x"]  # scale fixed to its default
+    with pytest.raises(ValueError, match=r"input_names \['y'\] are not parameters of _Net"):
+        capture_graph(_Net(use_function=False), input_names=["y"])
+    with pytest.raises(ValueError, match=r"tracer_cls must be 'torch', 'hf', None"):
+        capture_graph(_Net(use_function=False), tracer_cls="jit")
