@@ -10,12 +10,19 @@ For stage outputs ``Y = f(X; θ)`` and incoming ``dL/dY``:
   without redoing the X-path. A parameter used several times in the stage (tied inside one
   stage) gets its gradient in I instead, where one pass sums every use exactly once.
 
+The first stage has no X (its inputs are token ids). There the "X-path" is every node from
+which two or more parameters are reachable (the activation path through the layers), and a
+parameter's branch is what only it depends on (``x^T dY`` of its linear layer, the embedding
+lookup's scatter): I runs the activation backward through the whole stage, as on any other
+stage, and W the parameter tails, so I and W cost about half of B each instead of 0 and B.
+
 Zero-bubble scheduling (ZB-H1) runs W in what would otherwise be pipeline bubbles.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +54,31 @@ def _accumulate(param: torch.Tensor, grad: torch.Tensor | None) -> None:
         param.grad.add_(grad)
 
 
+def _accumulate_results(
+    params: list[torch.Tensor],
+    results: Sequence[torch.Tensor | None],
+    seeds: list[torch.Tensor],
+) -> None:
+    """:func:`_accumulate` each result; a first gradient becomes ``.grad`` without a copy when
+    autograd made it fresh (dense, sharing memory with no seed and no other result), as
+    ``AccumulateGrad`` does in a plain backward."""
+    owners = Counter(t.untyped_storage().data_ptr() for t in [*seeds, *results] if t is not None)
+    for param, grad in zip(params, results):
+        if (
+            grad is not None
+            and param.grad is None
+            and grad._base is None
+            and grad.numel() > 0
+            and grad.is_contiguous()
+            and param.is_contiguous()
+            and grad.dtype == param.dtype
+            and owners[grad.untyped_storage().data_ptr()] == 1
+        ):
+            param.grad = grad.detach()
+        else:
+            _accumulate(param, grad)
+
+
 def backward_full(
     roots: list[torch.Tensor], grads: list[torch.Tensor | None], inputs: list[torch.Tensor]
 ) -> list[torch.Tensor | None]:
@@ -65,8 +97,6 @@ class WeightGradState:
     )
     """(parameters, [(branch node, gradient flowing into it), ...]): parameters sharing the same
     branch nodes (a linear layer's weight and bias) are differentiated together."""
-    direct: tuple[list[torch.Tensor], list[Any], list[torch.Tensor]] | None = None
-    """(roots, grads, params) to differentiate in full in W (the stage has no input gradient)."""
 
 
 def backward_input(
@@ -81,32 +111,28 @@ def backward_input(
     state = WeightGradState()
     if not roots:
         return [None for _ in inputs], state
-    if not inputs:  # first stage: nothing to hurry for, all of it is weight gradient
-        state.direct = (roots, grads, params)
-        return [], state
-    # Autograd graph from the roots: parents (towards the outputs) of every node.
+    # Autograd graph from the roots: parents (towards the outputs) of every node, and the
+    # input slots of each node that receive a gradient.
     parents: dict[Node, list[Node]] = {}
+    slots: dict[Node, set[int]] = {}
     queue = deque({_grad_node(r) for r in roots})
     seen = set(queue)
     while queue:
         node = queue.popleft()
-        for child, _ in node.next_functions:
+        for child, slot in node.next_functions:
             if child is None:
                 continue
             parents.setdefault(child, []).append(node)
+            slots.setdefault(child, set()).add(slot)
             if child not in seen:
                 seen.add(child)
                 queue.append(child)
-    # The X-path: nodes from which some input's gradient is reachable.
-    x_path: set[Node] = set()
-    queue = deque(_grad_node(x) for x in inputs)
-    while queue:
-        node = queue.popleft()
-        for parent in parents.get(node, []):
-            if parent not in x_path:
-                x_path.add(parent)
-                queue.append(parent)
     param_nodes = {id(p): _grad_node(p) for p in params}
+    x_path = (
+        _ancestors_of_any([_grad_node(x) for x in inputs], parents)
+        if inputs
+        else _ancestors_of_two([param_nodes[id(p)] for p in params], parents, seen)
+    )
     in_i_pass: list[torch.Tensor] = []
     per_param: list[tuple[torch.Tensor, set[Node]]] = []
     root_nodes = {_grad_node(r) for r in roots}
@@ -131,24 +157,41 @@ def backward_input(
                     branch_points.add(parent)
                 else:
                     queue.append(parent)
-        if off_path or not branch_points:
-            in_i_pass.append(param)  # reaches an output without crossing the X-path
+        if off_path or len(branch_points) != 1:
+            # Reaches an output without crossing the X-path, or joins it at several nodes (one
+            # may lie below another, so replaying both in W would count a path twice).
+            in_i_pass.append(param)
         else:
             per_param.append((param, branch_points))
     recorded: dict[Node, list[torch.Tensor | None]] = {}
-    handles = []
-    for node in {n for _, points in per_param for n in points}:
+    points = {n for _, branch in per_param for n in branch}
+    if inputs:  # branch points lie on the input path: record what flows into them
+        handles = []
+        for node in points:
 
-        def hook(grad_outputs: tuple[torch.Tensor | None, ...], node: Node = node) -> None:
-            recorded[node] = list(grad_outputs)
+            def hook(grad_outputs: tuple[torch.Tensor | None, ...], node: Node = node) -> None:
+                recorded[node] = list(grad_outputs)
 
-        handles.append(node.register_prehook(hook))
-    try:
-        wanted = list(inputs) + in_i_pass
-        result = torch.autograd.grad(roots, wanted, grads, retain_graph=True, allow_unused=True)
-    finally:
-        for handle in handles:
-            handle.remove()
+            handles.append(node.register_prehook(hook))
+        try:
+            wanted: list[Any] = list(inputs) + in_i_pass
+            result = torch.autograd.grad(roots, wanted, grads, retain_graph=True, allow_unused=True)
+        finally:
+            for handle in handles:
+                handle.remove()
+    else:  # first stage: the branch points' incoming gradients are the outputs of I
+        edges = [(n, slot) for n in points for slot in sorted(slots.get(n, ()))]
+        wanted = in_i_pass + [GradientEdge(n, slot) for n, slot in edges]
+        result = (
+            torch.autograd.grad(roots, wanted, grads, retain_graph=True, allow_unused=True)
+            if wanted
+            else ()
+        )
+        for (node, slot), grad in zip(edges, result[len(in_i_pass) :]):
+            node_grads = recorded.setdefault(node, [])
+            node_grads += [None] * (slot + 1 - len(node_grads))
+            node_grads[slot] = grad
+        result = result[: len(in_i_pass)]
     for param, grad in zip(in_i_pass, result[len(inputs) :]):
         _accumulate(param, grad)
     groups: dict[frozenset[Node], list[torch.Tensor]] = {}
@@ -159,14 +202,42 @@ def backward_input(
     return list(result[: len(inputs)]), state
 
 
+def _ancestors_of_any(nodes: list[Node], parents: dict[Node, list[Node]]) -> set[Node]:
+    """Nodes from which one of ``nodes`` is reachable (not counting ``nodes`` themselves)."""
+    found: set[Node] = set()
+    queue = deque(nodes)
+    while queue:
+        node = queue.popleft()
+        for parent in parents.get(node, []):
+            if parent not in found:
+                found.add(parent)
+                queue.append(parent)
+    return found
+
+
+def _ancestors_of_two(
+    nodes: list[Node], parents: dict[Node, list[Node]], graph: set[Node]
+) -> set[Node]:
+    """Nodes from which two or more distinct ``nodes`` are reachable.
+
+    One upward walk per node, counting visits; a walk stops where the count is already two,
+    since every ancestor of such a node was counted twice by the walks that got it there.
+    """
+    count: dict[Node, int] = {}
+    for start in dict.fromkeys(n for n in nodes if n in graph):
+        queue, visited = deque([start]), {start}
+        while queue:
+            for parent in parents.get(queue.popleft(), []):
+                if parent in visited or count.get(parent, 0) >= 2:
+                    continue
+                visited.add(parent)
+                count[parent] = count.get(parent, 0) + 1
+                queue.append(parent)
+    return {n for n, c in count.items() if c >= 2}
+
+
 def backward_weight(state: WeightGradState) -> None:
     """W: accumulate the parameter gradients that :func:`backward_input` deferred."""
-    if state.direct is not None:
-        roots, grads, params = state.direct
-        if params:
-            result = torch.autograd.grad(roots, params, grads, allow_unused=True)
-            for param, grad in zip(params, result):
-                _accumulate(param, grad)
     for group, branches in state.branches:
         edges, grads = [], []
         for node, node_grads in branches:
@@ -176,7 +247,5 @@ def backward_weight(state: WeightGradState) -> None:
                     grads.append(grad)
         if edges:
             result = torch.autograd.grad(edges, group, grads, retain_graph=True, allow_unused=True)
-            for param, grad in zip(group, result):
-                _accumulate(param, grad)
+            _accumulate_results(group, result, grads)
     state.branches.clear()
-    state.direct = None
