@@ -63,6 +63,40 @@ def _bias_init(fan_in: int) -> InitMethod:
     return lambda bias: nn.init.uniform_(bias, -bound, bound)
 
 
+def _sharded_weight(
+    full_shape: tuple[int, int],
+    partition_dim: int,
+    rank: int,
+    tp: int,
+    stride: int,
+    dtype: torch.dtype,
+    device: torch.device | str | None,
+    init_method: InitMethod | None,
+) -> tuple[nn.Parameter, torch.Tensor | None]:
+    """This rank's slice of W (``full_shape`` = (out, in)) along ``partition_dim``, tagged.
+
+    W is built whole from the seed and sliced (none on the meta device), so every TP degree
+    holds the same model; the master is returned for ``keep_master_weight``.
+    """
+    master = (
+        None if is_meta(device) else init_master(full_shape, init_method or default_linear_init)
+    )
+    shard_shape = list(full_shape)
+    shard_shape[partition_dim] = divide(full_shape[partition_dim], tp)
+    weight = sharded_parameter(
+        master,
+        tuple(shard_shape),
+        partition_dim=partition_dim,
+        rank=rank,
+        world_size=tp,
+        stride=stride,
+        dtype=dtype,
+        device=device,
+    )
+    set_tensor_model_parallel_attributes(weight, True, partition_dim, stride)
+    return weight, master
+
+
 class ColumnParallelLinear(ParallelModuleMixin, nn.Module):
     """Y = X A + b, A split along its columns: A = [A_1, ..., A_p], Y_i = X A_i + b_i.
 
@@ -107,22 +141,9 @@ class ColumnParallelLinear(ParallelModuleMixin, nn.Module):
         self.stride = stride
 
         meta = is_meta(device)
-        master = (
-            None
-            if meta
-            else init_master((output_size, input_size), init_method or default_linear_init)
+        self.weight, master = _sharded_weight(
+            (output_size, input_size), 0, rank, tp, stride, dtype, device, init_method
         )
-        self.weight = sharded_parameter(
-            master,
-            (self.output_size_per_partition, input_size),
-            partition_dim=0,
-            rank=rank,
-            world_size=tp,
-            stride=stride,
-            dtype=dtype,
-            device=device,
-        )
-        set_tensor_model_parallel_attributes(self.weight, True, 0, stride)
         self.master_weight = master if keep_master_weight else None
         if bias:
             master_bias = None if meta else init_master((output_size,), _bias_init(input_size))
@@ -216,22 +237,9 @@ class RowParallelLinear(ParallelModuleMixin, nn.Module):
         self.stride = stride
 
         meta = is_meta(device)
-        master = (
-            None
-            if meta
-            else init_master((output_size, input_size), init_method or default_linear_init)
+        self.weight, master = _sharded_weight(
+            (output_size, input_size), 1, rank, tp, stride, dtype, device, init_method
         )
-        self.weight = sharded_parameter(
-            master,
-            (output_size, self.input_size_per_partition),
-            partition_dim=1,
-            rank=rank,
-            world_size=tp,
-            stride=stride,
-            dtype=dtype,
-            device=device,
-        )
-        set_tensor_model_parallel_attributes(self.weight, True, 1, stride)
         self.master_weight = master if keep_master_weight else None
         if bias:
             master_bias = None if meta else init_master((output_size,), _bias_init(input_size))
