@@ -32,7 +32,7 @@ from nxd_layers import (
     full_tensor,
     mappings,
 )
-from nxd_state.testing import run_distributed
+from nxd_state.testing import run_distributed, run_named_checks
 
 FP32 = {"rtol": 1.3e-6, "atol": 1e-5}  # see the module docstring
 EXACT = {"rtol": 0.0, "atol": 0.0}  # copies and slices of the same numbers
@@ -315,16 +315,9 @@ CHECKS: dict[str, Callable[[], None]] = {
 
 
 def run_checks(tp: int) -> list[str]:
-    """Every check on this rank, in order; the first failure is raised (with the check's name)
-    and stops every rank, rather than leaving peers waiting in a collective."""
+    """Every check on this rank, in order (see ``run_named_checks``)."""
     nxd_state.initialize_model_parallel(tensor_model_parallel_size=tp)
-    for i, (name, check) in enumerate(CHECKS.items()):
-        torch.manual_seed(100 + i)  # same inputs and weights on every rank
-        try:
-            check()
-        except Exception as error:
-            raise AssertionError(f"check {name!r} failed at tp={tp}: {error}") from error
-    return list(CHECKS)
+    return run_named_checks(CHECKS, seed=100, context=f"tp={tp}")
 
 
 @pytest.mark.parametrize("tp", [2, 4])

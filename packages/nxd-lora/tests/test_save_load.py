@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 import nxd_lora
 from nxd_lora import LoraConfig, LoRAModel
@@ -24,22 +24,6 @@ from nxd_lora import LoraConfig, LoRAModel
 # output): only fp32 rounding can differ, and a 2-layer model keeps it at a few ulps.
 LOGITS_TOL = {"rtol": 1e-5, "atol": 1e-5}
 TARGETS = ["q_proj", "v_proj", "o_proj", "down_proj"]
-
-
-def tiny_llama_dir(tmp_path: Path) -> Path:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=16,
-    )
-    path = tmp_path / "base"
-    LlamaForCausalLM(config).save_pretrained(path)
-    return path
 
 
 def load_llama(path: Path) -> LlamaForCausalLM:
@@ -72,8 +56,8 @@ def lora_llama(base: Path, **overrides: object) -> LoRAModel:
     return model.eval()
 
 
-def test_nxd_adapter_loads_in_peft_and_back_into_nxd(tmp_path: Path) -> None:
-    base = tiny_llama_dir(tmp_path)
+def test_nxd_adapter_loads_in_peft_and_back_into_nxd(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    base = tiny_llama_dir
     ours = lora_llama(base)
     expected = logits(ours)
     assert not torch.allclose(expected, logits(load_llama(base)))  # the adapter matters
@@ -106,8 +90,8 @@ def test_nxd_adapter_loads_in_peft_and_back_into_nxd(tmp_path: Path) -> None:
     torch.testing.assert_close(logits(reloaded), expected, rtol=0, atol=0)
 
 
-def test_peft_adapter_loads_into_nxd(tmp_path: Path) -> None:
-    base = tiny_llama_dir(tmp_path)
+def test_peft_adapter_loads_into_nxd(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    base = tiny_llama_dir
     peft_config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, use_rslora=True)
     theirs = peft.get_peft_model(load_llama(base), peft_config)
     randomize_(theirs)
@@ -121,8 +105,8 @@ def test_peft_adapter_loads_into_nxd(tmp_path: Path) -> None:
     torch.testing.assert_close(logits(ours), logits(theirs), **LOGITS_TOL)
 
 
-def test_mismatched_adapters_raise(tmp_path: Path) -> None:
-    base = tiny_llama_dir(tmp_path)
+def test_mismatched_adapters_raise(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    base = tiny_llama_dir
     nxd_lora.save_lora(lora_llama(base), tmp_path / "lora")
     other_rank = LoRAModel(
         load_llama(base), LoraConfig(lora_rank=8, lora_alpha=8, target_modules=TARGETS)
@@ -150,8 +134,8 @@ def test_mismatched_adapters_raise(tmp_path: Path) -> None:
         )
 
 
-def test_save_mode_state_dicts(tmp_path: Path) -> None:
-    base = tiny_llama_dir(tmp_path)
+def test_save_mode_state_dicts(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    base = tiny_llama_dir
     plain_keys = set(load_llama(base).state_dict())
     adapter = lora_llama(base)
     adapter_keys = set(adapter.state_dict())
@@ -177,8 +161,10 @@ def test_save_mode_state_dicts(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("config_in_adapter", [True, False])
-def test_save_modes_on_disk_and_reload(tmp_path: Path, config_in_adapter: bool) -> None:
-    base = tiny_llama_dir(tmp_path)
+def test_save_modes_on_disk_and_reload(
+    tmp_path: Path, tiny_llama_dir: Path, config_in_adapter: bool
+) -> None:
+    base = tiny_llama_dir
     both = lora_llama(
         base, save_lora_base=True, save_lora_config_adapter=config_in_adapter, lora_rank=2
     )

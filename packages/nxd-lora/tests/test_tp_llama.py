@@ -10,7 +10,7 @@ from pathlib import Path
 import peft
 import torch
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 import nxd_lora
 import nxd_state
@@ -85,19 +85,8 @@ def train_gather_and_reload(base_path: str, save_dir: str) -> dict[str, torch.Te
     return {"trained": trained, "reloaded": again}
 
 
-def test_tp2_adapter_gathers_into_a_peft_adapter(tmp_path: Path) -> None:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=16,
-    )
-    base = tmp_path / "base"
-    LlamaForCausalLM(config).save_pretrained(base)
+def test_tp2_adapter_gathers_into_a_peft_adapter(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    base = tiny_llama_dir
     results = run_distributed(train_gather_and_reload, 2, str(base), str(tmp_path / "lora"))
     trained = results[0]["trained"]
     torch.testing.assert_close(results[1]["trained"], trained, rtol=0, atol=0)  # replicated

@@ -89,3 +89,27 @@ def test_local_functions_are_rejected_with_a_reason() -> None:
         run_distributed(local, 2)
     with pytest.raises(ValueError, match="world_size must be >= 1, got 0"):
         run_distributed(rank_and_world, 0, 0)
+
+
+def draw() -> None:
+    DRAWS.append(torch.rand(1).item())
+
+
+def broken() -> None:
+    raise ValueError("wrong on purpose")
+
+
+DRAWS: list[float] = []
+
+
+def test_named_checks_reseed_each_check_and_name_the_failure() -> None:
+    DRAWS.clear()
+    from nxd_state.testing import run_named_checks
+
+    assert run_named_checks({"a": draw, "b": draw}, seed=7) == ["a", "b"]
+    torch.manual_seed(7)
+    first = torch.rand(1).item()
+    torch.manual_seed(8)
+    assert DRAWS == [first, torch.rand(1).item()]
+    with pytest.raises(AssertionError, match=r"check 'bad' failed at tp=2: wrong on purpose"):
+        run_named_checks({"ok": draw, "bad": broken}, context="tp=2")

@@ -34,7 +34,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -44,6 +44,7 @@ __all__ = [
     "RemoteTraceback",
     "add_preload",
     "run_distributed",
+    "run_named_checks",
 ]
 
 T = TypeVar("T")
@@ -95,6 +96,28 @@ def add_preload(*modules: str) -> None:
             _PRELOAD.append(module)
     if _context is not None:
         _context.set_forkserver_preload(_PRELOAD)  # effective only if not started yet
+
+
+def run_named_checks(
+    checks: Mapping[str, Callable[[], None]], *, seed: int = 0, context: str = ""
+) -> list[str]:
+    """Inside a rank: run every check in order, reseeding torch with ``seed + i`` before check
+    ``i`` so every rank draws the same inputs and weights.
+
+    Many checks share one spawn this way. The first failure is raised as an AssertionError
+    naming the check (and ``context``, e.g. "tp=2"), which stops every rank instead of leaving
+    its peers waiting in a collective. Returns the names of the checks that ran.
+    """
+    import torch
+
+    for i, (name, check) in enumerate(checks.items()):
+        torch.manual_seed(seed + i)
+        try:
+            check()
+        except Exception as error:
+            where = f" at {context}" if context else ""
+            raise AssertionError(f"check {name!r} failed{where}: {error}") from error
+    return list(checks)
 
 
 def _get_context() -> multiprocessing.context.BaseContext:
