@@ -110,6 +110,6 @@ def test_named_checks_reseed_each_check_and_name_the_failure() -> None:
     torch.manual_seed(7)
     first = torch.rand(1).item()
     torch.manual_seed(8)
-    assert DRAWS == [first, torch.rand(1).item()]
+    assert [first, torch.rand(1).item()] == DRAWS
     with pytest.raises(AssertionError, match=r"check 'bad' failed at tp=2: wrong on purpose"):
         run_named_checks({"ok": draw, "bad": broken}, context="tp=2")
