@@ -69,7 +69,14 @@ for _package in PACKAGES:
             "uv", "build", "--all-packages", "--no-sources", "--out-dir", str(dist), external=True
         )
         wheel_file = next(dist.glob(f"{package.replace('-', '_')}-*.whl"))
-        session.install(str(wheel_file), "--find-links", str(dist), *_test_group(package))
+        # Every build is 0.1.0 until a release: without these, a reused venv would keep the
+        # installed sibling and uv would serve a same-named wheel cached from an earlier build.
+        refresh = [
+            arg
+            for sibling in PACKAGES
+            for arg in ("--refresh-package", sibling, "--reinstall-package", sibling)
+        ]
+        session.install(str(wheel_file), "--find-links", str(dist), *refresh, *_test_group(package))
         # Run from outside the repository so nothing is imported from the source tree.
         tests_dir = ROOT / "packages" / package / "tests"
         session.chdir(session.create_tmp())
