@@ -149,3 +149,56 @@ def bad_reduce_scatter() -> str:
 def test_reduce_scatter_indivisible_size_is_a_clear_error() -> None:
     messages = run_distributed(bad_reduce_scatter, 2)
     assert all("size 3 of dim 0 is not divisible by the group size 2" in m for m in messages)
+
+
+def nonblocking_exchange() -> dict:
+    """Both ranks start all their sends, post all receives before waiting on any, then wait."""
+    rank, peer = dist.get_rank(), 1 - dist.get_rank()
+    shapes = [(3,), (2, 5), (4, 1, 2)]
+    with count_collectives() as counter:
+        sends = [C.isend(rank_tensor(rank, s), dst=peer) for s in shapes]
+        received = [torch.empty(s) for s in shapes]
+        recvs = [C.irecv(t, src=peer) for t in received]
+        for work in recvs + sends:
+            work.wait()
+    return {"received": received, "counter": counter.as_dict()}
+
+
+def test_isend_irecv_match_in_posting_order_without_deadlock() -> None:
+    shapes = [(3,), (2, 5), (4, 1, 2)]
+    results = run_distributed(nonblocking_exchange, 2)
+    nbytes = 4 * sum(torch.Size(s).numel() for s in shapes)
+    for rank, out in enumerate(results):
+        for shape, tensor in zip(shapes, out["received"]):
+            torch.testing.assert_close(tensor, rank_tensor(1 - rank, shape), **EXACT)
+        assert out["counter"]["send@world"] == {"calls": 3, "bytes": nbytes, "wire_bytes": nbytes}
+        assert out["counter"]["recv@world"] == {"calls": 3, "bytes": nbytes, "wire_bytes": 0}
+
+
+def test_isend_rejects_a_non_contiguous_tensor() -> None:
+    with pytest.raises(ValueError, match=r"contiguous tensor \(shape \(3, 2\)\)"):
+        C.isend(torch.ones(2, 3).t(), dst=0)
+
+
+def bucketed_mean() -> dict:
+    rank = dist.get_rank()
+    tensors = [
+        rank_tensor(rank, (3, 2)),
+        rank_tensor(rank, (5,)).double(),
+        rank_tensor(rank, (4,)),
+        rank_tensor(rank, (2, 2)),
+    ]
+    with count_collectives() as counter:
+        # 40 bytes: the float32 (3, 2) alone, the float64 alone, then (4,) + (2, 2) together.
+        C.all_reduce_bucketed(tensors, None, average=True, bucket_cap_bytes=40)
+    return {"tensors": tensors, "calls": counter.total(op="all_reduce").calls}
+
+
+def test_all_reduce_bucketed_averages_every_tensor_in_few_collectives() -> None:
+    results = run_distributed(bucketed_mean, 2)
+    shapes = [(3, 2), (5,), (4,), (2, 2)]
+    for out in results:
+        assert out["calls"] == 3
+        for shape, tensor in zip(shapes, out["tensors"]):
+            expected = (rank_tensor(0, shape) + rank_tensor(1, shape)) / 2
+            torch.testing.assert_close(tensor, expected.to(tensor.dtype), **EXACT)

@@ -31,6 +31,7 @@ __all__ = [
     "P2POp",
     "all_gather",
     "all_reduce",
+    "all_reduce_bucketed",
     "all_to_all",
     "barrier",
     "batch_send_recv",
@@ -39,6 +40,8 @@ __all__ = [
     "group_name",
     "group_rank",
     "group_size",
+    "irecv",
+    "isend",
     "recv",
     "reduce_scatter",
     "register_group_name",
@@ -252,6 +255,84 @@ def recv(tensor: torch.Tensor, src: int, group: Group = None) -> torch.Tensor:
     _record("recv", group, _nbytes(tensor), 0)
     dist.recv(tensor, src=src, group=group)
     return tensor
+
+
+def isend(tensor: torch.Tensor, dst: int, group: Group = None) -> dist.Work:
+    """Start sending contiguous ``tensor`` to global rank ``dst``; ``wait()`` the returned work
+    before modifying or freeing it.
+
+    On gloo the send progresses in gloo's own threads while the caller computes. Backends that
+    order a communicator's operations on one stream (NCCL) can deadlock when two ranks each
+    start a send before their receive: batch crossing transfers with :func:`batch_send_recv`.
+    """
+    if not tensor.is_contiguous():
+        raise ValueError(f"isend needs a contiguous tensor (shape {tuple(tensor.shape)})")
+    _record("send", group, _nbytes(tensor), _nbytes(tensor))
+    work = dist.isend(tensor, dst=dst, group=group)
+    assert work is not None
+    return work
+
+
+def irecv(tensor: torch.Tensor, src: int, group: Group = None) -> dist.Work:
+    """Start receiving from global rank ``src`` into ``tensor``; valid after ``wait()``.
+
+    Receives posted on one link complete in posting order, matched to the peer's sends in
+    theirs.
+    """
+    _record("recv", group, _nbytes(tensor), 0)
+    work = dist.irecv(tensor, src=src, group=group)
+    assert work is not None
+    return work
+
+
+def _buckets(tensors: Sequence[torch.Tensor], cap_bytes: int) -> list[list[torch.Tensor]]:
+    """Consecutive runs of same-dtype, same-device tensors, each at most ``cap_bytes`` (a single
+    larger tensor gets a bucket of its own)."""
+    buckets: list[list[torch.Tensor]] = []
+    current: list[torch.Tensor] = []
+    size = 0
+    for tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if current and (
+            tensor.dtype != current[0].dtype
+            or tensor.device != current[0].device
+            or size + nbytes > cap_bytes
+        ):
+            buckets.append(current)
+            current, size = [], 0
+        current.append(tensor)
+        size += nbytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def all_reduce_bucketed(
+    tensors: Sequence[torch.Tensor],
+    group: Group,
+    *,
+    average: bool,
+    bucket_cap_bytes: int = 25 * 2**20,
+) -> None:
+    """t_i <- Σ_r t_i^(r) (or the mean with ``average``) over ``group``, in place.
+
+    The tensors are packed into flat buckets of at most ``bucket_cap_bytes`` (consecutive
+    tensors of one dtype and device), so many small tensors cost few collectives.
+    """
+    size = group_size(group)
+    if size == 1 or not tensors:
+        return
+    if bucket_cap_bytes <= 0:
+        raise ValueError(f"bucket_cap_bytes must be positive, got {bucket_cap_bytes}")
+    for bucket in _buckets(tensors, bucket_cap_bytes):
+        flat = torch.cat([t.reshape(-1) for t in bucket])
+        all_reduce(flat, group=group)
+        if average:
+            flat.div_(size)
+        start = 0
+        for tensor in bucket:
+            tensor.copy_(flat[start : start + tensor.numel()].view_as(tensor))
+            start += tensor.numel()
 
 
 @dataclass(frozen=True)
