@@ -65,8 +65,9 @@ class NxDPPModel(nn.Module):
     Beyond NxD's arguments: ``virtual_pipeline_size`` (model chunks per rank, interleaving),
     ``schedule`` (``"1f1b"`` default, ``"gpipe"``, ``"interleaved_1f1b"`` (default when
     v > 1), ``"zb_h1"``), ``device`` (where local stages live; default: where the
-    model's parameters are, or CPU for a meta model) and ``async_sends`` (send from per-peer
-    threads instead of synchronous batches; default: on for gloo only).
+    model's parameters are, or CPU for a meta model) and ``async_sends`` (non-blocking p2p:
+    sends left in flight, receives waited for only where their data is used, instead of
+    synchronous batches; default: on for gloo only).
     """
 
     def __init__(
@@ -116,7 +117,7 @@ class NxDPPModel(nn.Module):
         self.use_zero1_optimizer = use_zero1_optimizer
         self.virtual_pipeline_size = v
         name = schedule if schedule is not None else ("interleaved_1f1b" if v > 1 else "1f1b")
-        if async_sends is None:  # a second sending thread is safe on gloo only
+        if async_sends is None:  # unbatched crossing sends can deadlock a stream-ordered backend
             backend = torch.distributed.get_backend(state.pipeline_parallel_group)
             async_sends = backend == "gloo"
         self.schedule = build_schedule(name, p, num_microbatches, v, asynchronous_sends=async_sends)
@@ -275,10 +276,8 @@ class NxDPPModel(nn.Module):
                 param.grad = grad
         if self.use_zero1_optimizer or state.data_parallel_size == 1:
             return
-        for _, param in self.local_named_parameters():
-            if param.grad is not None:
-                collectives.all_reduce(param.grad, group=state.data_parallel_group)
-                param.grad.div_(state.data_parallel_size)
+        grads = [p.grad for _, p in self.local_named_parameters() if p.grad is not None]
+        collectives.all_reduce_bucketed(grads, state.data_parallel_group, average=True)
 
     def local_named_parameters(
         self, *args: Any, **kwargs: Any

@@ -6,27 +6,34 @@ its activations for a given input signature, a fixed-size int64 header travels f
 the tensors alone. Gradients need no header: their shapes are those of the activations the
 receiver itself produced.
 
-Two modes. *Asynchronous sends* (gloo): each peer has a sender thread that issues this
-rank's sends to it in program order, so a rank never waits for a peer to take its data; the
-main thread receives one transfer at a time (header, then data), so every link carries
-header/data pairs in one canonical order. *Synchronous batches* (other backends, where
-sends from a second thread could reorder a communicator's operations): all of a batch's
-sends and receives are issued together and waited for, headers first.
+Two modes. *Non-blocking* (gloo): sends start and stay in flight until the end of the step,
+so a rank never waits for a peer to take its data; receives are posted where the schedule
+places them and waited for only when a compute needs their data, so an early receive never
+stalls unrelated work. Both ends post a link's transfers in the same order (header before
+data), and gloo matches them in posting order. *Synchronous batches* (other backends, where
+a communicator orders its operations on one stream and crossing unbatched sends could
+deadlock): all of a batch's sends and receives are issued together and waited for, headers
+first.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from torch.distributed import ProcessGroup
+from torch.distributed import ProcessGroup, Work
 
 from nxd_state import collectives
 
-__all__ = ["AsyncSenders", "TensorMeta", "Transfer", "exchange", "exchange_async"]
+__all__ = [
+    "PendingReceive",
+    "SendsInFlight",
+    "TensorMeta",
+    "Transfer",
+    "exchange",
+    "exchange_nonblocking",
+]
 
 _HEADER = 256
 _FIELDS = 9  # dtype, requires_grad, ndim, up to 6 dims
@@ -144,56 +151,53 @@ def exchange(
 
 
 @dataclass
-class AsyncSenders:
-    """One daemon thread per peer issuing this rank's sends to it, in submission order."""
+class PendingReceive:
+    """Receives posted for one transfer; :meth:`wait` returns its tensors once they arrived."""
 
-    group: ProcessGroup | None
-    queues: dict[int, queue.Queue] = field(default_factory=dict)
-    threads: list[threading.Thread] = field(default_factory=list)
-    errors: list[BaseException] = field(default_factory=list)
+    tensors: list[torch.Tensor]
+    works: list[Work]
+    metas: list[TensorMeta] | None
+    """Set ``requires_grad`` from these once the data is in (activations); None for grads."""
 
-    def submit(self, peer: int, tensors: list[torch.Tensor]) -> None:
-        if peer not in self.queues:
-            self.queues[peer] = queue.Queue()
-            thread = threading.Thread(
-                target=self._loop, args=(self.queues[peer],), daemon=True, name=f"nxd-send-{peer}"
-            )
-            thread.start()
-            self.threads.append(thread)
-        self.queues[peer].put((peer, tensors))
-
-    def _loop(self, jobs: queue.Queue) -> None:
-        while True:
-            job = jobs.get()
-            try:
-                if job is None:
-                    return
-                peer, tensors = job
-                collectives.batch_send_recv(
-                    [collectives.P2POp("send", t, peer, self.group) for t in tensors]
-                )
-            except BaseException as error:  # surfaced by drain() on the main thread
-                self.errors.append(error)
-            finally:
-                jobs.task_done()
-
-    def drain(self) -> None:
-        """Wait until every submitted send has completed; re-raise a sender's error."""
-        for jobs in self.queues.values():
-            jobs.join()
-        if self.errors:
-            error = self.errors[0]
-            self.errors.clear()
-            raise RuntimeError(f"pipeline send failed: {error}") from error
+    def wait(self) -> list[torch.Tensor]:
+        for work in self.works:
+            work.wait()
+        self.works = []
+        if self.metas is not None:
+            for tensor, meta in zip(self.tensors, self.metas):
+                tensor.requires_grad_(meta.requires_grad)
+            self.metas = None
+        return self.tensors
 
 
-def exchange_async(
+@dataclass
+class SendsInFlight:
+    """Started sends, with the tensors they read kept alive until each has completed."""
+
+    pending: list[tuple[Work, list[torch.Tensor]]] = field(default_factory=list)
+
+    def add(self, work: Work, tensors: list[torch.Tensor]) -> None:
+        self.pending.append((work, tensors))
+        if len(self.pending) > 64:  # drop the finished ones so buffers are freed early
+            self.pending = [(w, t) for w, t in self.pending if not w.is_completed()]
+
+    def wait_all(self) -> None:
+        for work, _ in self.pending:
+            work.wait()
+        self.pending.clear()
+
+
+def exchange_nonblocking(
     transfers: list[Transfer],
     cache: dict[Hashable, list[TensorMeta]],
     device: torch.device,
-    senders: AsyncSenders,
-) -> None:
-    """Queue the sends (header first when new) and receive, one transfer at a time."""
+    group: ProcessGroup | None,
+    sends: SendsInFlight,
+) -> list[PendingReceive | None]:
+    """Start the sends (header first when new) and post the receives; nothing waits but a
+    first-step header. Returns, per transfer, its :class:`PendingReceive` (None for sends).
+    """
+    out: list[PendingReceive | None] = []
     for transfer in transfers:
         if not transfer.send:
             continue
@@ -204,21 +208,18 @@ def exchange_async(
                 TensorMeta(tuple(t.shape), t.dtype, t.requires_grad) for t in transfer.tensors
             ]
             tensors.insert(0, _encode(transfer.tensors, transfer.key).to(device))
-        senders.submit(transfer.peer, tensors)
+        for tensor in tensors:
+            sends.add(collectives.isend(tensor, transfer.peer, group), [tensor])
     for transfer in transfers:
         if transfer.send:
+            out.append(None)
             continue
         if transfer.metas is None and transfer.key not in cache:
             header = torch.zeros(_HEADER, dtype=torch.int64, device=device)
-            collectives.batch_send_recv(
-                [collectives.P2POp("recv", header, transfer.peer, senders.group)]
-            )
+            collectives.irecv(header, transfer.peer, group).wait()
             cache[transfer.key] = _decode(header.cpu())
         metas = transfer.metas if transfer.metas is not None else cache[transfer.key]
-        transfer.tensors = [torch.empty(m.shape, dtype=m.dtype, device=device) for m in metas]
-        collectives.batch_send_recv(
-            [collectives.P2POp("recv", t, transfer.peer, senders.group) for t in transfer.tensors]
-        )
-        if transfer.metas is None:
-            for tensor, meta in zip(transfer.tensors, metas):
-                tensor.requires_grad_(meta.requires_grad)
+        tensors = [torch.empty(m.shape, dtype=m.dtype, device=device) for m in metas]
+        works = [collectives.irecv(t, transfer.peer, group) for t in tensors]
+        out.append(PendingReceive(tensors, works, None if transfer.metas is not None else metas))
+    return out

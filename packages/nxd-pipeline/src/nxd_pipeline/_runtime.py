@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
@@ -19,14 +18,19 @@ from nxd_pipeline._backward import (
     backward_input,
     backward_weight,
 )
-from nxd_pipeline._p2p import AsyncSenders, TensorMeta, Transfer, exchange, exchange_async
+from nxd_pipeline._p2p import (
+    PendingReceive,
+    SendsInFlight,
+    TensorMeta,
+    Transfer,
+    exchange,
+    exchange_nonblocking,
+)
 from nxd_pipeline._partition import StageModule
 from nxd_pipeline._schedules import PipelineSchedule, stage_to_rank
 from nxd_pipeline._timeline import ActionTiming, Timeline
 
 __all__ = ["StepRunner"]
-
-_SWITCH_INTERVAL_S = 1e-4
 
 logger = logging.getLogger(__name__)
 F, B, BI, W = (
@@ -65,28 +69,15 @@ class StepRunner:
     device: torch.device
     """Where received tensors are allocated."""
     async_sends: bool = False
-    """Send from per-peer threads (gloo) instead of synchronous batches."""
+    """Non-blocking p2p (gloo): sends left in flight, receives waited for where the data is
+    used; else synchronous batches."""
     header_cache: dict[Hashable, list[TensorMeta]] = field(default_factory=dict)
-    senders: AsyncSenders | None = None
+    sends: SendsInFlight = field(default_factory=SendsInFlight)
 
     def run(
         self, microbatches: list[dict[str, Any]], *, train: bool, signature: Hashable
     ) -> tuple[list[torch.Tensor], Timeline]:
         """Run the step; returns the per-microbatch losses (last stage only) and the timeline."""
-        if not self.async_sends:
-            return self._run(microbatches, train=train, signature=signature)
-        # Sender threads need the GIL to post a send; Python's default 5 ms switch interval
-        # would delay each transfer by up to that much while the main thread computes.
-        interval = sys.getswitchinterval()
-        sys.setswitchinterval(_SWITCH_INTERVAL_S)
-        try:
-            return self._run(microbatches, train=train, signature=signature)
-        finally:
-            sys.setswitchinterval(interval)
-
-    def _run(
-        self, microbatches: list[dict[str, Any]], *, train: bool, signature: Hashable
-    ) -> tuple[list[torch.Tensor], Timeline]:
         p, n_stages = self.schedule.num_ranks, self.schedule.num_stages
         m = len(microbatches)
         actions = self.schedule.actions[self.pipeline_rank]
@@ -109,6 +100,10 @@ class StepRunner:
                 self._communicate(batch, inbox, outbox, contexts, signature, train)
                 label = ",".join(str(a) for a in batch)
             else:
+                waited = self._await_data(action, inbox)
+                if waited is not None:  # the receive this compute needs was still in flight
+                    timeline.entries.append(ActionTiming(f"wait {action}", False, start, waited))
+                    start = waited
                 grad_ctx = torch.enable_grad() if train else torch.no_grad()
                 with grad_ctx:
                     self._compute(action, microbatches, inbox, outbox, contexts, losses, m)
@@ -124,12 +119,21 @@ class StepRunner:
                 ActionTiming(label, action.kind.is_compute, start, time.perf_counter())
             )
             i += 1
-        if self.senders is not None:
-            self.senders.drain()  # sent buffers stay alive until the peer has them
+        self.sends.wait_all()  # sent buffers stay alive until the peer has them
         timeline.end = time.perf_counter()
         if contexts and train:
             raise RuntimeError(f"schedule left backwards undone for {sorted(contexts)}")
         return [losses[mb] for mb in sorted(losses)], timeline
+
+    def _await_data(self, action: Action, inbox: dict) -> float | None:
+        """Wait for the received data ``action`` consumes; the time it arrived, if it was
+        still in flight."""
+        key = ("F" if action.kind is F else "B", action.stage, action.microbatch)
+        pending = inbox.get(key)
+        if not isinstance(pending, PendingReceive):
+            return None
+        inbox[key] = pending.wait()
+        return time.perf_counter()
 
     def _hand_over_locally(self, action: Action, outbox: dict, inbox: dict) -> None:
         """Consecutive stages on this rank (p = 1): the output becomes the next input."""
@@ -230,14 +234,16 @@ class StepRunner:
                 transfer = Transfer(False, 0, ("B", s), metas=metas)
             transfer.peer = self.pipeline_ranks[stage_to_rank(peer, p)]
             transfers.append((action, transfer))
+        received: list[Any]
         if self.async_sends:
-            if self.senders is None:
-                self.senders = AsyncSenders(self.group)
-            exchange_async([t for _, t in transfers], self.header_cache, self.device, self.senders)
+            received = exchange_nonblocking(
+                [t for _, t in transfers], self.header_cache, self.device, self.group, self.sends
+            )
         else:
             exchange([t for _, t in transfers], self.header_cache, self.device, self.group)
-        for action, transfer in transfers:
+            received = [t.tensors for _, t in transfers]
+        for (action, _), data in zip(transfers, received):
             if action.kind is ActionKind.RECV_F:
-                inbox[("F", action.stage, action.microbatch)] = transfer.tensors
+                inbox[("F", action.stage, action.microbatch)] = data
             elif action.kind is ActionKind.RECV_B:
-                inbox[("B", action.stage, action.microbatch)] = transfer.tensors
+                inbox[("B", action.stage, action.microbatch)] = data
