@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from nxd_pipeline import PipelineTraceError, auto_pipeline_cuts, capture_graph, partition_graph
-from nxd_pipeline._partition import build_stage_module
+from nxd_pipeline._partition import build_stage_module, node_costs
 from nxd_pipeline.testing import Block, TinyGPT
 
 # fp32 and the same ops in the same order: chaining the stages by hand reproduces the model's
@@ -89,15 +89,23 @@ def test_hf_llama_is_captured_with_export_and_partitioned_at_decoder_layers() ->
     torch.testing.assert_close(loss, expected, **TOL)
 
 
-def test_auto_partition_balances_parameters_not_layer_count() -> None:
-    # A large tied embedding sits in stage 0: balancing parameter count cuts after h.0, where
-    # an even layer split would cut after h.1.
+def test_auto_partition_balances_compute_not_parameters_or_layers() -> None:
+    # Tied 2048 x 32 embedding: the lookup on stage 0 multiplies nothing, the tied head on the
+    # last stage multiplies all 65.5k weights per token, more than the four 12.6k-weight
+    # blocks together. Compute balance cuts after h.3 (50.4k | 65.5k); balancing parameter
+    # count would cut after h.0 (the embedding counted on stage 0), layer count after h.1.
     model = TinyGPT(vocab=2048, layers=4, tie_embeddings=True)
     captured = capture_graph(model, leaf_module_cls=(Block,))
+    costs = dict(
+        zip((n.target for n in captured.graph_module.graph.nodes), node_costs(captured, model))
+    )
+    block = sum(p.numel() for p in model.h[0].parameters())
+    assert (costs["wte"], costs["wpe"], costs["h.0"], costs["lm_head"]) == (0, 0, block, 2048 * 32)
     layers = [f"h.{i}" for i in range(4)]
-    assert auto_pipeline_cuts(captured, model, layers, 2) == ["h.0"]
+    assert auto_pipeline_cuts(captured, model, layers, 2) == ["h.3"]
+    assert auto_pipeline_cuts(captured, model, layers, 4) == ["h.1", "h.2", "h.3"]
+    # A small head (vocab 64): the blocks dominate and the split is the even one.
     assert auto_pipeline_cuts(captured, TinyGPT(layers=4), layers, 2) == ["h.1"]
-    assert auto_pipeline_cuts(captured, model, layers, 4) == ["h.0", "h.1", "h.2"]
     with pytest.raises(ValueError, match=r"at least 5 transformer layers.*for 6 stages"):
         auto_pipeline_cuts(captured, model, layers, 6)
 

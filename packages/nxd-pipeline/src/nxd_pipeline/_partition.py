@@ -300,39 +300,60 @@ class StageModule(fx.GraphModule):
     num_received: int
 
 
+def _is_embedding_lookup(node: fx.Node, module: object) -> bool:
+    if isinstance(module, nn.Module):
+        return isinstance(module, nn.Embedding) or type(module).__name__ == "ParallelEmbedding"
+    name = getattr(node.target, "__name__", None) or str(node.target)
+    return "embedding" in name and "backward" not in name
+
+
+def node_costs(captured: CapturedGraph, root: nn.Module) -> list[int]:
+    """Estimated compute of every node, in graph order: the parameters it multiplies.
+
+    A layer's FLOPs per token are ~2x the weights it multiplies (forward; backward ~2x that),
+    so each use of a parameter by a node costs its numel: a tied weight is charged at every
+    use (the LM head's matmul), an embedding lookup nothing (it gathers rows and multiplies
+    nothing). Work that holds no parameters (attention's T^2 term, norms, the loss) is left
+    out: identical layers carry the same share of it, so balancing ignores it.
+    """
+    costs = []
+    for node in captured.graph_module.graph.nodes:
+        params: list[torch.Tensor] = []
+        module: object = None
+        if node.op == "call_module":
+            module = _resolve(root, captured.graph_module, str(node.target))
+            if isinstance(module, nn.Module):
+                params = list(module.parameters())
+        for dep in node.all_input_nodes:
+            if dep.op == "get_attr":
+                obj = _resolve(root, captured.graph_module, str(dep.target))
+                if isinstance(obj, nn.Parameter):
+                    params.append(obj)
+        costs.append(0 if _is_embedding_lookup(node, module) else sum(p.numel() for p in params))
+    return costs
+
+
 def auto_pipeline_cuts(
     captured: CapturedGraph,
     root: nn.Module,
     layer_names: Sequence[str],
     num_stages: int,
 ) -> list[str]:
-    """Cut after the layers that best balance parameter count (numel) across stages.
+    """Cut after the layers that best balance estimated compute (:func:`node_costs`).
 
-    Every node is charged the parameters it is first to use; a cut after layer ``L`` leaves
-    the prefix cost up to ``L``'s last node on the left. For stage boundary k the layer whose
-    prefix is closest to ``k/S`` of the total is chosen (strictly increasing).
+    Not parameter count: an embedding holds many parameters and costs almost nothing, a tied
+    LM head holds none of its own and costs as much as its matmul. A cut after layer ``L``
+    leaves the prefix cost up to ``L``'s last node on the left; for stage boundary k the layer
+    whose prefix is closest to ``k/S`` of the total is chosen (strictly increasing).
     """
     if len(layer_names) < num_stages - 1:
         raise ValueError(
             f"auto_partition needs at least {num_stages - 1} transformer layers to cut after "
             f"for {num_stages} stages, found {len(layer_names)}: {list(layer_names)}"
         )
-    nodes = list(captured.graph_module.graph.nodes)
-    seen: set[int] = set()
     prefix, running = [], 0
-    for node in nodes:
-        params: list[torch.Tensor] = []
-        for dep in [node, *node.all_input_nodes]:
-            if dep.op == "get_attr" or dep.op == "call_module":
-                obj = _resolve(root, captured.graph_module, str(dep.target))
-                if isinstance(obj, nn.Parameter):
-                    params.append(obj)
-                elif isinstance(obj, nn.Module) and dep is node:
-                    params += list(obj.parameters())
-        for param in params:
-            if id(param) not in seen:
-                seen.add(id(param))
-                running += param.numel()
+    for cost in node_costs(captured, root):
+        running += cost
         prefix.append(running)
     positions = cut_positions(captured, layer_names)
     order = sorted(zip(positions, layer_names))
@@ -349,5 +370,5 @@ def auto_pipeline_cuts(
         _, best = min(choices)
         cuts.append(order[best][1])
         last = best
-    logger.info("auto_partition cuts %s (parameter balance)", cuts)
+    logger.info("auto_partition cuts %s (compute balance)", cuts)
     return cuts
