@@ -58,6 +58,11 @@ class TensorMeta:
     dtype: torch.dtype
     requires_grad: bool
 
+    @classmethod
+    def of(cls, tensors: Sequence[torch.Tensor], *, grads: bool = False) -> list[TensorMeta]:
+        """Metas of ``tensors``; ``grads``: gradient buffers, received without tracking."""
+        return [cls(tuple(t.shape), t.dtype, t.requires_grad and not grads) for t in tensors]
+
 
 @dataclass
 class Transfer:
@@ -118,9 +123,7 @@ def exchange(
     for transfer in transfers:
         if transfer.send and transfer.metas is None and transfer.key not in cache:
             assert transfer.tensors is not None
-            cache[transfer.key] = [
-                TensorMeta(tuple(t.shape), t.dtype, t.requires_grad) for t in transfer.tensors
-            ]
+            cache[transfer.key] = TensorMeta.of(transfer.tensors)
             headers.append((transfer, _encode(transfer.tensors, transfer.key).to(device)))
         elif not transfer.send and transfer.metas is None and transfer.key not in cache:
             headers.append((transfer, torch.zeros(_HEADER, dtype=torch.int64, device=device)))
@@ -204,9 +207,7 @@ def exchange_nonblocking(
         assert transfer.tensors is not None
         tensors = [t.detach().contiguous() for t in transfer.tensors]
         if transfer.metas is None and transfer.key not in cache:
-            cache[transfer.key] = [
-                TensorMeta(tuple(t.shape), t.dtype, t.requires_grad) for t in transfer.tensors
-            ]
+            cache[transfer.key] = TensorMeta.of(transfer.tensors)
             tensors.insert(0, _encode(transfer.tensors, transfer.key).to(device))
         for tensor in tensors:
             sends.add(collectives.isend(tensor, transfer.peer, group), [tensor])

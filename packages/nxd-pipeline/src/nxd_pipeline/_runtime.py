@@ -224,13 +224,11 @@ class StepRunner:
                 transfer = Transfer(False, 0, ("F", s - 1, signature, train))
             elif kind is ActionKind.SEND_B:
                 peer, tensors = s - 1, outbox.pop(("B", s, mb))
-                metas = [TensorMeta(tuple(t.shape), t.dtype, False) for t in tensors]
+                metas = TensorMeta.of(tensors, grads=True)
                 transfer = Transfer(True, 0, ("B", s), tensors=tensors, metas=metas)
             else:  # RECV_B: gradients of this stage's own outputs
                 peer = s + 1
-                metas = [
-                    TensorMeta(tuple(t.shape), t.dtype, False) for t in contexts[(s, mb)].roots
-                ]
+                metas = TensorMeta.of(contexts[(s, mb)].roots, grads=True)
                 transfer = Transfer(False, 0, ("B", s), metas=metas)
             transfer.peer = self.pipeline_ranks[stage_to_rank(peer, p)]
             transfers.append((action, transfer))
