@@ -48,6 +48,28 @@ def test_save_modes() -> None:
     assert LoraConfig(save_lora_base=True, merge_lora=True).save_mode == "merged"
 
 
+def test_merge_sharded_lora_saves_the_adapter_only_as_nxd_does() -> None:
+    config = LoraConfig(merge_sharded_lora=True, save_lora_base=True, merge_lora=True)
+    assert (config.save_lora_base, config.merge_lora) == (False, False)
+    assert config.save_mode == "adapter"
+    assert not LoraConfig().merge_sharded_lora
+
+
+def test_get_lora_model_wraps_only_when_enabled() -> None:
+    from torch import nn
+
+    from nxd_lora import LoRAModel, get_lora_model
+
+    model = nn.Sequential(nn.Linear(4, 4))
+    assert get_lora_model(model, None) is model
+    assert get_lora_model(model, LoraConfig(target_modules=["0"])) is model  # enable_lora=False
+    wrapped = get_lora_model(model, LoraConfig(enable_lora=True, target_modules=["0"]))
+    assert isinstance(wrapped, LoRAModel)
+    assert wrapped.module is model
+    with pytest.raises(ValueError, match="already is a LoRAModel"):
+        get_lora_model(wrapped, LoraConfig(enable_lora=True, target_modules=["0"]))
+
+
 def test_peft_round_trip_and_unsupported_peft_options() -> None:
     config = LoraConfig(
         lora_rank=8,

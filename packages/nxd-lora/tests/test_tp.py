@@ -220,6 +220,33 @@ def test_column_and_row_parallel_lora_match_unsharded() -> None:
         assert checks["skip_bias_add"] is True
 
 
+def merged_sharded_adapter() -> dict[str, list[str]]:
+    """NxD's merge_sharded_lora: the TP=2 state dict is the unsharded model's adapter."""
+    state = nxd_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    ref, par = _mlp_pair(False, 2, state.tensor_parallel_rank)
+    reference = {  # the unsharded model's adapter under its own names
+        ref.original_name(key.removeprefix(nxd_lora.adapter.PEFT_PREFIX)): value
+        for key, value in nxd_lora.gather_peft_state_dict(ref).items()
+    }
+    local_shapes = {k: tuple(v.shape) for k, v in par.state_dict().items()}
+    par.lora_config.merge_sharded_lora = True  # shared with ref: state_dict is now gathered
+    merged = par.state_dict()
+    assert set(merged) == set(reference)
+    for key, value in reference.items():
+        # the same numbers gathered from the shards: exact
+        torch.testing.assert_close(merged[key], value, rtol=0, atol=0, msg=key)
+    return {
+        "sharded": sorted(k for k, v in merged.items() if tuple(v.shape) != local_shapes[k]),
+    }
+
+
+def test_merge_sharded_lora_gathers_the_full_adapter() -> None:
+    for result in run_distributed(merged_sharded_adapter, 2):
+        # B and the (lora_only-trained) bias of the column-parallel `up`, A of the
+        # row-parallel `down`: the tensors that are sharded, and came back full
+        assert result["sharded"] == ["down.lora_A.weight", "up.bias", "up.lora_B.weight"]
+
+
 class SeparateQkv(nn.Module):
     """The unsharded reference: three projections, as in a Hugging Face attention block."""
 

@@ -12,6 +12,7 @@ from importlib.metadata import version as _version
 from nxd_lora.adapter import (
     ADAPTER_CONFIG_NAME,
     ADAPTER_WEIGHTS_NAME,
+    gather_full_adapter_state_dict,
     gather_peft_state_dict,
     load_peft_adapter,
     load_peft_state_dict,
@@ -28,7 +29,7 @@ from nxd_lora.checkpoint import (
 )
 from nxd_lora.config import BIAS_MODES, INIT_MODES, LoraConfig
 from nxd_lora.layers import LoraConv2d, LoraEmbedding, LoraLayer, LoraLinear
-from nxd_lora.model import LoRAModel, LoraModel
+from nxd_lora.model import LoRAModel, LoraModel, get_lora_model
 from nxd_lora.tp_layers import LoraGQAQKVParallelLinear, LoraParallelLinear
 
 __version__ = _version("nxd-lora")
@@ -50,7 +51,9 @@ __all__ = [
     "LoraParallelLinear",
     "__version__",
     "gather_base_state_dict",
+    "gather_full_adapter_state_dict",
     "gather_peft_state_dict",
+    "get_lora_model",
     "load_lora_checkpoint_into",
     "load_peft_adapter",
     "load_peft_state_dict",

@@ -30,6 +30,7 @@ __all__ = [
     "ADAPTER_CONFIG_NAME",
     "ADAPTER_WEIGHTS_NAME",
     "PEFT_PREFIX",
+    "gather_full_adapter_state_dict",
     "gather_peft_state_dict",
     "load_peft_adapter",
     "load_peft_state_dict",
@@ -83,6 +84,17 @@ def gather_peft_state_dict(
         group = getattr(model.module.get_submodule(owner), "tensor_parallel_group", None)
         out[PEFT_PREFIX + rename(name)] = full_tensor(param, group=group).clone()
     return out
+
+
+def gather_full_adapter_state_dict(model: LoRAModel) -> dict[str, torch.Tensor]:
+    """The adapter of the unsharded model: :func:`gather_peft_state_dict` under the model's own
+    names (no PEFT prefix, biases as ``<module>.bias``). Collective over TP: call on every rank
+    (NxD's ``merge_sharded_lora``).
+    """
+    return {
+        model.original_name(key[len(PEFT_PREFIX) :]): tensor
+        for key, tensor in gather_peft_state_dict(model).items()
+    }
 
 
 def peft_adapter_config(

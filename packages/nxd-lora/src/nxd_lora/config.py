@@ -8,12 +8,15 @@ rsLoRA). The field names are NxD's; :meth:`LoraConfig.to_peft_dict` and
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 __all__ = ["BIAS_MODES", "INIT_MODES", "LoraConfig"]
+
+logger = logging.getLogger(__name__)
 
 BIAS_MODES = ("none", "all", "lora_only")
 INIT_MODES = ("default", "gaussian")
@@ -87,6 +90,12 @@ class LoraConfig:
     """Store the config inside the adapter checkpoint; if False, also as
     ``<lora_save_dir>/adapter_config.json``."""
 
+    merge_sharded_lora: bool = False
+    """``state_dict()`` returns the adapter alone with every TP-sharded tensor all-gathered to
+    its full size (a collective over TP: call it on every rank), named as in the unsharded
+    model; fused QKV adapters come out as separate ``q_proj``/``k_proj``/``v_proj`` tensors, as
+    PEFT names them. As in NxD, this turns ``save_lora_base`` and ``merge_lora`` off."""
+
     def __post_init__(self) -> None:
         if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int):
             raise TypeError(f"lora_rank must be an int, got {self.lora_rank!r}")
@@ -104,6 +113,12 @@ class LoraConfig:
             )
         self.target_modules = _keyword_list("target_modules", self.target_modules)
         self.modules_to_save = _keyword_list("modules_to_save", self.modules_to_save)
+        if self.merge_sharded_lora and (self.save_lora_base or self.merge_lora):
+            logger.info(
+                "merge_sharded_lora=True saves the gathered adapter only: "
+                "save_lora_base and merge_lora are turned off"
+            )
+            self.save_lora_base = self.merge_lora = False
         if self.merge_lora and not self.save_lora_base:
             raise ValueError(
                 "merge_lora=True needs save_lora_base=True (the merged base is what is saved); "

@@ -20,7 +20,7 @@ from nxd_lora._targets import default_target_modules, match_modules
 from nxd_lora.config import LoraConfig
 from nxd_lora.layers import LoraConv2d, LoraEmbedding, LoraLayer, LoraLinear
 
-__all__ = ["LoRAModel", "LoraModel", "lora_layer_factories"]
+__all__ = ["LoRAModel", "LoraModel", "get_lora_model", "lora_layer_factories"]
 
 logger = logging.getLogger(__name__)
 
@@ -190,9 +190,16 @@ class LoRAModel(nn.Module):
     def state_dict(  # type: ignore[override]
         self, *args: Any, destination: dict[str, Any] | None = None, prefix: str = "", **kwargs: Any
     ) -> dict[str, Any]:
-        """What the save mode asks for (NxD): adapter; base + adapter; or the merged base."""
+        """What the save mode asks for (NxD): adapter; base + adapter; or the merged base.
+
+        With ``merge_sharded_lora`` the full (TP-gathered) adapter: a collective over TP.
+        """
         mode = self.lora_config.save_mode
-        if mode == "adapter":
+        if self.lora_config.merge_sharded_lora:
+            from nxd_lora.adapter import gather_full_adapter_state_dict
+
+            state = gather_full_adapter_state_dict(self)
+        elif mode == "adapter":
             state = self.adapter_state_dict()
         elif mode == "base_and_adapter":
             state = {**self.base_state_dict(), **self.adapter_state_dict()}
@@ -272,3 +279,13 @@ class LoRAModel(nn.Module):
 
 
 LoraModel = LoRAModel  # the class name in NxD's source
+
+
+def get_lora_model(model: nn.Module, lora_config: LoraConfig | None) -> nn.Module:
+    """NxD's ``get_lora_model``: ``model`` wrapped in :class:`LoRAModel` when ``lora_config``
+    enables LoRA, else ``model`` itself (``None`` or ``enable_lora=False``)."""
+    if lora_config is None or not lora_config.enable_lora:
+        return model
+    if isinstance(model, LoRAModel):
+        raise ValueError("get_lora_model: the model already is a LoRAModel; wrap it only once")
+    return LoRAModel(model, lora_config)
