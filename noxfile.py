@@ -3,6 +3,7 @@
 nox -t ci                      # everything CI runs
 nox -s tests-nxd-layers        # one package, its upstream siblings and its test group only
 nox -s wheel-nxd-layers        # the same tests against wheels built without workspace sources
+nox -s lowest                  # every package at the lowest versions its ranges admit
 """
 
 from __future__ import annotations
@@ -90,6 +91,71 @@ for _package in PACKAGES:
             str(tests_dir),
             *session.posargs,
         )
+
+
+def _upstream(package: str) -> list[str]:
+    """``package`` and every workspace sibling it depends on, directly or not."""
+    seen: list[str] = []
+    pending = [package]
+    while pending:
+        name = pending.pop()
+        if name in seen:
+            continue
+        seen.append(name)
+        pending.extend(dep for dep in _requirements(name) if dep in PACKAGES)
+    return seen
+
+
+def _requirements(package: str) -> list[str]:
+    """The ``[project] dependencies`` of ``package``, as written (sibling names bare)."""
+    pyproject = tomllib.loads((ROOT / "packages" / package / "pyproject.toml").read_text())
+    out = []
+    for requirement in pyproject["project"]["dependencies"]:
+        name = requirement.split(";")[0].split("[")[0]
+        for stop in "<>=!~ ":
+            name = name.split(stop)[0]
+        out.append(name if name in PACKAGES else requirement)
+    return out
+
+
+@nox.session(tags=["ci"])
+@nox.parametrize("package", PACKAGES)
+def lowest(session: nox.Session, package: str) -> None:
+    """One package at the LOWEST versions its ranges admit, from wheels: proves the floors.
+
+    The package's own third-party requirements and its test group are passed to the resolver as
+    direct requirements with ``--resolution lowest-direct`` (so ``torch>=2.9`` installs 2.9.0);
+    the package and its siblings come from wheels built without workspace sources.
+    """
+    dist = Path(session.create_tmp()) / "dist"
+    session.run(
+        "uv", "build", "--all-packages", "--no-sources", "--out-dir", str(dist), external=True
+    )
+    wheels = [
+        str(next(dist.glob(f"{name.replace('-', '_')}-*.whl"))) for name in _upstream(package)
+    ]
+    third_party = [r for r in _requirements(package) if r not in PACKAGES]
+    session.install(
+        "--resolution",
+        "lowest-direct",
+        "--reinstall",
+        *wheels,
+        *third_party,
+        *_test_group(package),
+    )
+    session.run("uv", "pip", "list", "--python", session.virtualenv.location, external=True)
+    tests_dir = ROOT / "packages" / package / "tests"
+    session.chdir(session.create_tmp())
+    session.run(
+        "pytest",
+        str(tests_dir),
+        "-p",
+        "no:cacheprovider",
+        "--import-mode=importlib",
+        "--rootdir",
+        str(tests_dir),
+        *session.posargs,
+    )
 
 
 @nox.session(tags=["ci"])
