@@ -1,0 +1,306 @@
+"""NxD's training config: ``neuronx_distributed_config(...)`` and the dataclass behind it.
+
+A config is one global description of the job, the same on every rank:
+``world = TP x PP x DP`` ranks, the pipeline and optimizer sections, activation checkpointing,
+LoRA, mixed precision and how the model is initialised. ``neuronx_distributed_config`` returns
+NxD's dict (scripts index it: ``nxd_config["optimizer_config"]["zero_one_enabled"]``); every
+entry point re-reads that dict through :meth:`NxDConfig.from_nxd`, so a bad key or a
+contradiction fails on every rank, before any collective, naming the key.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+from torch import nn
+
+import nxd_state
+from nxd_trainer._checks import check_bool, check_positive_int, closest, reject_unknown_keys
+from nxd_trainer.sections import (
+    MixedPrecisionConfig,
+    ModelInitConfig,
+    OptimizerConfig,
+    PipelineConfig,
+    as_dict,
+)
+
+__all__ = ["NxDConfig", "neuronx_distributed_config"]
+
+logger = logging.getLogger(__name__)
+
+# The keys of NxD's config dict, in NxD's order.
+NXD_KEYS = (
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "expert_parallel_size",
+    "pipeline_config",
+    "optimizer_config",
+    "activation_checkpoint_config",
+    "pad_model",
+    "sequence_parallel",
+    "model_init_config",
+    "lora_config",
+    "mixed_precision_config",
+)
+
+
+def _check_activation_checkpoint(value: Any) -> None:
+    """None, "full", a module class, or a non-empty list/tuple of module classes."""
+    if value is None or value == "full":
+        return
+    if isinstance(value, str):
+        hint = closest(value, ["full"])
+        raise ValueError(
+            f"activation_checkpoint_config must be 'full', None or torch.nn.Module classes, got "
+            f"{value!r}" + (f" (did you mean {hint!r}?)" if hint else "")
+        )
+    classes = list(value) if isinstance(value, (list, tuple)) else [value]
+    bad = [c for c in classes if not (isinstance(c, type) and issubclass(c, nn.Module))]
+    if not classes or bad:
+        raise TypeError(
+            f"activation_checkpoint_config must be 'full', None or torch.nn.Module classes "
+            f"(classes, not instances), got {value!r}"
+        )
+
+
+@dataclass(kw_only=True)
+class NxDConfig:
+    """The typed, validated form of NxD's config dict."""
+
+    tensor_parallel_size: int = 1
+    """TP: ranks sharding each layer's weights (consecutive ranks)."""
+
+    pipeline_parallel_size: int = 1
+    """PP: ranks holding consecutive slices of the layer stack; > 1 needs ``pipeline_config``."""
+
+    expert_parallel_size: int = 1
+    """Newer NxD's expert parallelism: accepted for compatibility, only 1 is supported."""
+
+    pipeline_config: PipelineConfig | None = None
+    """:class:`~nxd_trainer.PipelineConfig` (NxDPPModel's arguments); used when PP > 1 (and its
+    ``transformer_layer_cls`` by ``"full"`` activation checkpointing at any PP)."""
+
+    optimizer_config: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """:class:`~nxd_trainer.OptimizerConfig`: ZeRO-1, clipping."""
+
+    activation_checkpoint_config: Any = None
+    """``"full"`` (recompute every transformer layer), module classes (recompute those), or
+    None (off)."""
+
+    pad_model: bool = False
+    """Pad attention heads of a Hugging Face model up to a multiple of TP (PP = 1 only)."""
+
+    sequence_parallel: bool = False
+    """Sequence parallelism: the model's TP layers run with ``sequence_parallel_enabled`` and
+    the optimizer sums the gradients of sequence-parallel replicated weights over TP."""
+
+    model_init_config: ModelInitConfig = field(default_factory=ModelInitConfig)
+    """:class:`~nxd_trainer.ModelInitConfig`: meta-device init, ``param_init_fn``, waves."""
+
+    lora_config: Any = None
+    """An ``nxd_lora.LoraConfig``; LoRA is applied when its ``enable_lora`` is set."""
+
+    mixed_precision_config: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
+    """:class:`~nxd_trainer.MixedPrecisionConfig`, resolved against ZeRO-1 on creation."""
+
+    def __post_init__(self) -> None:
+        # Sections given as NxD's dicts (or None) become their dataclasses.
+        self.pipeline_config = PipelineConfig.from_nxd(self.pipeline_config)
+        self.optimizer_config = OptimizerConfig.from_nxd(self.optimizer_config)
+        self.model_init_config = ModelInitConfig.from_nxd(self.model_init_config)
+        self.mixed_precision_config = MixedPrecisionConfig.from_nxd(self.mixed_precision_config)
+        check_positive_int("config", "tensor_parallel_size", self.tensor_parallel_size)
+        check_positive_int("config", "pipeline_parallel_size", self.pipeline_parallel_size)
+        if self.expert_parallel_size != 1:
+            raise ValueError(
+                f"expert_parallel_size={self.expert_parallel_size!r}: nxd has no expert "
+                f"parallelism; only 1 is supported"
+            )
+        check_bool("config", "pad_model", self.pad_model)
+        check_bool("config", "sequence_parallel", self.sequence_parallel)
+        _check_activation_checkpoint(self.activation_checkpoint_config)
+        if self.lora_config is not None:
+            from nxd_lora import LoraConfig
+
+            if not isinstance(self.lora_config, LoraConfig):
+                raise TypeError(
+                    f"lora_config must be an nxd_lora.LoraConfig (NxD's "
+                    f"neuronx_distributed.modules.lora.LoraConfig), got "
+                    f"{type(self.lora_config).__name__}"
+                )
+        zero1 = self.optimizer_config.zero_one_enabled
+        self.mixed_precision_config = self.mixed_precision_config.resolved(zero1)
+        self._check_cross_section_rules()
+
+    def _check_cross_section_rules(self) -> None:
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        if self.sequence_parallel and tp == 1:
+            raise ValueError(
+                "sequence_parallel=True needs tensor_parallel_size > 1 (the sequence is split "
+                "over the tensor-parallel ranks), got tensor_parallel_size=1"
+            )
+        if self.pad_model and pp > 1:
+            raise ValueError(
+                f"pad_model=True is supported with pipeline_parallel_size=1 only (as in NxD), "
+                f"got pipeline_parallel_size={pp}"
+            )
+        init = self.model_init_config
+        pipe = self.pipeline_config
+        if (
+            pipe is not None
+            and pipe.param_init_fn is not None
+            and init.param_init_fn is not None
+            and pipe.param_init_fn is not init.param_init_fn
+        ):
+            raise ValueError(
+                "pipeline_config['param_init_fn'] and model_init_config['param_init_fn'] are "
+                "different functions: set one of them (or the same one in both)"
+            )
+        if init.meta_device_init and self.param_init_fn is None:
+            raise ValueError(
+                "model_init_config['meta_device_init'] is True but no 'param_init_fn' is given: "
+                "a model built on the meta device has no values until param_init_fn(module) "
+                "initialises each module's parameters"
+            )
+        if pipe is not None:
+            zero1 = self.optimizer_config.zero_one_enabled
+            if pipe.use_zero1_optimizer is not None and pipe.use_zero1_optimizer != zero1:
+                raise ValueError(
+                    f"pipeline_config['use_zero1_optimizer']={pipe.use_zero1_optimizer} "
+                    f"contradicts optimizer_config['zero_one_enabled']={zero1}: set them equal "
+                    f"(or leave use_zero1_optimizer out)"
+                )
+        if pp == 1:
+            return
+        if pipe is None:
+            raise ValueError(
+                f"pipeline_parallel_size={pp} needs pipeline_config (at least 'pipeline_cuts' "
+                f"or 'auto_partition', and 'input_names' for Hugging Face models)"
+            )
+        stages = pp * pipe.virtual_pipeline_size
+        if not pipe.pipeline_cuts and not pipe.auto_partition:
+            raise ValueError(
+                f"pipeline_parallel_size={pp} x virtual_pipeline_size="
+                f"{pipe.virtual_pipeline_size} = {stages} stages need pipeline_config"
+                f"['pipeline_cuts'] ({stages - 1} layer names) or 'auto_partition': True"
+            )
+        if pipe.pipeline_cuts and pipe.num_cuts != stages - 1:
+            raise ValueError(
+                f"pipeline_config['pipeline_cuts'] has {pipe.num_cuts} cuts "
+                f"{list(pipe.pipeline_cuts)}, but pipeline_parallel_size={pp} x "
+                f"virtual_pipeline_size={pipe.virtual_pipeline_size} = {stages} stages need "
+                f"{stages - 1}"
+            )
+        if pipe.auto_partition and pipe.transformer_layer_cls is None and pipe.tracer_cls != "hf":
+            raise ValueError(
+                "pipeline_config['auto_partition'] cuts after transformer layers: give "
+                "'transformer_layer_cls'"
+            )
+
+    # Derived settings ---------------------------------------------------------------------
+    @property
+    def param_init_fn(self) -> Any:
+        """The initialiser of meta parameters (model_init_config's, else pipeline_config's)."""
+        if self.model_init_config.param_init_fn is not None:
+            return self.model_init_config.param_init_fn
+        return self.pipeline_config.param_init_fn if self.pipeline_config else None
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.lora_config is not None and bool(self.lora_config.enable_lora)
+
+    def check_world(self, world_size: int) -> nxd_state.ParallelLayout:
+        """The ``[PP, DP, TP]`` layout on ``world_size`` ranks (the degrees must fit)."""
+        return nxd_state.ParallelLayout(
+            world_size=world_size,
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+        )
+
+    # NxD's dict ---------------------------------------------------------------------------
+    def to_nxd(self) -> dict[str, Any]:
+        """NxD's config dict (what ``neuronx_distributed_config`` returns)."""
+        out: dict[str, Any] = {}
+        for name in NXD_KEYS:
+            value = getattr(self, name)
+            if isinstance(
+                value, (PipelineConfig, OptimizerConfig, ModelInitConfig, MixedPrecisionConfig)
+            ):
+                value = as_dict(value)
+            out[name] = value
+        return out
+
+    @classmethod
+    def from_nxd(cls, config: Mapping[str, Any] | NxDConfig) -> NxDConfig:
+        """Parse and validate NxD's dict (or return an NxDConfig as is)."""
+        if isinstance(config, NxDConfig):
+            return config
+        if not isinstance(config, Mapping):
+            raise TypeError(
+                f"nxd_config must be the dict returned by neuronx_distributed_config, got "
+                f"{type(config).__name__}"
+            )
+        reject_unknown_keys("nxd_config", config, [f.name for f in fields(cls)])
+        return cls(**dict(config))
+
+
+def neuronx_distributed_config(
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    pipeline_config: dict[str, Any] | None = None,
+    optimizer_config: dict[str, Any] | None = None,
+    activation_checkpoint_config: Any = None,
+    pad_model: bool = False,
+    sequence_parallel: bool = False,
+    model_init_config: dict[str, Any] | None = None,
+    lora_config: Any = None,
+    mixed_precision_config: dict[str, Any] | None = None,
+    *,
+    expert_parallel_size: int = 1,
+    **unknown: Any,
+) -> dict[str, Any]:
+    """NxD's config: validate every setting, initialise model parallelism, return NxD's dict.
+
+    ``world = tensor_parallel_size x pipeline_parallel_size x DP``. Defaults are NxD's:
+    ``optimizer_config`` = ``{"zero_one_enabled": False, "grad_clipping": True,
+    "max_grad_norm": 1.0}``, ``model_init_config`` = ``{"sequential_move_factor": 11,
+    "meta_device_init": False, "param_init_fn": None}``, master weights and fp32 gradient
+    accumulation on exactly with ZeRO-1. Without a process group one is created
+    (``nxd_state.init_distributed``: ``env://`` under torchrun, else a world of one).
+    """
+    if unknown:
+        reject_unknown_keys("neuronx_distributed_config argument", unknown, NXD_KEYS, TypeError)
+    config = NxDConfig(
+        tensor_parallel_size=tensor_parallel_size,
+        pipeline_parallel_size=pipeline_parallel_size,
+        expert_parallel_size=expert_parallel_size,
+        pipeline_config=pipeline_config,
+        optimizer_config=optimizer_config,
+        activation_checkpoint_config=activation_checkpoint_config,
+        pad_model=pad_model,
+        sequence_parallel=sequence_parallel,
+        model_init_config=model_init_config,
+        lora_config=lora_config,
+        mixed_precision_config=mixed_precision_config,
+    )
+    initialize_model_parallel(config)
+    logger.info("NxD config: %s", config)
+    return config.to_nxd()
+
+
+def initialize_model_parallel(config: NxDConfig) -> nxd_state.ParallelState:
+    """Create the process group if needed, check the degrees fit it, build the TP/PP/DP groups.
+
+    The fit is checked before any group is built, so a bad degree fails on every rank alike.
+    """
+    if not torch.distributed.is_initialized():
+        nxd_state.init_distributed()
+    config.check_world(torch.distributed.get_world_size())
+    return nxd_state.initialize_model_parallel(
+        tensor_model_parallel_size=config.tensor_parallel_size,
+        pipeline_model_parallel_size=config.pipeline_parallel_size,
+    )

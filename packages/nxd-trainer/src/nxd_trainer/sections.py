@@ -1,0 +1,341 @@
+"""The sub-configs of NxD's training config, one validated dataclass per dict.
+
+NxD scripts pass plain dicts (``optimizer_config={"zero_one_enabled": True, ...}``); each
+section here is the typed form of one of them: its fields are the dict's keys with NxD's
+defaults, every field is checked on creation, and :meth:`from_nxd` turns the dict (or ``None``,
+or an instance) into the section, refusing unknown keys with the closest valid one suggested.
+Cross-section rules (ZeRO-1 vs the pipeline's flag, meta init vs ``param_init_fn`` ...) live
+in :class:`nxd_trainer.NxDConfig`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields, replace
+from types import ModuleType
+from typing import Any, TypeVar
+
+from nxd_trainer._checks import (
+    check_bool,
+    check_choice,
+    check_positive_int,
+    reject_unknown_keys,
+    section_fields,
+)
+
+__all__ = ["MixedPrecisionConfig", "ModelInitConfig", "OptimizerConfig", "PipelineConfig"]
+
+S = TypeVar("S")
+
+# NxD's documented range for sequential_move_factor.
+MAX_SEQUENTIAL_MOVE_FACTOR = 32
+
+
+def _parse(cls: type[S], section: str, value: Any) -> S:
+    """``None`` -> defaults, a dict -> checked keys, an instance -> itself."""
+    if value is None:
+        return cls()
+    if isinstance(value, cls):
+        return value
+    if not isinstance(value, Mapping):
+        raise TypeError(
+            f"{section} must be a dict (or a {cls.__name__}), got {type(value).__name__}"
+        )
+    reject_unknown_keys(section, value, section_fields(cls))
+    return cls(**dict(value))
+
+
+def as_dict(section: Any) -> dict[str, Any]:
+    """The section as NxD's dict (shallow: classes and functions are kept as they are)."""
+    return {f.name: getattr(section, f.name) for f in fields(section)}
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    """NxD's ``optimizer_config``: how the optimizer wrapper reduces, clips and shards."""
+
+    zero_one_enabled: bool = False
+    """ZeRO-1: shard optimizer state (and fp32 master weights) over the data-parallel group;
+    gradients are reduce-scattered instead of all-reduced."""
+
+    grad_clipping: bool = True
+    """Clip the global gradient norm (across DP, TP and PP) to ``max_grad_norm`` each step."""
+
+    max_grad_norm: float = 1.0
+    """The norm gradients are clipped to when ``grad_clipping`` is on: positive, finite."""
+
+    norm_type: float = 2.0
+    """nxd: p of the clipping p-norm (``math.inf`` for the max norm)."""
+
+    bucket_cap_mb: float = 25.0
+    """nxd: largest flat bucket (MiB) of the data-parallel gradient all-reduce without ZeRO-1."""
+
+    def __post_init__(self) -> None:
+        section = "optimizer_config"
+        check_bool(section, "zero_one_enabled", self.zero_one_enabled)
+        check_bool(section, "grad_clipping", self.grad_clipping)
+        if self.grad_clipping and not (
+            isinstance(self.max_grad_norm, (int, float))
+            and not isinstance(self.max_grad_norm, bool)
+            and self.max_grad_norm > 0
+            and math.isfinite(self.max_grad_norm)
+        ):
+            raise ValueError(
+                f"optimizer_config['max_grad_norm'] must be a positive finite number when "
+                f"grad_clipping is on, got {self.max_grad_norm!r}"
+            )
+        if not (isinstance(self.norm_type, (int, float)) and self.norm_type > 0):
+            raise ValueError(
+                f"optimizer_config['norm_type'] must be positive (or math.inf), "
+                f"got {self.norm_type!r}"
+            )
+        if not (isinstance(self.bucket_cap_mb, (int, float)) and self.bucket_cap_mb > 0):
+            raise ValueError(
+                f"optimizer_config['bucket_cap_mb'] must be positive, got {self.bucket_cap_mb!r}"
+            )
+
+    @classmethod
+    def from_nxd(cls, value: Any) -> OptimizerConfig:
+        return _parse(cls, "optimizer_config", value)
+
+
+@dataclass(kw_only=True)
+class MixedPrecisionConfig:
+    """NxD's ``mixed_precision_config``: fp32 master weights and gradient accumulation.
+
+    ``None`` fields take NxD's defaults once ZeRO-1 is known (:meth:`resolved`): master weights
+    and fp32 accumulation are on exactly when ZeRO-1 is.
+    """
+
+    use_master_weights: bool | None = None
+    """For bf16/fp16 parameters the optimizer steps fp32 copies and casts them back
+    (default: ``zero_one_enabled``). nxd also supports this without ZeRO-1."""
+
+    use_fp32_grad_acc: bool | None = None
+    """Accumulate micro-step gradients in fp32 buffers, not in the parameters' dtype
+    (default: ``zero_one_enabled``)."""
+
+    use_master_weights_in_ckpt: bool = False
+    """Put the fp32 master weights in the optimizer's state dict (else they are rebuilt from
+    the model's parameters on load)."""
+
+    def __post_init__(self) -> None:
+        section = "mixed_precision_config"
+        for name in ("use_master_weights", "use_fp32_grad_acc"):
+            value = getattr(self, name)
+            if value is not None:
+                check_bool(section, name, value)
+        check_bool(section, "use_master_weights_in_ckpt", self.use_master_weights_in_ckpt)
+
+    def resolved(self, zero_one_enabled: bool) -> MixedPrecisionConfig:
+        """NxD's defaults filled in from ``zero_one_enabled``; rejects contradictions."""
+        out = replace(
+            self,
+            use_master_weights=(
+                zero_one_enabled if self.use_master_weights is None else self.use_master_weights
+            ),
+            use_fp32_grad_acc=(
+                zero_one_enabled if self.use_fp32_grad_acc is None else self.use_fp32_grad_acc
+            ),
+        )
+        if out.use_master_weights_in_ckpt and not out.use_master_weights:
+            raise ValueError(
+                "mixed_precision_config['use_master_weights_in_ckpt'] is True but "
+                "'use_master_weights' is False: there are no master weights to save"
+            )
+        return out
+
+    @classmethod
+    def from_nxd(cls, value: Any) -> MixedPrecisionConfig:
+        return _parse(cls, "mixed_precision_config", value)
+
+
+@dataclass(kw_only=True)
+class ModelInitConfig:
+    """NxD's ``model_init_config``: where and how the model's parameters come to exist."""
+
+    sequential_move_factor: int = 11
+    """How many processes of a node materialise and move their model at the same time (the
+    others wait), bounding peak host memory: 1 to 32."""
+
+    meta_device_init: bool = False
+    """Build the model on the ``meta`` device (no memory), then materialise only this rank's
+    shard with ``param_init_fn``."""
+
+    param_init_fn: Callable[..., Any] | None = None
+    """Initialises one module's own (already allocated) parameters and meta buffers, in place:
+    ``param_init_fn(module)`` as in NxD, or ``param_init_fn(module, device)``. Required with
+    ``meta_device_init``."""
+
+    def __post_init__(self) -> None:
+        section = "model_init_config"
+        check_positive_int(
+            section, "sequential_move_factor", self.sequential_move_factor,
+            upper=MAX_SEQUENTIAL_MOVE_FACTOR,
+        )  # fmt: skip
+        check_bool(section, "meta_device_init", self.meta_device_init)
+        if self.param_init_fn is not None and not callable(self.param_init_fn):
+            raise TypeError(
+                f"model_init_config['param_init_fn'] must be callable, got {self.param_init_fn!r}"
+            )
+
+    @classmethod
+    def from_nxd(cls, value: Any) -> ModelInitConfig:
+        return _parse(cls, "model_init_config", value)
+
+
+def _check_classes(section: str, name: str, value: Any) -> None:
+    """None, or a list/tuple of classes or class names."""
+    if value is None:
+        return
+    if not isinstance(value, (list, tuple)) or not all(
+        isinstance(item, (type, str)) for item in value
+    ):
+        raise TypeError(
+            f"{section}[{name!r}] must be a list of classes or class names, got {value!r}"
+        )
+
+
+@dataclass(kw_only=True)
+class PipelineConfig:
+    """NxD's ``pipeline_config``: the arguments of :class:`nxd_pipeline.NxDPPModel`, plus the
+    model/optimizer-wrapper flags NxD's trainer reads."""
+
+    transformer_layer_cls: type | str | None = None
+    """The transformer layer class (or its name): a leaf of the traced graph, the unit of
+    ``auto_partition`` and of ``"full"`` activation checkpointing. Hugging Face models: found
+    from ``_no_split_modules`` when omitted."""
+
+    num_microbatches: int = 1
+    """Micro-batches per ``run_train`` step; the batch dimension must divide by it."""
+
+    output_loss_value_spec: dict[str, bool] | tuple[bool, ...] | bool | None = None
+    """Which output is the loss: ``(True, False)``, ``{"loss": True}``; ``True``/``None``: the
+    output itself, its ``"loss"`` entry or its first element."""
+
+    return_mb_loss: bool = False
+    """``run_train`` returns the list of micro-batch losses instead of their mean."""
+
+    broadcast_and_average_loss: bool = False
+    """``run_train`` returns the loss on every rank, averaged over data parallelism too."""
+
+    pipeline_cuts: list[str] | None = None
+    """Names of the layers after which a stage ends: ``pipeline_parallel_size ×
+    virtual_pipeline_size − 1`` of them (or ``auto_partition``)."""
+
+    input_names: list[str] | None = None
+    """The model inputs ``run_train`` takes (traced as graph inputs). Required for Hugging
+    Face models; plain modules default to ``forward``'s parameters."""
+
+    leaf_module_cls: list[type | str] | None = None
+    """Module classes (or class names) kept whole in the traced graph."""
+
+    autowrap_functions: tuple[Callable[..., Any], ...] | list[Any] | None = None
+    """Functions the FX tracer records as calls instead of tracing through."""
+
+    autowrap_modules: tuple[ModuleType, ...] | list[Any] | None = None
+    """Python modules whose functions the FX tracer records as calls."""
+
+    tracer_cls: str | type | None = None
+    """``"torch"`` (default, torch.fx), ``"hf"`` (torch.export, Hugging Face models) or an
+    ``fx.Tracer`` subclass."""
+
+    param_init_fn: Callable[..., Any] | None = None
+    """Initialiser of meta parameters (see ``model_init_config``; the two must agree)."""
+
+    trace_file_path: str | None = None
+    """Write the traced graph to this file."""
+
+    use_zero1_optimizer: bool | None = None
+    """Whether ZeRO-1 reduces the gradients (default and required: ``optimizer_config``'s
+    ``zero_one_enabled``)."""
+
+    use_model_wrapper: bool | None = None
+    """NxD's flag: always true under ``initialize_parallel_model`` (False is an error)."""
+
+    use_optimizer_wrapper: bool | None = None
+    """Who averages gradients over data parallelism: True, the optimizer wrapper; False, the
+    pipeline after each step (then ``initialize_parallel_optimizer`` refuses the config);
+    None, the optimizer wrapper if one is built over the model's parameters, else the model."""
+
+    auto_partition: bool = False
+    """Choose the cuts (after transformer layers) that balance the stages' compute."""
+
+    virtual_pipeline_size: int = 1
+    """Model chunks per rank (> 1: the interleaved 1F1B schedule)."""
+
+    schedule: str | None = None
+    """nxd: ``"1f1b"`` (default), ``"gpipe"``, ``"interleaved_1f1b"`` or ``"zb_h1"``."""
+
+    async_sends: bool | None = None
+    """nxd: non-blocking point-to-point transfers (default: on for gloo)."""
+
+    return_loss_on_cpu: bool = True
+    """Move the returned loss to the CPU (NxD's default; free on CPU)."""
+
+    deallocate_pipeline_outputs: bool = False
+    """NxD's XLA memory option; nxd frees sent activations anyway (accepted, logged)."""
+
+    def __post_init__(self) -> None:
+        from nxd_pipeline import SCHEDULE_NAMES
+
+        section = "pipeline_config"
+        check_positive_int(section, "num_microbatches", self.num_microbatches)
+        check_positive_int(section, "virtual_pipeline_size", self.virtual_pipeline_size)
+        for name in (
+            "return_mb_loss",
+            "broadcast_and_average_loss",
+            "auto_partition",
+            "return_loss_on_cpu",
+            "deallocate_pipeline_outputs",
+        ):
+            check_bool(section, name, getattr(self, name))
+        for name in ("use_zero1_optimizer", "use_model_wrapper", "use_optimizer_wrapper"):
+            if getattr(self, name) is not None:
+                check_bool(section, name, getattr(self, name))
+        if self.use_model_wrapper is False:
+            raise ValueError(
+                "pipeline_config['use_model_wrapper'] is False, but initialize_parallel_model "
+                "always wraps the model: leave it out or set it True"
+            )
+        if self.return_mb_loss and self.broadcast_and_average_loss:
+            raise ValueError(
+                "pipeline_config: 'return_mb_loss' and 'broadcast_and_average_loss' are "
+                "exclusive (broadcast_and_average_loss needs return_mb_loss=False)"
+            )
+        if self.auto_partition and self.pipeline_cuts:
+            raise ValueError(
+                f"pipeline_config: 'auto_partition' chooses the cuts itself; got "
+                f"'pipeline_cuts'={self.pipeline_cuts}"
+            )
+        for name in ("pipeline_cuts", "input_names"):
+            value = getattr(self, name)
+            if value is not None and (
+                not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value)
+            ):
+                raise TypeError(f"pipeline_config[{name!r}] must be a list of str, got {value!r}")
+        _check_classes(section, "leaf_module_cls", self.leaf_module_cls)
+        if self.transformer_layer_cls is not None and not isinstance(
+            self.transformer_layer_cls, (type, str)
+        ):
+            raise TypeError(
+                f"pipeline_config['transformer_layer_cls'] must be a class or a class name, "
+                f"got {self.transformer_layer_cls!r}"
+            )
+        if self.schedule is not None:
+            check_choice(section, "schedule", self.schedule, SCHEDULE_NAMES)
+        if isinstance(self.tracer_cls, str):
+            check_choice(section, "tracer_cls", self.tracer_cls, ("torch", "hf"))
+        if self.param_init_fn is not None and not callable(self.param_init_fn):
+            raise TypeError(
+                f"pipeline_config['param_init_fn'] must be callable, got {self.param_init_fn!r}"
+            )
+
+    @property
+    def num_cuts(self) -> int:
+        return len(self.pipeline_cuts or ())
+
+    @classmethod
+    def from_nxd(cls, value: Any) -> PipelineConfig | None:
+        return None if value is None else _parse(cls, "pipeline_config", value)

@@ -1,0 +1,351 @@
+"""``initialize_parallel_model`` and ``initialize_parallel_optimizer``: NxD's two wrappers.
+
+The model is built in this order (each step explained where it happens):
+
+1. ``model_fn(*args, **kwargs)``, on the meta device with ``meta_device_init``, in waves of
+   ``sequential_move_factor`` local ranks (host memory);
+2. PP > 1: :class:`nxd_pipeline.NxDPPModel` traces it, keeps this rank's stages and
+   materialises only their parameters (``param_init_fn``); PP = 1: the meta parameters are
+   materialised, or the eager model is moved, onto this rank's device;
+3. sequence parallelism is checked against the model's layers;
+4. ``pad_model`` pads attention heads to a multiple of TP (a TP collective, so after the
+   waves), before LoRA so that adapters get the padded shapes;
+5. LoRA (``nxd_lora.LoRAModel``) wraps the model and freezes the base;
+6. activation checkpointing patches the chosen modules' forwards (names unchanged);
+7. :class:`~nxd_trainer.NxDModel` wraps the result.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+import nxd_state
+from nxd_trainer._materialize import as_module_init, build_in_waves, materialize_meta_module
+from nxd_trainer._model_info import ModelInfo, resolve_classes
+from nxd_trainer.activation_checkpoint import apply_activation_checkpointing
+from nxd_trainer.config import NxDConfig, initialize_model_parallel
+from nxd_trainer.model import NxDModel, claim_dp_reduction
+
+__all__ = [
+    "initialize_parallel_model",
+    "initialize_parallel_optimizer",
+    "optimizer_param_names",
+]
+
+logger = logging.getLogger(__name__)
+
+# Optimizer -> names of its parameters (in param-group order), for checkpoints by name.
+_PARAM_NAMES: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[str | None]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _model_parallel_state(config: NxDConfig) -> nxd_state.ParallelState:
+    """The current parallel state, created from ``config`` if there is none yet."""
+    if nxd_state.model_parallel_is_initialized():
+        state = nxd_state.get_parallel_state()
+        if (state.tensor_parallel_size, state.pipeline_parallel_size) != (
+            config.tensor_parallel_size,
+            config.pipeline_parallel_size,
+        ):
+            raise ValueError(
+                f"nxd_config says tensor_parallel_size={config.tensor_parallel_size}, "
+                f"pipeline_parallel_size={config.pipeline_parallel_size}, but model parallelism "
+                f"is initialised with {state.tensor_parallel_size} and "
+                f"{state.pipeline_parallel_size}"
+            )
+        return state
+    return initialize_model_parallel(config)
+
+
+# Building the model ----------------------------------------------------------------------
+def _call_model_fn(
+    config: NxDConfig, model_fn: Callable[..., Any], args: tuple, kwargs: dict
+) -> nn.Module:
+    if config.model_init_config.meta_device_init:
+        with torch.device("meta"):
+            model = model_fn(*args, **kwargs)
+    else:
+        model = model_fn(*args, **kwargs)
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"model_fn must return a torch.nn.Module, got {type(model).__name__} from "
+            f"{getattr(model_fn, '__qualname__', model_fn)!r}"
+        )
+    return model
+
+
+def _pipeline_kwargs(
+    config: NxDConfig,
+    model: nn.Module,
+    info: ModelInfo,
+    init: Callable[[nn.Module], None] | None,
+    device: torch.device,
+) -> dict[str, Any]:
+    """NxDPPModel's arguments from ``pipeline_config``."""
+    pipe = config.pipeline_config
+    assert pipe is not None  # NxDConfig requires it at PP > 1
+    tracer = pipe.tracer_cls if pipe.tracer_cls is not None else ("hf" if info.is_hf else None)
+    if tracer == "hf" and not pipe.input_names:
+        raise ValueError(
+            f"pipeline_config['input_names'] is required to trace the Hugging Face model "
+            f"{info.class_name} (e.g. ['input_ids', 'attention_mask', 'labels'])"
+        )
+    layer = pipe.transformer_layer_cls
+    if isinstance(layer, str):
+        layer = resolve_classes("pipeline_config['transformer_layer_cls']", [layer], model)[0]
+    leaves = resolve_classes(
+        "pipeline_config['leaf_module_cls']", pipe.leaf_module_cls or [], model
+    )
+    if pipe.deallocate_pipeline_outputs:
+        logger.info("deallocate_pipeline_outputs: nxd frees sent activations already")
+    # The DP reduction happens once per step: here only when the config says no optimizer
+    # wrapper will do it (use_zero1_optimizer is NxDPPModel's switch that skips its own).
+    pipeline_reduces = pipe.use_optimizer_wrapper is False and not (
+        config.optimizer_config.zero_one_enabled
+    )
+    return {
+        "transformer_layer_cls": layer,
+        "num_microbatches": pipe.num_microbatches,
+        "output_loss_value_spec": (
+            None if pipe.output_loss_value_spec is True else pipe.output_loss_value_spec
+        ),
+        "return_mb_loss": pipe.return_mb_loss,
+        "broadcast_and_average_loss": pipe.broadcast_and_average_loss,
+        "pipeline_cuts": list(pipe.pipeline_cuts) if pipe.pipeline_cuts else None,
+        "input_names": list(pipe.input_names) if pipe.input_names else None,
+        "leaf_module_cls": list(leaves),
+        "autowrap_functions": tuple(pipe.autowrap_functions or ()),
+        "autowrap_modules": tuple(pipe.autowrap_modules or ()),
+        "tracer_cls": tracer,
+        "param_init_fn": init,
+        "trace_file_path": pipe.trace_file_path,
+        "use_zero1_optimizer": not pipeline_reduces,
+        "auto_partition": pipe.auto_partition,
+        "virtual_pipeline_size": pipe.virtual_pipeline_size,
+        "schedule": pipe.schedule,
+        "device": device,
+        "async_sends": pipe.async_sends,
+    }
+
+
+def _build_local(
+    config: NxDConfig, model_fn: Callable[..., Any], args: tuple, kwargs: dict
+) -> tuple[nn.Module, nn.Module, ModelInfo]:
+    """Steps 1-2: (local model, the original model, its info)."""
+    device = nxd_state.current_device()
+    init = as_module_init(config.param_init_fn, device)
+    model = _call_model_fn(config, model_fn, args, kwargs)
+    info = ModelInfo.of(model)
+    if config.pipeline_parallel_size > 1:
+        from nxd_pipeline import NxDPPModel
+
+        return NxDPPModel(model, **_pipeline_kwargs(config, model, info, init, device)), model, info
+    if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):
+        if init is None:
+            raise ValueError(
+                "model_fn returned a model with meta-device tensors but no param_init_fn is set "
+                "(model_init_config['param_init_fn'])"
+            )
+        materialize_meta_module(model, device, init)
+    return nxd_state.move_model_to_device(model, device), model, info
+
+
+def _check_sequence_parallel(config: NxDConfig, original: nn.Module) -> None:
+    layers = [
+        name
+        for name, module in original.named_modules()
+        if getattr(module, "sequence_parallel_enabled", False)
+    ]
+    if config.sequence_parallel and not layers:
+        raise ValueError(
+            "sequence_parallel=True but no layer of the model was built with "
+            "sequence_parallel_enabled=True: build the TP layers with it (the config alone "
+            "does not change the model)"
+        )
+    if layers and not config.sequence_parallel:
+        raise ValueError(
+            f"layers {layers[:4]} run with sequence_parallel_enabled=True but the config has "
+            f"sequence_parallel=False: set sequence_parallel=True"
+        )
+
+
+def _pad(config: NxDConfig, model: nn.Module, info: ModelInfo) -> None:
+    from nxd_layers import pad_model
+
+    heads = getattr(getattr(model, "config", None), "num_attention_heads", None)
+    if not isinstance(heads, int):
+        raise ValueError(
+            f"pad_model=True needs a Hugging Face-style model with config.num_attention_heads; "
+            f"{info.class_name} has none"
+        )
+    pad_model(model, config.tensor_parallel_size, heads)
+
+
+def _checkpoint_classes(config: NxDConfig, original: nn.Module, info: ModelInfo) -> tuple:
+    setting = config.activation_checkpoint_config
+    if setting != "full":
+        classes = tuple(setting) if isinstance(setting, (list, tuple)) else (setting,)
+    else:
+        pipe = config.pipeline_config
+        layer = pipe.transformer_layer_cls if pipe is not None else None
+        if layer is not None:
+            classes = resolve_classes("pipeline_config['transformer_layer_cls']", [layer], original)
+        elif info.layer_classes:
+            classes = info.layer_classes
+        else:
+            raise ValueError(
+                "activation_checkpoint_config='full' recomputes every transformer layer: give "
+                "pipeline_config['transformer_layer_cls'] (a Hugging Face model's layers are "
+                "found from its _no_split_modules), or pass the layer classes themselves"
+            )
+    if not any(isinstance(m, classes) for m in original.modules()):
+        names = [c.__name__ for c in classes]
+        raise ValueError(f"activation_checkpoint_config: the model has no module of {names}")
+    return classes
+
+
+def _check_pipeline_reachable(stages: Iterable[nn.Module], names: list[str]) -> None:
+    """Each checkpointed module must run as a module call in its stage's graph (or inside
+    one); a module whose operations were traced into the graph would never be recomputed."""
+    calls: set[str] = set()
+    for stage in stages:
+        if isinstance(stage, fx.GraphModule):
+            calls.update(str(n.target) for n in stage.graph.nodes if n.op == "call_module")
+    inlined = [
+        name for name in names if not any(name == c or name.startswith(c + ".") for c in calls)
+    ]
+    if inlined:
+        raise ValueError(
+            f"activation checkpointing cannot apply to {inlined[:4]}: the pipeline traced "
+            f"through them (their operations are in the stage graph, not a module call). Add "
+            f"their class to pipeline_config['leaf_module_cls'] (torch.fx tracing); the "
+            f"torch.export route (tracer_cls='hf') keeps no module calls"
+        )
+
+
+def initialize_parallel_model(
+    nxd_config: dict[str, Any] | NxDConfig,
+    model_fn: Callable[..., nn.Module],
+    *model_args: Any,
+    **model_kwargs: Any,
+) -> NxDModel:
+    """NxD's model wrapper: build ``model_fn(*model_args, **model_kwargs)`` with every option
+    of ``nxd_config`` applied, on this rank's device; returns an :class:`NxDModel`.
+
+    ``model_fn`` must not communicate (ranks build it in waves).
+    """
+    config = NxDConfig.from_nxd(nxd_config)
+    if not callable(model_fn):
+        raise TypeError(f"model_fn must be callable, got {type(model_fn).__name__}")
+    _model_parallel_state(config)
+    if config.lora_enabled and config.pipeline_parallel_size > 1:
+        raise ValueError(
+            "lora_config with pipeline_parallel_size > 1 is not supported yet: LoRA runs at "
+            "pipeline_parallel_size=1 (any TP/DP)"
+        )
+    local, original, info = build_in_waves(
+        config.model_init_config.sequential_move_factor,
+        lambda: _build_local(config, model_fn, model_args, model_kwargs),
+        nxd_state.current_device(),
+    )
+    _check_sequence_parallel(config, original)
+    if config.pad_model:
+        _pad(config, local, info)
+    if config.lora_enabled:
+        from nxd_lora import LoRAModel
+
+        local = LoRAModel(local, config.lora_config)
+    if config.activation_checkpoint_config is not None:
+        classes = _checkpoint_classes(config, original, info)
+        if config.pipeline_parallel_size > 1:
+            named = list(local.local_named_modules())
+            done = apply_activation_checkpointing(named, classes)
+            _check_pipeline_reachable(local.stages.values(), done)
+        else:
+            apply_activation_checkpointing(local.named_modules(), classes)
+    del original  # at PP > 1 only the local stages stay referenced
+    return NxDModel(local, config, info)
+
+
+# The optimizer ------------------------------------------------------------------------------
+def _trainable(parameters: list[Any]) -> list[Any]:
+    """Drop frozen parameters (LoRA's base): ZeRO-1 shards trainable ones only."""
+    out = []
+    for item in parameters:
+        if isinstance(item, dict):
+            out.append({**item, "params": [p for p in item["params"] if p.requires_grad]})
+        elif item.requires_grad:
+            out.append(item)
+    return [g for g in out if not isinstance(g, dict) or g["params"]]
+
+
+def initialize_parallel_optimizer(
+    nxd_config: dict[str, Any] | NxDConfig,
+    optimizer_class: type[torch.optim.Optimizer],
+    parameters: Iterable[Any],
+    **defaults: Any,
+) -> torch.optim.Optimizer:
+    """NxD's optimizer wrapper: ``optimizer_class(parameters, **defaults)`` inside
+    :class:`nxd_optim.NxDOptimizer`, set up from ``optimizer_config`` and
+    ``mixed_precision_config``.
+
+    ``step()`` sums sequence-parallel gradients over TP, averages gradients over DP once
+    (all-reduce, or ZeRO-1's reduce-scatter), clips the global norm across TP/PP/DP (read it
+    as ``optimizer.grad_norm``), steps (fp32 masters for bf16 parameters when set) and, with
+    ZeRO-1, all-gathers the parameters. Gradients of several ``run_train`` calls accumulate
+    until ``step()``.
+    """
+    from nxd_optim import NxDOptimizer
+    from nxd_optim import OptimizerConfig as NxDOptimConfig
+
+    config = NxDConfig.from_nxd(nxd_config)
+    is_class = isinstance(optimizer_class, type)
+    if not (is_class and issubclass(optimizer_class, torch.optim.Optimizer)):
+        raise TypeError(
+            f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}"
+        )
+    pipe = config.pipeline_config
+    pipelined = config.pipeline_parallel_size > 1 and pipe is not None
+    if pipelined and pipe.use_optimizer_wrapper is False:
+        raise ValueError(
+            "pipeline_config['use_optimizer_wrapper'] is False (the pipeline averages gradients "
+            "over DP itself), so the optimizer wrapper would average them a second time: set it "
+            "True or leave it out to use initialize_parallel_optimizer"
+        )
+    params = list(parameters)
+    if config.optimizer_config.zero_one_enabled:
+        params = _trainable(params)
+    if not params:
+        raise ValueError("initialize_parallel_optimizer got no (trainable) parameters")
+    _model_parallel_state(config)
+    opt, mixed = config.optimizer_config, config.mixed_precision_config
+    optim_config = NxDOptimConfig(
+        zero_one_enabled=opt.zero_one_enabled,
+        grad_clipping=opt.grad_clipping,
+        max_grad_norm=opt.max_grad_norm,
+        norm_type=opt.norm_type,
+        bucket_cap_mb=opt.bucket_cap_mb,
+        use_master_weights=bool(mixed.use_master_weights),
+        use_fp32_grad_acc=bool(mixed.use_fp32_grad_acc),
+        use_master_weights_in_ckpt=mixed.use_master_weights_in_ckpt,
+    )
+    optimizer = NxDOptimizer(params, optimizer_class, config=optim_config, **defaults)
+    flat = [p for item in params for p in (item["params"] if isinstance(item, dict) else [item])]
+    models = claim_dp_reduction(flat)
+    names = {id(p): n for model in models for n, p in model.named_parameters()}
+    _PARAM_NAMES[optimizer] = [names.get(id(p)) for p in flat]
+    return optimizer
+
+
+def optimizer_param_names(optimizer: torch.optim.Optimizer) -> list[str | None] | None:
+    """Names (in the wrapped model) of an optimizer's parameters, in param-group order, for
+    saving its state by name; None for an optimizer not built by
+    :func:`initialize_parallel_optimizer` (a name is None for a parameter of no NxDModel)."""
+    return _PARAM_NAMES.get(optimizer)

@@ -1,0 +1,214 @@
+"""The config without processes: NxD's defaults, the dict round trip, and every bad input the
+config can see (unknown keys with a suggestion, contradictions, impossible degrees)."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+
+from nxd_lora import LoraConfig
+from nxd_trainer import (
+    MixedPrecisionConfig,
+    ModelInitConfig,
+    NxDConfig,
+    OptimizerConfig,
+    PipelineConfig,
+)
+from nxd_trainer.testing import Block, CoreAttention
+
+
+def test_defaults_are_nxds() -> None:
+    d = NxDConfig().to_nxd()
+    assert d["tensor_parallel_size"] == 1 and d["pipeline_parallel_size"] == 1
+    assert d["pipeline_config"] is None and d["lora_config"] is None
+    assert d["activation_checkpoint_config"] is None
+    assert d["pad_model"] is False and d["sequence_parallel"] is False
+    opt = d["optimizer_config"]
+    assert (opt["zero_one_enabled"], opt["grad_clipping"], opt["max_grad_norm"]) == (
+        False,
+        True,
+        1.0,
+    )
+    assert d["model_init_config"] == {
+        "sequential_move_factor": 11,
+        "meta_device_init": False,
+        "param_init_fn": None,
+    }
+    # NxD: master weights and fp32 accumulation follow zero_one_enabled unless set.
+    assert d["mixed_precision_config"] == {
+        "use_master_weights": False,
+        "use_fp32_grad_acc": False,
+        "use_master_weights_in_ckpt": False,
+    }
+    zero1 = NxDConfig(optimizer_config={"zero_one_enabled": True}).mixed_precision_config
+    assert (zero1.use_master_weights, zero1.use_fp32_grad_acc) == (True, True)
+    explicit = NxDConfig(
+        optimizer_config={"zero_one_enabled": True},
+        mixed_precision_config={"use_fp32_grad_acc": False},
+    ).mixed_precision_config
+    assert (explicit.use_master_weights, explicit.use_fp32_grad_acc) == (True, False)
+
+
+def test_dict_round_trip_keeps_every_setting() -> None:
+    def init(module: torch.nn.Module) -> None:
+        pass
+
+    config = NxDConfig(
+        tensor_parallel_size=2,
+        pipeline_parallel_size=2,
+        pipeline_config={
+            "transformer_layer_cls": Block,
+            "num_microbatches": 4,
+            "pipeline_cuts": ["blocks.1"],
+            "input_names": ["input_ids", "labels"],
+            "leaf_module_cls": ["Embed", "Head"],
+            "use_optimizer_wrapper": True,
+            "trace_file_path": None,
+        },
+        optimizer_config={"zero_one_enabled": True, "max_grad_norm": 0.5},
+        activation_checkpoint_config=[CoreAttention],
+        sequence_parallel=True,
+        model_init_config={"meta_device_init": True, "param_init_fn": init},
+        lora_config=LoraConfig(enable_lora=False),
+    )
+    d = config.to_nxd()
+    assert d["pipeline_config"]["num_microbatches"] == 4  # scripts index NxD's dict
+    again = NxDConfig.from_nxd(d)
+    assert again.to_nxd() == d
+    assert again.param_init_fn is init
+    assert isinstance(again.pipeline_config, PipelineConfig)
+    assert isinstance(again.optimizer_config, OptimizerConfig)
+    assert isinstance(again.model_init_config, ModelInitConfig)
+    assert isinstance(again.mixed_precision_config, MixedPrecisionConfig)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "pattern"),
+    [
+        # unknown keys: named, with the closest valid key
+        (
+            {"optimizer_config": {"zero_one_enable": True}},
+            ValueError,
+            r"unknown optimizer_config key 'zero_one_enable' \(did you mean 'zero_one_enabled'",
+        ),
+        (
+            {"model_init_config": {"meta_device": True}},
+            ValueError,
+            r"'meta_device' \(did you mean 'meta_device_init'",
+        ),
+        (
+            {"mixed_precision_config": {"use_master_weight": True}},
+            ValueError,
+            r"did you mean 'use_master_weights'",
+        ),
+        (
+            {"pipeline_config": {"num_microbatch": 2}},
+            ValueError,
+            r"'num_microbatch' \(did you mean 'num_microbatches'",
+        ),
+        (
+            {"activation_checkpoint_config": "Full"},
+            ValueError,
+            r"got 'Full' \(did you mean 'full'",
+        ),
+        ({"pipeline_config": {"schedule": "1fb1"}}, ValueError, r"did you mean '1f1b'"),
+        # wrong types and values
+        ({"optimizer_config": [("zero_one_enabled", True)]}, TypeError, "must be a dict"),
+        ({"optimizer_config": {"zero_one_enabled": 1}}, TypeError, "must be a bool"),
+        ({"optimizer_config": {"max_grad_norm": -1.0}}, ValueError, "positive finite"),
+        ({"optimizer_config": {"max_grad_norm": math.inf}}, ValueError, "positive finite"),
+        ({"tensor_parallel_size": 0}, ValueError, "tensor_parallel_size'] must be a positive"),
+        ({"pipeline_parallel_size": 1.5}, ValueError, "pipeline_parallel_size'] must be"),
+        (
+            {"model_init_config": {"sequential_move_factor": 33}},
+            ValueError,
+            r"in \[1, 32\]",
+        ),
+        ({"activation_checkpoint_config": Block(8, 2, False, False, 0.0)}, TypeError, "classes"),
+        ({"lora_config": {"enable_lora": True}}, TypeError, "nxd_lora.LoraConfig"),
+        ({"expert_parallel_size": 2}, ValueError, "no expert parallelism"),
+        # the issue's bad inputs the config can see
+        (
+            {"model_init_config": {"meta_device_init": True}},
+            ValueError,
+            r"meta_device_init'\] is True but no 'param_init_fn'",
+        ),
+        (
+            {"sequence_parallel": True},
+            ValueError,
+            "sequence_parallel=True needs tensor_parallel_size > 1",
+        ),
+        ({"pipeline_parallel_size": 2}, ValueError, "needs pipeline_config"),
+        (
+            {"pipeline_parallel_size": 2, "pipeline_config": {"num_microbatches": 2}},
+            ValueError,
+            r"2 stages need pipeline_config\['pipeline_cuts'\]",
+        ),
+        (
+            {
+                "pipeline_parallel_size": 2,
+                "pipeline_config": {"pipeline_cuts": ["blocks.0", "blocks.1"]},
+            },
+            ValueError,
+            "has 2 cuts",
+        ),
+        (
+            {"pipeline_parallel_size": 2, "pipeline_config": {"auto_partition": True}},
+            ValueError,
+            "give 'transformer_layer_cls'",
+        ),
+        # contradictions
+        (
+            {
+                "optimizer_config": {"zero_one_enabled": True},
+                "pipeline_config": {"use_zero1_optimizer": False},
+            },
+            ValueError,
+            r"use_zero1_optimizer'\]=False contradicts",
+        ),
+        (
+            {"mixed_precision_config": {"use_master_weights_in_ckpt": True}},
+            ValueError,
+            "no master weights to save",
+        ),
+        (
+            {
+                "pipeline_config": {"param_init_fn": lambda m: None},
+                "model_init_config": {"param_init_fn": lambda m: None},
+            },
+            ValueError,
+            "different functions",
+        ),
+        (
+            {"pipeline_config": {"return_mb_loss": True, "broadcast_and_average_loss": True}},
+            ValueError,
+            "exclusive",
+        ),
+        ({"pipeline_config": {"use_model_wrapper": False}}, ValueError, "always wraps"),
+        (
+            {"pipeline_parallel_size": 2, "pad_model": True},
+            ValueError,
+            "pipeline_parallel_size=1 only",
+        ),
+    ],
+)
+def test_bad_config_names_the_key(kwargs: dict, error: type, pattern: str) -> None:
+    with pytest.raises(error, match=pattern):
+        NxDConfig(**kwargs)
+
+
+def test_top_level_unknown_key() -> None:
+    with pytest.raises(ValueError, match=r"'tensor_paralel_size' \(did you mean"):
+        NxDConfig.from_nxd({"tensor_paralel_size": 2})
+    with pytest.raises(TypeError, match="dict returned by neuronx_distributed_config"):
+        NxDConfig.from_nxd([("tensor_parallel_size", 2)])  # type: ignore[arg-type]
+
+
+def test_degrees_must_divide_the_world() -> None:
+    config = NxDConfig(tensor_parallel_size=3)
+    with pytest.raises(ValueError, match=re.escape("= 3 does not divide world_size(8)")):
+        config.check_world(8)
+    assert config.check_world(6).data_parallel_size == 2
