@@ -31,6 +31,7 @@ __all__ = [
     "mark_sequence_parallel_parameter",
     "merge_shards",
     "param_is_not_tensor_parallel_duplicate",
+    "pick_tensor_parallel_group",
     "resolve_tensor_parallel_group",
     "set_tensor_model_parallel_attributes",
     "shard_for_rank",
@@ -59,31 +60,42 @@ def divide(numerator: int, denominator: int) -> int:
 
 
 def set_tensor_model_parallel_attributes(
-    param: torch.Tensor, is_parallel: bool, dim: int, stride: int = 1
+    tensor: torch.Tensor, is_parallel: bool, dim: int, stride: int = 1
 ) -> None:
-    """Tag ``param`` with how it is sharded over TP (see the module docstring)."""
-    param.tensor_model_parallel = is_parallel  # type: ignore[attr-defined]
-    param.partition_dim = dim  # type: ignore[attr-defined]
-    param.partition_stride = stride  # type: ignore[attr-defined]
+    """Tag ``tensor`` with how it is sharded over TP (see the module docstring)."""
+    tensor.tensor_model_parallel = is_parallel  # type: ignore[attr-defined]
+    tensor.partition_dim = dim  # type: ignore[attr-defined]
+    tensor.partition_stride = stride  # type: ignore[attr-defined]
 
 
-def set_defaults_if_not_set_tensor_model_parallel_attributes(param: torch.Tensor) -> None:
+def set_defaults_if_not_set_tensor_model_parallel_attributes(tensor: torch.Tensor) -> None:
     """Give an untagged parameter the replicated defaults."""
     for name, value in _TP_ATTRIBUTE_DEFAULTS.items():
-        if not hasattr(param, name):
-            setattr(param, name, value)
+        if not hasattr(tensor, name):
+            setattr(tensor, name, value)
 
 
-def copy_tensor_model_parallel_attributes(destination: torch.Tensor, source: torch.Tensor) -> None:
-    """Copy the sharding attributes of ``source`` onto ``destination``."""
+def copy_tensor_model_parallel_attributes(
+    destination_tensor: torch.Tensor, source_tensor: torch.Tensor
+) -> None:
+    """Copy the sharding attributes of ``source_tensor`` onto ``destination_tensor``."""
     for name in (*_TP_ATTRIBUTE_DEFAULTS, "sequence_parallel_enabled", "tensor_parallel_replicas"):
-        if hasattr(source, name):
-            setattr(destination, name, getattr(source, name))
+        if hasattr(source_tensor, name):
+            setattr(destination_tensor, name, getattr(source_tensor, name))
 
 
-def param_is_not_tensor_parallel_duplicate(param: torch.Tensor, tensor_parallel_rank: int) -> bool:
-    """True if this rank's copy of ``param`` counts once over TP (sharded, or TP rank 0)."""
-    return bool(getattr(param, "tensor_model_parallel", False)) or tensor_parallel_rank == 0
+def param_is_not_tensor_parallel_duplicate(
+    param: torch.Tensor, tensor_parallel_rank: int | None = None
+) -> bool:
+    """True if this rank's copy of ``param`` counts once over TP (sharded, or TP rank 0).
+
+    ``tensor_parallel_rank`` defaults to this process's rank in the current TP group (NxD's
+    one-argument form)."""
+    if getattr(param, "tensor_model_parallel", False):
+        return True
+    if tensor_parallel_rank is None:
+        tensor_parallel_rank = get_parallel_state().tensor_parallel_rank
+    return tensor_parallel_rank == 0
 
 
 def mark_sequence_parallel_parameter(param: torch.Tensor) -> torch.Tensor:
@@ -97,6 +109,27 @@ def resolve_tensor_parallel_group(group: ProcessGroup | None) -> ProcessGroup:
     if group is not None:
         return group
     return get_parallel_state().tensor_parallel_group
+
+
+def pick_tensor_parallel_group(
+    tensor_parallel_group: ProcessGroup | None,
+    tensor_model_parallel_group: ProcessGroup | None,
+    owner: str,
+) -> ProcessGroup:
+    """The group a layer was given under nxd's name or NxD's (``tensor_model_parallel_group``),
+    else the current TP group; an error if both name different groups."""
+    if (
+        tensor_parallel_group is not None
+        and tensor_model_parallel_group is not None
+        and tensor_parallel_group is not tensor_model_parallel_group
+    ):
+        raise ValueError(
+            f"{owner}: tensor_parallel_group and tensor_model_parallel_group (NxD's name for the "
+            "same argument) name different groups; pass one of them"
+        )
+    if tensor_parallel_group is None:
+        tensor_parallel_group = tensor_model_parallel_group
+    return resolve_tensor_parallel_group(tensor_parallel_group)
 
 
 def tensor_parallel_rank_and_size(group: ProcessGroup | None) -> tuple[int, int]:

@@ -1,29 +1,55 @@
-"""Gradient norm and clipping over sharded parameters; sequence-parallel gradient sums.
+"""Gradient norm and clipping over sharded parameters; sequence-parallel and DP gradient sums.
 
 ||g||_p = (sum over every distinct element e of the full model of |g_e|^p)^(1/p). Each rank
 adds its TP-sharded gradients (divided by ``tensor_parallel_replicas`` when K/V replicas hold
-the same element several times) and its replicated gradients only on TP rank 0, then sums
-over TP (and PP when given). ``p = inf`` takes maxima instead.
+the same element several times) and its TP-replicated gradients once per TP group, then sums
+over the groups that hold disjoint parts of the model: TP and PP, plus the ZeRO-1 sharding
+group when the gradients are ZeRO-1 shards. ``p = inf`` takes maxima instead. Parameters
+marked ``shared`` (a tied copy counted elsewhere) are left out of the norm but clipped.
+
+Which groups are reduced over (NxD's rules, with nxd's explicit groups on top):
+
+* no group keyword (NxD's call): the current state's TP group and, when PP > 1, its PP group;
+* ``zero1_optimizer=True`` without ``zero1_optimizer_groups``: the whole world (every rank
+  holds a disjoint shard);
+* ``zero1_optimizer_groups``: TP and PP as above, then the ZeRO-1 sharding group, given as
+  NxD's replica groups (``get_data_parallel_group(as_list=True)``) or a ProcessGroup;
+* any of ``tensor_parallel_group`` / ``pipeline_parallel_group`` / ``data_parallel_group``:
+  exactly the groups passed (TP still defaults to the current state's).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
-from nxd_layers._attributes import param_is_not_tensor_parallel_duplicate
-from nxd_state import collectives, model_parallel_is_initialized
+from nxd_state import collectives, get_parallel_state, model_parallel_is_initialized
 
-__all__ = ["allreduce_sequence_parallel_gradients", "clip_grad_norm", "get_grad_norm"]
+__all__ = [
+    "allreduce_sequence_parallel_gradients",
+    "bucket_allreduce_gradients",
+    "clip_grad_norm",
+    "clip_grads_with_norm",
+    "get_grad_norm",
+    "param_is_not_shared",
+]
 
 logger = logging.getLogger(__name__)
 
 # Added to the norm before dividing, as torch.nn.utils.clip_grad_norm_ does.
 _CLIP_EPS = 1e-6
+# NxD's DP all-reduce bucket (ALLREDUCE_BUCKET_CAP_MB, default 512 MB).
+_BUCKET_CAP_MB = 512
+
+ReplicaGroups = Sequence[Sequence[int]]
 
 
 def _as_list(parameters: Iterable[torch.Tensor] | torch.Tensor) -> list[torch.Tensor]:
@@ -43,15 +69,100 @@ def _default_tp_group(group: ProcessGroup | None) -> ProcessGroup | None:
     if group is not None:
         return group
     if model_parallel_is_initialized():
-        from nxd_state import get_parallel_state
-
         return get_parallel_state().tensor_parallel_group
     return None
+
+
+def param_is_not_shared(param: torch.Tensor) -> bool:
+    """False for a parameter marked ``shared`` (a tied copy whose gradient is counted
+    elsewhere)."""
+    return not getattr(param, "shared", False)
+
+
+def _resolve_replica_groups(groups: ReplicaGroups | ProcessGroup) -> ProcessGroup | None:
+    """The ProcessGroup of this rank for NxD's replica groups (lists of global ranks), found
+    among the current state's groups; None when every group is a single rank."""
+    if isinstance(groups, ProcessGroup):
+        return groups
+    wanted = sorted(sorted(int(r) for r in g) for g in groups)
+    if all(len(g) == 1 for g in wanted):
+        return None
+    world = dist.get_world_size()
+    if wanted == [list(range(world))]:
+        return dist.GroupMember.WORLD
+    if model_parallel_is_initialized():
+        state = get_parallel_state()
+        layout = state.layout
+        for family, group in (
+            (layout.data_parallel_groups(), state.data_parallel_group),
+            (layout.tensor_parallel_groups(), state.tensor_parallel_group),
+            (layout.pipeline_parallel_groups(), state.pipeline_parallel_group),
+            (layout.model_parallel_groups(), state.model_parallel_group),
+        ):
+            if wanted == sorted(sorted(g) for g in family):
+                return group
+    raise ValueError(
+        f"zero1_optimizer_groups {[list(g) for g in groups]} match none of the current parallel "
+        "state's groups (data, tensor, pipeline, model parallel or the world); pass a "
+        "torch.distributed ProcessGroup instead"
+    )
+
+
+@dataclass
+class _Reduction:
+    """The TP group used to count replicated gradients once, and the groups summed over."""
+
+    tp_group: ProcessGroup | None
+    groups: list[ProcessGroup] = field(default_factory=list)
+
+
+def _plan(
+    zero1_optimizer: bool,
+    zero1_optimizer_groups: ReplicaGroups | ProcessGroup | None,
+    tensor_parallel_group: ProcessGroup | None,
+    pipeline_parallel_group: ProcessGroup | None,
+    data_parallel_group: ProcessGroup | None,
+) -> _Reduction:
+    """Raise on contradictory arguments (on every rank, before any collective); see the module
+    docstring for the rules."""
+    if zero1_optimizer_groups is not None and not zero1_optimizer:
+        raise ValueError(
+            "zero1_optimizer_groups was given with zero1_optimizer=False: the groups are the "
+            "ZeRO-1 sharding groups, pass zero1_optimizer=True"
+        )
+    explicit = any(
+        g is not None for g in (tensor_parallel_group, pipeline_parallel_group, data_parallel_group)
+    )
+    tp_group = _default_tp_group(tensor_parallel_group)
+    if zero1_optimizer and zero1_optimizer_groups is None:
+        if explicit:
+            raise ValueError(
+                "zero1_optimizer=True without zero1_optimizer_groups reduces over the whole "
+                "world; do not also pass tensor/pipeline/data_parallel_group"
+            )
+        return _Reduction(tp_group, [dist.GroupMember.WORLD])
+    if zero1_optimizer_groups is not None and data_parallel_group is not None:
+        raise ValueError(
+            "zero1_optimizer_groups and data_parallel_group both name the group that holds "
+            "disjoint gradient shards; pass one of them"
+        )
+    pp_group = pipeline_parallel_group
+    if not explicit and model_parallel_is_initialized():
+        state = get_parallel_state()
+        pp_group = state.pipeline_parallel_group if state.pipeline_parallel_size > 1 else None
+    shard_group = data_parallel_group
+    if zero1_optimizer_groups is not None:
+        shard_group = _resolve_replica_groups(zero1_optimizer_groups)
+    groups = [g for g in (tp_group, pp_group, shard_group) if g is not None]
+    return _Reduction(tp_group, groups)
 
 
 def get_grad_norm(
     parameters: Iterable[torch.Tensor] | torch.Tensor,
     norm_type: float | int | str = 2,
+    zero1_optimizer: bool = False,
+    zero1_optimizer_groups: ReplicaGroups | ProcessGroup | None = None,
+    force_spmd: bool = True,
     *,
     tensor_parallel_group: ProcessGroup | None = None,
     pipeline_parallel_group: ProcessGroup | None = None,
@@ -59,43 +170,73 @@ def get_grad_norm(
 ) -> torch.Tensor:
     """||g||_p over the full (unsharded) model, as a float32 scalar on the gradients' device.
 
-    ``data_parallel_group`` is for gradients sharded over data-parallel ranks (ZeRO-1: each
-    rank holds a disjoint slice), summed over like pipeline stages; plain DP replicas hold
-    the same gradients and must not pass it.
+    ``force_spmd`` (NxD's): TP-replicated gradients are added on every TP rank and divided by
+    the TP size (True) or added on TP rank 0 only (False); the norm is the same either way.
+    See the module docstring for the groups reduced over.
     """
     p = _parse_norm_type(norm_type)
+    plan = _plan(
+        zero1_optimizer,
+        zero1_optimizer_groups,
+        tensor_parallel_group,
+        pipeline_parallel_group,
+        data_parallel_group,
+    )
     params = [param for param in _as_list(parameters) if param.grad is not None]
-    tp_group = _default_tp_group(tensor_parallel_group)
+    tp_group = plan.tp_group
     tp_rank = collectives.group_rank(tp_group) if tp_group is not None else 0
+    tp_size = collectives.group_size(tp_group) if tp_group is not None else 1
     device = params[0].grad.device if params else torch.device("cpu")
     total = torch.zeros((), dtype=torch.float32, device=device)
     for param in params:
-        if not param_is_not_tensor_parallel_duplicate(param, tp_rank):
+        if not param_is_not_shared(param):
             continue
+        weight = 1.0
+        if not getattr(param, "tensor_model_parallel", False):
+            if p == math.inf or force_spmd:
+                weight = 1.0 / tp_size
+            elif tp_rank != 0:
+                continue
         grad = param.grad.detach().float()
         if p == math.inf:
             total = torch.maximum(total, grad.abs().max() if grad.numel() else total)
+            continue
+        powered = grad.abs().pow(p)
+        replicas = getattr(param, "tensor_parallel_replicas", 1)
+        if isinstance(replicas, torch.Tensor):  # per-row copy counts (fused QKV)
+            rows = powered.reshape(replicas.numel(), -1).sum(dim=1)
+            total = total + (rows / replicas.to(rows.device)).sum() * weight
         else:
-            powered = grad.abs().pow(p)
-            replicas = getattr(param, "tensor_parallel_replicas", 1)
-            if isinstance(replicas, torch.Tensor):  # per-row copy counts (fused QKV)
-                rows = powered.reshape(replicas.numel(), -1).sum(dim=1)
-                total = total + (rows / replicas.to(rows.device)).sum()
-            else:
-                total = total + powered.sum() / replicas
+            total = total + powered.sum() * (weight / replicas)
     op = ReduceOp.MAX if p == math.inf else ReduceOp.SUM
-    if tp_group is not None:
-        collectives.all_reduce(total, group=tp_group, op=op)
-    for group in (pipeline_parallel_group, data_parallel_group):
-        if group is not None:
-            collectives.all_reduce(total, group=group, op=op)
+    for group in plan.groups:
+        collectives.all_reduce(total, group=group, op=op)
     return total if p == math.inf else total.pow(1.0 / p)
+
+
+def clip_grads_with_norm(
+    parameters: Iterable[torch.Tensor] | torch.Tensor,
+    total_norm: torch.Tensor,
+    max_norm: float | int,
+) -> torch.Tensor:
+    """g <- g * min(1, max_norm / (total_norm + 1e-6)) for every gradient; returns the norm.
+
+    No host sync (XLA-friendly): the factor is applied whether or not clipping is needed.
+    """
+    clip_coef = torch.clamp(float(max_norm) / (total_norm + _CLIP_EPS), max=1.0)
+    for param in _as_list(parameters):
+        if param.grad is not None:
+            param.grad.detach().mul_(clip_coef.to(param.grad.device, param.grad.dtype))
+    return total_norm
 
 
 def clip_grad_norm(
     parameters: Iterable[torch.Tensor] | torch.Tensor,
     max_norm: float | int,
     norm_type: float | int | str = 2,
+    zero1_optimizer: bool = False,
+    zero1_optimizer_groups: ReplicaGroups | ProcessGroup | None = None,
+    force_spmd: bool = True,
     *,
     tensor_parallel_group: ProcessGroup | None = None,
     pipeline_parallel_group: ProcessGroup | None = None,
@@ -103,10 +244,8 @@ def clip_grad_norm(
 ) -> torch.Tensor:
     """g <- g * min(1, max_norm / (||g||_p + 1e-6)); returns ||g||_p before clipping.
 
-    The norm is that of the full model (see :func:`get_grad_norm`), so every TP/PP rank
-    scales by the same factor. ``tensor_parallel_group`` defaults to the current state's TP
-    group; the PP group, and the DP group of ZeRO-1-sharded gradients, are reduced over only
-    when given.
+    The norm is that of the full model (:func:`get_grad_norm`, same arguments), so every rank
+    scales by the same factor.
     """
     if float(max_norm) < 0 or math.isnan(float(max_norm)):
         raise ValueError(f"max_norm must be a non-negative number, got {max_norm!r}")
@@ -114,28 +253,35 @@ def clip_grad_norm(
     total_norm = get_grad_norm(
         params,
         norm_type,
+        zero1_optimizer,
+        zero1_optimizer_groups,
+        force_spmd,
         tensor_parallel_group=tensor_parallel_group,
         pipeline_parallel_group=pipeline_parallel_group,
         data_parallel_group=data_parallel_group,
     )
-    # No host sync (XLA-friendly): scale by min(1, coef) whether or not clipping is needed.
-    clip_coef = torch.clamp(float(max_norm) / (total_norm + _CLIP_EPS), max=1.0)
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug("gradient norm %.4g, max_norm %s", float(total_norm), max_norm)
-    for param in params:
-        if param.grad is not None:
-            param.grad.detach().mul_(clip_coef.to(param.grad.device, param.grad.dtype))
-    return total_norm
+    return clip_grads_with_norm(params, total_norm, max_norm)
+
+
+def _parameters_of(source: Any) -> list[torch.Tensor]:
+    """The parameters of an optimizer (its param groups, NxD's argument) or an iterable."""
+    if hasattr(source, "param_groups"):
+        return [p for group in source.param_groups for p in group["params"]]
+    return _as_list(source)
 
 
 def allreduce_sequence_parallel_gradients(
-    parameters: Iterable[torch.Tensor], group: ProcessGroup | None = None
+    parameters: Any, group: ProcessGroup | None = None
 ) -> None:
     """g <- sum over TP of g, for parameters marked ``sequence_parallel_enabled``.
 
-    Under sequence parallelism a replicated parameter (a norm weight) sees only this rank's
-    sequence shard, so its gradient is partial. The gradients are flattened into one buffer
-    per dtype and reduced with one all-reduce each.
+    ``parameters``: an iterable of parameters, or an optimizer (NxD's argument: its param
+    groups). Under sequence parallelism a replicated parameter (a norm weight) sees only this
+    rank's sequence shard, so its gradient is partial. The gradient (``main_grad`` when a
+    parameter has no ``grad``) is flattened into one buffer per dtype and reduced with one
+    all-reduce each.
     """
     tp_group = _default_tp_group(group)
     if tp_group is None:
@@ -144,13 +290,29 @@ def allreduce_sequence_parallel_gradients(
             "or call nxd_state.initialize_model_parallel first"
         )
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for param in parameters:
-        if getattr(param, "sequence_parallel_enabled", False) and param.grad is not None:
-            by_dtype.setdefault(param.grad.dtype, []).append(param.grad)
+    for param in _parameters_of(parameters):
+        if not getattr(param, "sequence_parallel_enabled", False):
+            continue
+        grad = param.grad if param.grad is not None else getattr(param, "main_grad", None)
+        if grad is not None:
+            by_dtype.setdefault(grad.dtype, []).append(grad)
     for grads in by_dtype.values():
-        flat = torch.cat([grad.reshape(-1) for grad in grads])
-        collectives.all_reduce(flat, group=tp_group)
-        offset = 0
-        for grad in grads:
-            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
-            offset += grad.numel()
+        collectives.all_reduce_bucketed(grads, tp_group, average=False, bucket_cap_bytes=2**62)
+
+
+def bucket_allreduce_gradients(
+    grads_list: Sequence[torch.Tensor], reduce_over_ep_group: bool = False
+) -> None:
+    """g <- mean over the data-parallel group of g, in buckets (NxD's DP gradient sync).
+
+    Buckets hold at most ``ALLREDUCE_BUCKET_CAP_MB`` (env, default 512) MB of one dtype, in
+    reverse order (last layers first). ``reduce_over_ep_group`` is the expert-parallel pass of
+    NxD; expert parallelism is 1 here, so that pass has nothing to reduce.
+    """
+    if reduce_over_ep_group:
+        return
+    cap = int(os.environ.get("ALLREDUCE_BUCKET_CAP_MB", _BUCKET_CAP_MB)) * 2**20
+    group = get_parallel_state().data_parallel_group
+    collectives.all_reduce_bucketed(
+        list(reversed(list(grads_list))), group, average=True, bucket_cap_bytes=cap
+    )

@@ -4,6 +4,7 @@ Weights are stored as in ``torch.nn.Linear`` (``W = A^T``, shape ``(out, in)``),
 ``Y = X W^T + b``. ColumnParallelLinear splits W along its rows (A's columns), RowParallelLinear
 along its columns (A's rows); a Column followed by a Row needs one all-reduce forward and one
 backward, or under sequence parallelism one all-gather and one reduce-scatter each way.
+Both derive from :class:`BaseParallelLinear`, NxD's common base (as does the GQA QKV layer).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from nxd_layers._attributes import (
     ParallelModuleMixin,
     divide,
     mark_sequence_parallel_parameter,
-    resolve_tensor_parallel_group,
+    merge_shards,
+    pick_tensor_parallel_group,
     set_tensor_model_parallel_attributes,
     tensor_parallel_rank_and_size,
 )
@@ -32,7 +34,7 @@ from nxd_layers._init import (
     sharded_parameter,
 )
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "check_input"]
+__all__ = ["BaseParallelLinear", "ColumnParallelLinear", "RowParallelLinear", "check_input"]
 
 
 def check_input(
@@ -71,16 +73,14 @@ def _sharded_weight(
     stride: int,
     dtype: torch.dtype,
     device: torch.device | str | None,
-    init_method: InitMethod | None,
+    init_method: InitMethod,
 ) -> tuple[nn.Parameter, torch.Tensor | None]:
     """This rank's slice of W (``full_shape`` = (out, in)) along ``partition_dim``, tagged.
 
     W is built whole from the seed and sliced (none on the meta device), so every TP degree
     holds the same model; the master is returned for ``keep_master_weight``.
     """
-    master = (
-        None if is_meta(device) else init_master(full_shape, init_method or default_linear_init)
-    )
+    master = None if is_meta(device) else init_master(full_shape, init_method)
     shard_shape = list(full_shape)
     shard_shape[partition_dim] = divide(full_shape[partition_dim], tp)
     weight = sharded_parameter(
@@ -97,13 +97,33 @@ def _sharded_weight(
     return weight, master
 
 
-class ColumnParallelLinear(ParallelModuleMixin, nn.Module):
+class BaseParallelLinear(ParallelModuleMixin, nn.Module):
+    """The base NxD's tensor-parallel linear layers share (``isinstance`` checks in user code).
+
+    Holds the TP group (``tensor_parallel_group``, shared by deep copies) and NxD's
+    initialisation hooks: ``arg_init_method`` (the ``init_method`` argument, None for
+    ``torch.nn.Linear``'s default) applied by :meth:`_init_weight`.
+    """
+
+    arg_init_method: InitMethod | None = None
+
+    def _init_weight(self, weight: torch.Tensor) -> None:
+        """W <- init_method(W), or U(-1/sqrt(fan_in), 1/sqrt(fan_in)) as ``torch.nn.Linear``."""
+        (self.arg_init_method or default_linear_init)(weight)
+
+
+class ColumnParallelLinear(BaseParallelLinear):
     """Y = X A + b, A split along its columns: A = [A_1, ..., A_p], Y_i = X A_i + b_i.
 
     ``weight`` is this rank's ``(output_size / tp, input_size)`` slice of W = A^T. With
-    ``gather_output`` every rank gets Y, else its Y_i. With ``sequence_parallel_enabled`` the
-    3-D input is this rank's sequence shard and is all-gathered along ``sequence_dimension``
-    first. ``skip_bias_add`` returns ``(Y without bias, bias)`` for fusing the add later.
+    ``gather_output`` every rank gets Y = [X A_1, ..., X A_p] + b: as in NxD the bias is then
+    the full ``(output_size,)`` vector, replicated on every rank (not TP-sharded, so gradient
+    norms count it once) and added after the gather; without it each rank gets Y_i and holds
+    its ``(output_size / tp,)`` slice b_i. With ``stride`` > 1 the gathered features are put
+    back in W's order. With ``sequence_parallel_enabled`` the 3-D input is this rank's
+    sequence shard and is all-gathered along ``sequence_dimension`` first. ``skip_bias_add``
+    returns ``(Y without bias, bias)`` for fusing the add later.
+    ``tensor_model_parallel_group`` is NxD's name for ``tensor_parallel_group``.
     """
 
     def __init__(
@@ -121,10 +141,14 @@ class ColumnParallelLinear(ParallelModuleMixin, nn.Module):
         skip_bias_add: bool = False,
         sequence_dimension: int = 0,
         tensor_parallel_group: ProcessGroup | None = None,
+        *,
+        tensor_model_parallel_group: ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         _check_sizes(type(self).__name__, input_size=input_size, output_size=output_size)
-        self.tensor_parallel_group = resolve_tensor_parallel_group(tensor_parallel_group)
+        self.tensor_parallel_group = pick_tensor_parallel_group(
+            tensor_parallel_group, tensor_model_parallel_group, type(self).__name__
+        )
         rank, tp = tensor_parallel_rank_and_size(self.tensor_parallel_group)
         if output_size % (tp * stride) != 0:
             raise ValueError(
@@ -139,25 +163,29 @@ class ColumnParallelLinear(ParallelModuleMixin, nn.Module):
         self.sequence_dimension = sequence_dimension
         self.skip_bias_add = skip_bias_add
         self.stride = stride
+        self.arg_init_method = init_method
 
         meta = is_meta(device)
         self.weight, master = _sharded_weight(
-            (output_size, input_size), 0, rank, tp, stride, dtype, device, init_method
+            (output_size, input_size), 0, rank, tp, stride, dtype, device, self._init_weight
         )
         self.master_weight = master if keep_master_weight else None
         if bias:
             master_bias = None if meta else init_master((output_size,), _bias_init(input_size))
+            sharded = not gather_output  # NxD: a gathered output gets the full, replicated bias
             self.bias = sharded_parameter(
                 master_bias,
-                (self.output_size_per_partition,),
-                partition_dim=0,
+                (self.output_size_per_partition if sharded else output_size,),
+                partition_dim=0 if sharded else None,
                 rank=rank,
                 world_size=tp,
                 stride=stride,
                 dtype=dtype,
                 device=device,
             )
-            set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
+            set_tensor_model_parallel_attributes(
+                self.bias, sharded, 0 if sharded else -1, stride if sharded else 1
+            )
         else:
             self.register_parameter("bias", None)
 
@@ -167,12 +195,20 @@ class ColumnParallelLinear(ParallelModuleMixin, nn.Module):
         )
         group = self.tensor_parallel_group
         if self.sequence_parallel_enabled:
-            x = mappings.gather_from_sequence_parallel_region(x, group, self.sequence_dimension)
+            x = mappings.gather_from_sequence_parallel_region(
+                x, self.sequence_dimension, process_group=group
+            )
         else:
             x = mappings.copy_to_tensor_model_parallel_region(x, group)
-        y = F.linear(x, self.weight, None if self.skip_bias_add else self.bias)
+        local_bias = None if self.skip_bias_add or self.gather_output else self.bias
+        y = F.linear(x, self.weight, local_bias)
         if self.gather_output:
             y = mappings.gather_from_tensor_model_parallel_region(y, group)
+            if self.stride > 1:  # rank-major [Y_0 | Y_1 | ...] back to W's feature order
+                shards = list(y.chunk(self.tensor_parallel_size, dim=-1))
+                y = merge_shards(shards, y.dim() - 1, self.stride)
+            if self.bias is not None and not self.skip_bias_add:
+                y = y + self.bias
         if self.skip_bias_add:
             return y, self.bias
         return y
@@ -186,7 +222,7 @@ class ColumnParallelLinear(ParallelModuleMixin, nn.Module):
         )
 
 
-class RowParallelLinear(ParallelModuleMixin, nn.Module):
+class RowParallelLinear(BaseParallelLinear):
     """Y = X A + b, A split along its rows and X along its columns: Y = sum_i X_i A_i + b.
 
     ``weight`` is this rank's ``(output_size, input_size / tp)`` slice of W = A^T; the bias is
@@ -195,6 +231,7 @@ class RowParallelLinear(ParallelModuleMixin, nn.Module):
     ``sequence_parallel_enabled`` the partial sums are reduce-scattered along
     ``sequence_dimension`` instead of all-reduced (the bias is then marked sequence-parallel:
     its gradient must be summed over TP with ``allreduce_sequence_parallel_gradients``).
+    ``tensor_model_parallel_group`` is NxD's name for ``tensor_parallel_group``.
     """
 
     def __init__(
@@ -212,6 +249,8 @@ class RowParallelLinear(ParallelModuleMixin, nn.Module):
         skip_bias_add: bool = False,
         sequence_dimension: int = 0,
         tensor_parallel_group: ProcessGroup | None = None,
+        *,
+        tensor_model_parallel_group: ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         _check_sizes(type(self).__name__, input_size=input_size, output_size=output_size)
@@ -220,7 +259,9 @@ class RowParallelLinear(ParallelModuleMixin, nn.Module):
                 "RowParallelLinear: sequence_parallel_enabled=True requires "
                 "input_is_parallel=True (the input must come from a column-parallel layer)"
             )
-        self.tensor_parallel_group = resolve_tensor_parallel_group(tensor_parallel_group)
+        self.tensor_parallel_group = pick_tensor_parallel_group(
+            tensor_parallel_group, tensor_model_parallel_group, type(self).__name__
+        )
         rank, tp = tensor_parallel_rank_and_size(self.tensor_parallel_group)
         if input_size % (tp * stride) != 0:
             raise ValueError(
@@ -235,10 +276,11 @@ class RowParallelLinear(ParallelModuleMixin, nn.Module):
         self.sequence_dimension = sequence_dimension
         self.skip_bias_add = skip_bias_add
         self.stride = stride
+        self.arg_init_method = init_method
 
         meta = is_meta(device)
         self.weight, master = _sharded_weight(
-            (output_size, input_size), 1, rank, tp, stride, dtype, device, init_method
+            (output_size, input_size), 1, rank, tp, stride, dtype, device, self._init_weight
         )
         self.master_weight = master if keep_master_weight else None
         if bias:
@@ -267,7 +309,7 @@ class RowParallelLinear(ParallelModuleMixin, nn.Module):
         partial = F.linear(x, self.weight)
         if self.sequence_parallel_enabled:
             y = mappings.reduce_scatter_to_sequence_parallel_region(
-                partial, group, self.sequence_dimension
+                partial, self.sequence_dimension, process_group=group
             )
         else:
             y = mappings.reduce_from_tensor_model_parallel_region(partial, group)

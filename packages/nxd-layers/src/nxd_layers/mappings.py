@@ -16,8 +16,13 @@ gather_from_sequence_parallel_region       all-gather sequence     reduce-scatte
 reduce_scatter_to_sequence_parallel_region reduce-scatter seq.     all-gather sequence dim
 =========================================  ======================  =========================
 
-``group=None`` is the current nxd_state TP group; on a group of one rank every mapping is the
-identity (no autograd node). The sequence dimension defaults to 0 (NxD's
+NxD's ``*_with_dim`` variants gather / reduce-scatter along any dimension, and
+``scatter_input_channels_to_tensor_model_parallel_region`` splits dim 1 (the channels of an
+``[N, C, H, W]`` image, for the input-channel-parallel convolution).
+
+Signatures are NxD's: ``(input_, [sequence_dimension,] ..., process_group=None)``;
+``process_group=None`` is the current nxd_state TP group. On a group of one rank every mapping
+is the identity (no autograd node). The sequence dimension defaults to 0 (NxD's
 sequence-first ``[S, B, H]`` layout). Every collective goes through ``nxd_state.collectives``.
 """
 
@@ -35,8 +40,11 @@ __all__ = [
     "copy_to_tensor_model_parallel_region",
     "gather_from_sequence_parallel_region",
     "gather_from_tensor_model_parallel_region",
+    "gather_from_tensor_model_parallel_region_with_dim",
     "reduce_from_tensor_model_parallel_region",
     "reduce_scatter_to_sequence_parallel_region",
+    "reduce_scatter_to_tensor_model_parallel_region_with_dim",
+    "scatter_input_channels_to_tensor_model_parallel_region",
     "scatter_to_sequence_parallel_region",
     "scatter_to_tensor_model_parallel_region",
     "split_along_dim",
@@ -136,96 +144,141 @@ class _GatherFromSequenceParallel(torch.autograd.Function):
 
 class _ReduceScatterToSequenceParallel(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
-        ctx.dim, ctx.group = dim, group
+    def forward(
+        ctx: Any, x: torch.Tensor, dim: int, group: ProcessGroup, dtype: torch.dtype | None
+    ) -> torch.Tensor:
+        ctx.dim, ctx.group, ctx.dtype = dim, group, dtype
         return collectives.reduce_scatter(x.contiguous(), group=group, dim=dim)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return collectives.all_gather(grad, group=ctx.group, dim=ctx.dim), None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        if ctx.dtype is not None:  # NxD's ``dtype``: the gradient is gathered in this dtype
+            grad = grad.to(ctx.dtype)
+        return collectives.all_gather(grad, group=ctx.group, dim=ctx.dim), None, None, None
 
 
-def _group_if_parallel(group: ProcessGroup | None) -> ProcessGroup | None:
+def _group_if_parallel(process_group: ProcessGroup | None) -> ProcessGroup | None:
     """The resolved TP group, or None when it has one rank (every mapping is then identity)."""
-    resolved = resolve_tensor_parallel_group(group)
+    resolved = resolve_tensor_parallel_group(process_group)
     return resolved if collectives.group_size(resolved) > 1 else None
 
 
-def _check_sequence_dim(x: torch.Tensor, sequence_dimension: int, name: str) -> None:
-    if not -x.dim() <= sequence_dimension < x.dim():
-        raise ValueError(
-            f"{name}: sequence_dimension={sequence_dimension} is out of range for a "
-            f"{x.dim()}-D input of shape {tuple(x.shape)}"
+def _check_dim(x: torch.Tensor, dim: object, name: str, what: str = "sequence_dimension") -> int:
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(
+            f"{name}: {what} must be an int, got {dim!r} (NxD's argument order: input_, "
+            f"{what}, ..., process_group)"
         )
+    if not -x.dim() <= dim < x.dim():
+        raise ValueError(
+            f"{name}: {what}={dim} is out of range for a {x.dim()}-D input of shape "
+            f"{tuple(x.shape)}"
+        )
+    return dim
 
 
 def copy_to_tensor_model_parallel_region(
-    x: torch.Tensor, group: ProcessGroup | None = None
+    input_: torch.Tensor, process_group: ProcessGroup | None = None
 ) -> torch.Tensor:
     """Y = X; dL/dX = sum over TP of dL/dY (the input of a column-parallel region)."""
-    resolved = _group_if_parallel(group)
-    return x if resolved is None else _CopyToTensorParallel.apply(x, resolved)
+    resolved = _group_if_parallel(process_group)
+    return input_ if resolved is None else _CopyToTensorParallel.apply(input_, resolved)
 
 
 def reduce_from_tensor_model_parallel_region(
-    x: torch.Tensor, group: ProcessGroup | None = None
+    input_: torch.Tensor, process_group: ProcessGroup | None = None
 ) -> torch.Tensor:
     """Y = sum over TP of X_r; dL/dX_r = dL/dY (the output of a row-parallel region)."""
-    resolved = _group_if_parallel(group)
-    return x if resolved is None else _ReduceFromTensorParallel.apply(x, resolved)
+    resolved = _group_if_parallel(process_group)
+    return input_ if resolved is None else _ReduceFromTensorParallel.apply(input_, resolved)
 
 
 def scatter_to_tensor_model_parallel_region(
-    x: torch.Tensor, group: ProcessGroup | None = None
+    input_: torch.Tensor, process_group: ProcessGroup | None = None
 ) -> torch.Tensor:
     """Y_r = X[..., r-th chunk of the last dim]; backward all-gathers the last dim."""
-    resolved = _group_if_parallel(group)
-    return x if resolved is None else _ScatterToTensorParallel.apply(x, resolved)
+    resolved = _group_if_parallel(process_group)
+    return input_ if resolved is None else _ScatterToTensorParallel.apply(input_, resolved)
 
 
 def gather_from_tensor_model_parallel_region(
-    x: torch.Tensor, group: ProcessGroup | None = None
+    input_: torch.Tensor, process_group: ProcessGroup | None = None
 ) -> torch.Tensor:
     """Y = [X_0, ..., X_{n-1}] along the last dim; backward keeps this rank's chunk."""
-    resolved = _group_if_parallel(group)
-    return x if resolved is None else _GatherFromTensorParallel.apply(x, resolved)
+    resolved = _group_if_parallel(process_group)
+    return input_ if resolved is None else _GatherFromTensorParallel.apply(input_, resolved)
+
+
+def scatter_input_channels_to_tensor_model_parallel_region(
+    input_: torch.Tensor, process_group: ProcessGroup | None = None
+) -> torch.Tensor:
+    """Y_r = r-th chunk of X along dim 1 (the channels of [N, C, H, W]); backward all-gathers."""
+    _check_dim(input_, 1, "scatter_input_channels_to_tensor_model_parallel_region", "dim")
+    resolved = _group_if_parallel(process_group)
+    return input_ if resolved is None else _ScatterToSequenceParallel.apply(input_, 1, resolved)
 
 
 def scatter_to_sequence_parallel_region(
-    x: torch.Tensor, group: ProcessGroup | None = None, sequence_dimension: int = 0
+    input_: torch.Tensor, sequence_dimension: int = 0, process_group: ProcessGroup | None = None
 ) -> torch.Tensor:
     """Y_r = r-th chunk of X along the sequence dim; backward all-gathers it."""
-    _check_sequence_dim(x, sequence_dimension, "scatter_to_sequence_parallel_region")
-    resolved = _group_if_parallel(group)
-    return (
-        x if resolved is None else _ScatterToSequenceParallel.apply(x, sequence_dimension, resolved)
-    )
+    dim = _check_dim(input_, sequence_dimension, "scatter_to_sequence_parallel_region")
+    resolved = _group_if_parallel(process_group)
+    return input_ if resolved is None else _ScatterToSequenceParallel.apply(input_, dim, resolved)
 
 
 def gather_from_sequence_parallel_region(
-    x: torch.Tensor,
-    group: ProcessGroup | None = None,
+    input_: torch.Tensor,
     sequence_dimension: int = 0,
     to_model_parallel: bool = True,
+    process_group: ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Y = [X_0; ...; X_{n-1}] along the sequence dim.
 
     Backward: reduce-scatter (the consumer is a TP region whose ranks each produce a partial
     gradient), or with ``to_model_parallel=False`` a split (every rank's gradient is whole).
     """
-    _check_sequence_dim(x, sequence_dimension, "gather_from_sequence_parallel_region")
-    resolved = _group_if_parallel(group)
+    dim = _check_dim(input_, sequence_dimension, "gather_from_sequence_parallel_region")
+    resolved = _group_if_parallel(process_group)
     if resolved is None:
-        return x
-    return _GatherFromSequenceParallel.apply(x, sequence_dimension, resolved, to_model_parallel)
+        return input_
+    return _GatherFromSequenceParallel.apply(input_, dim, resolved, to_model_parallel)
 
 
 def reduce_scatter_to_sequence_parallel_region(
-    x: torch.Tensor, group: ProcessGroup | None = None, sequence_dimension: int = 0
+    input_: torch.Tensor,
+    sequence_dimension: int = 0,
+    process_group: ProcessGroup | None = None,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Y_r = r-th chunk along the sequence dim of sum over TP of X; backward all-gathers."""
-    _check_sequence_dim(x, sequence_dimension, "reduce_scatter_to_sequence_parallel_region")
-    resolved = _group_if_parallel(group)
+    """Y_r = r-th chunk along the sequence dim of sum over TP of X; backward all-gathers
+    (the gradient cast to ``dtype`` first when given)."""
+    dim = _check_dim(input_, sequence_dimension, "reduce_scatter_to_sequence_parallel_region")
+    resolved = _group_if_parallel(process_group)
     if resolved is None:
-        return x
-    return _ReduceScatterToSequenceParallel.apply(x, sequence_dimension, resolved)
+        return input_
+    return _ReduceScatterToSequenceParallel.apply(input_, dim, resolved, dtype)
+
+
+def gather_from_tensor_model_parallel_region_with_dim(
+    input_: torch.Tensor, gather_dim: int, process_group: ProcessGroup | None = None
+) -> torch.Tensor:
+    """Y = [X_0, ..., X_{n-1}] along ``gather_dim``; backward keeps this rank's chunk."""
+    name = "gather_from_tensor_model_parallel_region_with_dim"
+    dim = _check_dim(input_, gather_dim, name, "gather_dim")
+    resolved = _group_if_parallel(process_group)
+    if resolved is None:
+        return input_
+    return _GatherFromSequenceParallel.apply(input_, dim, resolved, False)
+
+
+def reduce_scatter_to_tensor_model_parallel_region_with_dim(
+    input_: torch.Tensor, partition_dim: int, process_group: ProcessGroup | None = None
+) -> torch.Tensor:
+    """Y_r = r-th chunk along ``partition_dim`` of sum over TP of X; backward all-gathers."""
+    name = "reduce_scatter_to_tensor_model_parallel_region_with_dim"
+    dim = _check_dim(input_, partition_dim, name, "partition_dim")
+    resolved = _group_if_parallel(process_group)
+    if resolved is None:
+        return input_
+    return _ReduceScatterToSequenceParallel.apply(input_, dim, resolved, None)

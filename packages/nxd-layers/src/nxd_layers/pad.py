@@ -1,10 +1,19 @@
 """Pad attention heads up to a multiple of the TP degree (NxD's ``pad_model``).
 
-With n heads and TP degree t, n' = ceil(n / t) * t heads divide evenly. Padding appends
-n' - n zero heads: the column-parallel Q/K/V projections get zero output rows and the
-row-parallel output projection zero input columns, both at the end of the *full* (unsharded)
-weight, which is then re-sharded. A zero head's attention output is a mean of zero values,
-and its output-projection columns are zero, so the model computes what it did before.
+With n heads and TP degree t, n' = ceil(n / t) * t heads divide evenly; every
+Column/RowParallelLinear of the padded region grows its sharded dim by n' / n.
+
+NxD's layout (the default): each rank zero-pads *its own shard* at the end, so rank r holds
+its original rows (Column) or columns (Row) followed by zeros, and the zeros are spread over
+the ranks: the per-rank state dicts are NxD's, so padded checkpoints interchange. A Column ->
+elementwise -> Row block computes what it did before (zero features meet zero weights). Under
+attention the original shard of a rank is not a whole number of heads when t does not divide
+n, so a padded local head mixes part of an original head with zeros and the attention output
+changes (in NxD as here).
+
+``head_aligned=True`` (nxd's extension): pad the *full* weight with n' - n zero heads at the
+end and re-shard, so every rank holds whole heads and attention outputs are unchanged; the
+per-rank layout then differs from NxD's.
 """
 
 from __future__ import annotations
@@ -37,42 +46,81 @@ def get_number_of_extra_heads(n_head: int, tp_degree: int) -> int:
     return -n_head % tp_degree
 
 
-def _repad(param: nn.Parameter, dim: int, new_full: int, rank: int, tp: int) -> nn.Parameter:
-    """Gather ``param`` over TP, zero-pad ``dim`` of the full tensor to ``new_full``, re-shard."""
-    full = full_tensor(param)
-    pad = [0, 0] * (full.dim() - 1 - dim) + [0, new_full - full.shape[dim]]
-    padded = F.pad(full, pad)
-    new = nn.Parameter(shard_for_rank(padded, dim, rank, tp).contiguous())
-    for key, value in vars(param).items():
-        setattr(new, key, value)
+def _with_attributes(value: torch.Tensor, like: nn.Parameter) -> nn.Parameter:
+    new = nn.Parameter(value.contiguous(), requires_grad=like.requires_grad)
+    for key, attribute in vars(like).items():
+        setattr(new, key, attribute)
     return new
 
 
-def _pad_layer(module: nn.Module, n_heads: int, n_padded: int) -> None:
+def _pad_end(tensor: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """``tensor`` with zeros appended along ``dim`` up to ``size``."""
+    widths = [0, 0] * tensor.dim()
+    widths[2 * (tensor.dim() - 1 - dim) + 1] = size - tensor.shape[dim]
+    return F.pad(tensor, widths)
+
+
+def _pad_local(param: nn.Parameter, dim: int, local_size: int) -> nn.Parameter:
+    """NxD's layout: this rank's shard with zeros appended along ``dim``."""
+    return _with_attributes(_pad_end(param.detach(), dim, local_size), param)
+
+
+def _pad_full(param: nn.Parameter, dim: int, full_size: int, rank: int, tp: int) -> nn.Parameter:
+    """Head-aligned: gather over TP, zero-pad the full tensor, keep this rank's slice."""
+    padded = _pad_end(full_tensor(param), dim, full_size)
+    return _with_attributes(shard_for_rank(padded, dim, rank, tp), param)
+
+
+def _pad_replicated_bias(bias: nn.Parameter, local_old: int, local_new: int) -> nn.Parameter:
+    """A gathered Column's full bias laid out like its gathered, per-rank-padded output."""
+    pieces = bias.detach().split(local_old)
+    return _with_attributes(torch.cat([_pad_end(p, 0, local_new) for p in pieces]), bias)
+
+
+def _pad_layer(module: nn.Module, n_heads: int, n_padded: int, head_aligned: bool) -> None:
     rank, tp = tensor_parallel_rank_and_size(module.tensor_parallel_group)
+    name = type(module).__name__
     if module.stride != 1:
+        raise ValueError(f"pad_model cannot pad {name} with stride {module.stride}")
+    column = isinstance(module, ColumnParallelLinear)
+    size = module.output_size if column else module.input_size
+    local = size // tp
+    if head_aligned and size % n_heads:
         raise ValueError(
-            f"pad_model cannot pad {type(module).__name__} with stride {module.stride}"
+            f"pad_model: {name} size {size} is not a multiple of n_heads({n_heads}); wrap only "
+            f"the attention classes (wrapped_classes=...)"
         )
-    size = module.output_size if isinstance(module, ColumnParallelLinear) else module.input_size
-    if size % n_heads != 0:
+    if local * n_padded % n_heads:
         raise ValueError(
-            f"pad_model: {type(module).__name__} size {size} is not a multiple of "
-            f"n_heads({n_heads}); wrap only the attention classes (wrapped_classes=...)"
+            f"pad_model: {name} shard size {local} x {n_padded}/{n_heads} heads is not an "
+            f"integer; wrap only the attention classes (wrapped_classes=...)"
         )
-    new_size = size // n_heads * n_padded
+    new_local = local * n_padded // n_heads
+    dim = 0 if column else 1
     with torch.no_grad():
-        if isinstance(module, ColumnParallelLinear):
-            module.weight = _repad(module.weight, 0, new_size, rank, tp)
-            if module.bias is not None:
-                module.bias = _repad(module.bias, 0, new_size, rank, tp)
-            module.output_size, module.output_size_per_partition = new_size, new_size // tp
+        if head_aligned:
+            module.weight = _pad_full(module.weight, dim, new_local * tp, rank, tp)
         else:
-            module.weight = _repad(module.weight, 1, new_size, rank, tp)
-            module.input_size, module.input_size_per_partition = new_size, new_size // tp
-    set_tensor_model_parallel_attributes(module.weight, True, module.weight.partition_dim, 1)
+            module.weight = _pad_local(module.weight, dim, new_local)
+        bias = module.bias
+        if column and bias is not None:
+            if not bias.tensor_model_parallel:  # gather_output: the full, replicated bias
+                module.bias = (
+                    _with_attributes(_pad_end(bias.detach(), 0, new_local * tp), bias)
+                    if head_aligned
+                    else _pad_replicated_bias(bias, local, new_local)
+                )
+            elif head_aligned:
+                module.bias = _pad_full(bias, 0, new_local * tp, rank, tp)
+            else:
+                module.bias = _pad_local(bias, 0, new_local)
+    if column:
+        module.output_size, module.output_size_per_partition = new_local * tp, new_local
+    else:
+        module.input_size, module.input_size_per_partition = new_local * tp, new_local
+    set_tensor_model_parallel_attributes(module.weight, True, dim, 1)
     module.master_weight = None
-    logger.info("padded %s from %d to %d features", type(module).__name__, size, new_size)
+    logger.info("padded %s from %d to %d features", name, size, new_local * tp)
 
 
 def pad_model(
@@ -81,13 +129,17 @@ def pad_model(
     n_heads: int,
     wrapped_classes: Iterable[type] = (),
     pad_hook_fn: Callable[[nn.Module, float], Any] | None = None,
+    *,
+    head_aligned: bool = False,
 ) -> nn.Module:
-    """Pad every Column/RowParallelLinear (inside ``wrapped_classes`` if given) from
-    ``n_heads`` to ``n_heads + get_number_of_extra_heads(n_heads, tp_degree)`` heads.
+    """Pad every Column/RowParallelLinear of ``model`` (only inside instances of
+    ``wrapped_classes`` if given) from ``n_heads`` to ``n_heads +
+    get_number_of_extra_heads(n_heads, tp_degree)`` heads; see the module docstring for the
+    two layouts.
 
-    ``pad_hook_fn(module, n_padded / n_heads)`` is called on each instance of
-    ``wrapped_classes`` (on ``model`` when none are given): the place to update head counts
-    or a ``split_size``. Collective: every TP rank must call it. Returns
+    As in NxD, ``pad_hook_fn(module, n_padded / n_heads)`` is called on every module of the
+    padded region (children before their parent): the place to update head counts or a
+    ``split_size``. Every TP rank must call it (``head_aligned`` gathers weights). Returns
     ``model``, modified in place; build the optimizer afterwards (parameters are replaced).
     """
     _, tp = tensor_parallel_rank_and_size(None)
@@ -106,10 +158,10 @@ def pad_model(
             visit(child, inside or isinstance(child, classes))
         if not inside:
             return
-        if pad_hook_fn is not None and (isinstance(module, classes) or module is model):
+        if pad_hook_fn is not None:
             pad_hook_fn(module, ratio)
         if isinstance(module, ColumnParallelLinear | RowParallelLinear):
-            _pad_layer(module, n_heads, n_padded)
+            _pad_layer(module, n_heads, n_padded, head_aligned)
 
     visit(model, not classes or isinstance(model, classes))
     return model

@@ -21,22 +21,15 @@ from torch.distributed import ProcessGroup
 
 from nxd_layers import mappings
 from nxd_layers._attributes import (
-    ParallelModuleMixin,
-    resolve_tensor_parallel_group,
+    pick_tensor_parallel_group,
     set_tensor_model_parallel_attributes,
     tensor_parallel_rank_and_size,
 )
-from nxd_layers._init import (
-    InitMethod,
-    default_linear_init,
-    init_master,
-    is_meta,
-    sharded_parameter,
-)
-from nxd_layers.linear import check_input
+from nxd_layers._init import InitMethod, init_master, is_meta, sharded_parameter
+from nxd_layers.linear import BaseParallelLinear, check_input
 from nxd_state import collectives
 
-__all__ = ["GQAQKVColumnParallelLinear", "get_kv_size_multiplier"]
+__all__ = ["GQAQKVColumnParallelLinear", "get_kv_size_multiplier", "neuronx_gqa_rank_map"]
 
 
 def get_kv_size_multiplier(num_key_value_heads: int, tensor_parallel_size: int) -> int:
@@ -66,7 +59,7 @@ class _SumReplicaGrads(torch.autograd.Function):
         return combined.chunk(n, dim=0)[rank].contiguous(), None, None, None
 
 
-class GQAQKVColumnParallelLinear(ParallelModuleMixin, nn.Module):
+class GQAQKVColumnParallelLinear(BaseParallelLinear):
     """(Q, K, V) = (X W_q^T + b_q, X W_k^T + b_k, X W_v^T + b_v), heads split over TP.
 
     ``output_sizes = [q_size, kv_size]`` (``num_heads * head_dim``, ``num_kv_heads *
@@ -77,6 +70,14 @@ class GQAQKVColumnParallelLinear(ParallelModuleMixin, nn.Module):
     multiple of the KV heads). ``gather_output`` returns the unsharded Q, K, V (K and V
     de-replicated, as ``nn.Linear(input_size, kv_size)`` would give). ``fuse_qkv`` stores one
     ``weight_qkv`` (rows: local Q, K, V) instead of ``weight_q/k/v``.
+
+    ``keep_master_weight`` keeps, as NxD does, the full unreplicated float32 master weights
+    ``master_weight_q`` ``(q_size, in)``, ``master_weight_k`` / ``master_weight_v``
+    ``(kv_size, in)`` (and ``master_bias_q/k/v``); with ``fuse_qkv`` they are concatenated
+    into ``master_weight_qkv`` (``master_bias_qkv``) and the separate ones are None.
+    NxD replicates KV heads block-wise (``[k0, k1, k0, k1]``) and reorders Q heads in its
+    checkpoints; :func:`neuronx_gqa_rank_map` maps its TP ranks to this layout's.
+    ``tensor_model_parallel_group`` is NxD's name for ``tensor_parallel_group``.
     """
 
     def __init__(
@@ -96,6 +97,7 @@ class GQAQKVColumnParallelLinear(ParallelModuleMixin, nn.Module):
         head_dim: int | None = None,
         sequence_dimension: int = 0,
         keep_master_weight: bool = False,
+        tensor_model_parallel_group: ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(input_size, int) or input_size <= 0:
@@ -103,7 +105,9 @@ class GQAQKVColumnParallelLinear(ParallelModuleMixin, nn.Module):
         if len(output_sizes) != 2 or min(output_sizes) <= 0:
             raise ValueError(f"output_sizes must be [q_size, kv_size] > 0, got {output_sizes!r}")
         q_size, kv_size = int(output_sizes[0]), int(output_sizes[1])
-        self.tensor_parallel_group = resolve_tensor_parallel_group(tensor_parallel_group)
+        self.tensor_parallel_group = pick_tensor_parallel_group(
+            tensor_parallel_group, tensor_model_parallel_group, type(self).__name__
+        )
         rank, tp = tensor_parallel_rank_and_size(self.tensor_parallel_group)
         self.kv_heads, self.head_dim = _kv_layout(q_size, kv_size, tp, kv_size_multiplier, head_dim)
         self.input_size, self.output_sizes = input_size, [q_size, kv_size]
@@ -116,11 +120,13 @@ class GQAQKVColumnParallelLinear(ParallelModuleMixin, nn.Module):
         self.tensor_parallel_size = tp
 
         meta = is_meta(device)
-        init = init_method or default_linear_init
+        self.arg_init_method = init_method
         bound = 1.0 / math.sqrt(input_size)
         masters: dict[str, torch.Tensor | None] = {}
         for part, size in (("q", q_size), ("k", kv_size), ("v", kv_size)):
-            masters[f"weight_{part}"] = None if meta else init_master((size, input_size), init)
+            masters[f"weight_{part}"] = (
+                None if meta else init_master((size, input_size), self._init_weight)
+            )
         for part, size in (("q", q_size), ("k", kv_size), ("v", kv_size)):
             if bias:
                 masters[f"bias_{part}"] = (
@@ -128,11 +134,7 @@ class GQAQKVColumnParallelLinear(ParallelModuleMixin, nn.Module):
                     if meta
                     else init_master((size,), lambda b: nn.init.uniform_(b, -bound, bound))
                 )
-        self.master_weights = (
-            {k: v for k, v in masters.items() if k.startswith("weight")}
-            if keep_master_weight and not meta
-            else None
-        )
+        self._keep_masters(masters if keep_master_weight else {}, fuse_qkv)
         local: dict[str, nn.Parameter] = {}
         for name, master in masters.items():
             replicated = not name.endswith("_q")
@@ -162,6 +164,17 @@ class GQAQKVColumnParallelLinear(ParallelModuleMixin, nn.Module):
         if not bias:
             for name in ("bias_qkv",) if fuse_qkv else ("bias_q", "bias_k", "bias_v"):
                 self.register_parameter(name, None)
+
+    def _keep_masters(self, masters: dict[str, torch.Tensor | None], fused: bool) -> None:
+        """NxD's ``master_weight_q/k/v`` and ``master_bias_q/k/v``, or the ``*_qkv`` concat."""
+        for kind in ("weight", "bias"):
+            parts = [masters.get(f"{kind}_{p}") for p in "qkv"]
+            if fused:
+                whole = None if parts[0] is None else torch.cat(parts)  # type: ignore[arg-type]
+                setattr(self, f"master_{kind}_qkv", whole)
+                parts = [None, None, None]
+            for part, value in zip("qkv", parts):
+                setattr(self, f"master_{kind}_{part}", value)
 
     def _replicate(self, master: torch.Tensor) -> torch.Tensor:
         """Repeat each KV head ``m`` times in place: rows of head h -> m consecutive copies."""
@@ -199,7 +212,9 @@ class GQAQKVColumnParallelLinear(ParallelModuleMixin, nn.Module):
         )
         group = self.tensor_parallel_group
         if self.sequence_parallel_enabled:
-            x = mappings.gather_from_sequence_parallel_region(x, group, self.sequence_dimension)
+            x = mappings.gather_from_sequence_parallel_region(
+                x, self.sequence_dimension, process_group=group
+            )
         else:
             x = mappings.copy_to_tensor_model_parallel_region(x, group)
         weights, biases = self._parts("weight"), self._parts("bias")
@@ -267,3 +282,35 @@ def _kv_layout(
             f"smallest valid multiplier is {get_kv_size_multiplier(kv_heads, tp)}"
         )
     return kv_heads, head_dim
+
+
+def neuronx_gqa_rank_map(
+    num_heads: int, num_kv_heads: int, tensor_parallel_size: int, kv_size_multiplier: int
+) -> list[int]:
+    """Entry r: the TP rank of this layout holding what NxD's GQA checkpoints hold on rank r.
+
+    NxD replicates K/V block-wise (``W_k.repeat(m, 1)``, so rank r holds KV head
+    ``r % num_kv_heads``) and, in its checkpoint converter, regroups the Q heads (and the
+    o_proj columns) so that rank r's Q heads are those attending to that head: Q head group
+    ``(r % n_kv) * (tp / n_kv) + r // n_kv`` of ``tp`` equal groups. Here rank s holds Q group
+    s and KV head ``s // m`` (standard grouping), so NxD's rank r equals this layout's rank
+    ``(r % n_kv) * (tp / n_kv) + r // n_kv`` for every attention tensor (Q, K, V and o_proj's
+    input columns); the MLP, embedding and norms are not permuted. Defined, as NxD's converter
+    is, for one KV head per rank (``num_kv_heads * kv_size_multiplier == tensor_parallel_size``);
+    without replication (multiplier 1) both layouts are the identity.
+    """
+    tp, n_kv, m = tensor_parallel_size, num_kv_heads, kv_size_multiplier
+    if min(num_heads, n_kv, tp, m) <= 0 or num_heads % tp or num_heads % n_kv:
+        raise ValueError(
+            f"num_heads({num_heads}) must be divisible by tensor_parallel_size({tp}) and "
+            f"num_kv_heads({n_kv}), all positive"
+        )
+    if m == 1:
+        return list(range(tp))
+    if n_kv * m != tp:
+        raise ValueError(
+            f"NxD's GQA layout with kv_size_multiplier({m}) > 1 holds one KV head per rank: "
+            f"num_kv_heads({n_kv}) x kv_size_multiplier({m}) must equal "
+            f"tensor_parallel_size({tp})"
+        )
+    return [(r % n_kv) * (tp // n_kv) + r // n_kv for r in range(tp)]
