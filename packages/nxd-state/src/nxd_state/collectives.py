@@ -1,17 +1,22 @@
 """Every collective nxd issues, in one module, each on an explicit group.
 
-The wrappers hide what backends lack (gloo has no reduce-scatter: it is emulated here as an
-all-reduce and a slice) and skip communication on groups of one. An opt-in
-:class:`CollectiveCounter` records calls and bytes per op and per group, so benchmarks can
-compare traffic with theory. Two byte counts are kept per call:
+The wrappers hide what backends lack and skip communication on groups of one. A missing native
+op is detected once per backend (the backend refuses it before any byte moves) and emulated
+from then on: reduce-scatter as an all-reduce and a slice (gloo before torch 2.6), all-to-all
+as pairwise sends and receives (a backend without ``all_to_all_single``; gloo through torch
+2.11 also lacks the list form ``all_to_all``, which is why the tensor form is the one used).
+
+An opt-in :class:`CollectiveCounter` records calls and bytes per op and per group, so
+benchmarks can compare traffic with theory. Two byte counts are kept per call:
 
 * ``bytes``: the payload, the size of the tensor handed to the op on this rank
   (for all-gather the local shard, for reduce-scatter the full input);
 * ``wire_bytes``: what this rank sends under the bandwidth-optimal ring algorithm, with
   ``n`` ranks: all-reduce ``2(n-1)/n * B``, all-gather ``(n-1) * B_shard``, reduce-scatter
   and all-to-all ``(n-1)/n * B``, broadcast ``B`` on the source, send ``B``, recv ``0``.
-  This is the volume theory talks about, whatever the backend really does (the gloo
-  reduce-scatter emulation moves more; the counter reports the op that was asked for).
+  An emulated op is counted under the name asked for, with the traffic of what really ran:
+  the all-reduce behind an emulated reduce-scatter sends ``2(n-1)/n * B``; the pairwise
+  all-to-all sends ``(n-1)/n * B``, exactly the native volume.
 """
 
 from __future__ import annotations
@@ -142,12 +147,22 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-# Backends found to lack a native reduce-scatter (gloo before torch 2.6): emulated instead.
-_NO_NATIVE_REDUCE_SCATTER: set[str] = set()
+# Backends found to lack a native op (detected on first use): the op is emulated instead.
+_NO_NATIVE_REDUCE_SCATTER: set[str] = set()  # gloo before torch 2.6
+_NO_NATIVE_ALL_TO_ALL: set[str] = set()  # e.g. torch-xla's xla backend
 
 
 def _backend_name(group: Group) -> str:
     return str(dist.get_backend(group)).lower()
+
+
+def _is_unsupported(error: Exception) -> bool:
+    """Whether ``error`` is a backend refusing an op it does not implement (raised before any
+    traffic, identically on every rank of the group), as opposed to a failure mid-transfer."""
+    if isinstance(error, NotImplementedError):
+        return True
+    text = str(error).lower()
+    return any(words in text for words in ("does not support", "not supported", "unsupported"))
 
 
 # Collectives -----------------------------------------------------------------------------
@@ -194,19 +209,24 @@ def reduce_scatter(
             f"reduce_scatter: size {tensor.shape[dim]} of dim {dim} is not divisible by the "
             f"group size {n}"
         )
-    _record("reduce_scatter", group, _nbytes(tensor), (n - 1) / n * _nbytes(tensor))
+    payload = _nbytes(tensor)
     moved = tensor.movedim(dim, 0).contiguous()
-    if _backend_name(group) not in _NO_NATIVE_REDUCE_SCATTER:
+    backend = _backend_name(group)
+    if backend not in _NO_NATIVE_REDUCE_SCATTER:
         out = torch.empty(
             (moved.shape[0] // n, *moved.shape[1:]), dtype=tensor.dtype, device=tensor.device
         )
         try:
             dist.reduce_scatter_tensor(out, moved, op=op, group=group)
-            return out.movedim(0, dim)
         except RuntimeError as error:  # older gloo: no reduce-scatter; raised before any traffic
-            if "support" not in str(error).lower():
+            if not _is_unsupported(error):
                 raise
-            _NO_NATIVE_REDUCE_SCATTER.add(_backend_name(group))
+            _NO_NATIVE_REDUCE_SCATTER.add(backend)
+        else:
+            _record("reduce_scatter", group, payload, (n - 1) / n * payload)
+            return out.movedim(0, dim)
+    # Emulation: an all-reduce (what goes on the wire, and what is counted) and a slice.
+    _record("reduce_scatter", group, payload, 2 * (n - 1) / n * payload)
     reduced = moved.clone()
     dist.all_reduce(reduced, op=op, group=group)
     return reduced.chunk(n, dim=0)[group_rank(group)].contiguous().movedim(0, dim)
@@ -226,11 +246,39 @@ def all_to_all(
             f"all_to_all: size {tensor.shape[scatter_dim]} of scatter dim {scatter_dim} is not "
             f"divisible by the group size {n}"
         )
-    _record("all_to_all", group, _nbytes(tensor), (n - 1) / n * _nbytes(tensor))
-    inputs = [chunk.contiguous() for chunk in tensor.chunk(n, dim=scatter_dim)]
-    outputs = [torch.empty_like(chunk) for chunk in inputs]
-    dist.all_to_all(outputs, inputs, group=group)
-    return torch.cat(outputs, dim=gather_dim)
+    payload = _nbytes(tensor)
+    # (n, *chunk): row j is what this rank sends to group rank j, and receives from it.
+    send = torch.stack(tensor.chunk(n, dim=scatter_dim))
+    received = torch.empty_like(send)
+    backend = _backend_name(group)
+    if backend not in _NO_NATIVE_ALL_TO_ALL:
+        try:
+            dist.all_to_all_single(received, send, group=group)
+        except RuntimeError as error:  # raised by the backend before any traffic
+            if not _is_unsupported(error):
+                raise
+            _NO_NATIVE_ALL_TO_ALL.add(backend)
+        else:
+            _record("all_to_all", group, payload, (n - 1) / n * payload)
+            return torch.cat(received.unbind(0), dim=gather_dim)
+    _record("all_to_all", group, payload, (n - 1) / n * payload)
+    _all_to_all_pairwise(received, send, group)
+    return torch.cat(received.unbind(0), dim=gather_dim)
+
+
+def _all_to_all_pairwise(received: torch.Tensor, send: torch.Tensor, group: Group) -> None:
+    """received[j] <- send[rank] of group rank j: n - 1 sends and receives, one per peer, posted
+    together (the wire volume of a native all-to-all); this rank's own row is a local copy."""
+    me = group_rank(group)
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.GroupMember.WORLD)
+    received[me].copy_(send[me])
+    ops = []
+    for peer, peer_rank in enumerate(ranks):
+        if peer != me:
+            ops.append(dist.P2POp(dist.isend, send[peer], peer_rank, group))
+            ops.append(dist.P2POp(dist.irecv, received[peer], peer_rank, group))
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: Group = None) -> torch.Tensor:

@@ -2,8 +2,13 @@
 
 ``cpu`` runs on gloo, ``cuda`` on NCCL and ``xla`` (Trainium through torch-neuronx, TPU, or
 the CPU PJRT client) on torch-xla's ``xla`` backend. The choice is, in order: the explicit
-argument, the ``NXD_DEVICE`` environment variable, ``xla`` when ``PJRT_DEVICE`` is set,
-``cuda`` when a GPU is visible, else ``cpu``. torch_xla is imported only when ``xla`` is chosen.
+argument, the ``NXD_DEVICE`` environment variable, ``cpu`` when NxD's ``NXD_CPU_MODE`` is set
+to a positive integer, ``xla`` when ``PJRT_DEVICE`` is set, ``cuda`` when a GPU is visible,
+else ``cpu``. torch_xla is imported only when ``xla`` is chosen.
+
+NxD's device helpers live here too: :func:`is_cpu_mode` (NxD's ``cpu_mode()``: the device is
+the CPU), :func:`mark_step` (cut the lazy XLA graph; nothing to do elsewhere) and
+:func:`get_local_world_size` (processes on this node).
 """
 
 from __future__ import annotations
@@ -22,7 +27,10 @@ __all__ = [
     "DeviceType",
     "backend_for",
     "current_device",
+    "get_local_world_size",
     "init_distributed",
+    "is_cpu_mode",
+    "mark_step",
     "move_model_to_device",
     "resolve_device_type",
 ]
@@ -33,9 +41,30 @@ DeviceType = Literal["cpu", "cuda", "xla"]
 _BACKENDS: dict[str, str] = {"cpu": "gloo", "cuda": "nccl", "xla": "xla"}
 
 
+def _cpu_mode_env() -> bool:
+    """NxD's ``NXD_CPU_MODE``: an integer, CPU mode when positive (unset or empty: 0)."""
+    value = os.environ.get("NXD_CPU_MODE", "").strip()
+    if not value:
+        return False
+    try:
+        return int(value) > 0
+    except ValueError:
+        raise ValueError(
+            f"NXD_CPU_MODE must be an integer (1 runs on the CPU, 0 does not), got {value!r}"
+        ) from None
+
+
 def resolve_device_type(device_type: str | None = None) -> DeviceType:
-    """The device type to run on: argument > ``NXD_DEVICE`` > ``PJRT_DEVICE`` > cuda > cpu."""
+    """The device type to run on: argument > ``NXD_DEVICE`` > ``NXD_CPU_MODE`` >
+    ``PJRT_DEVICE`` > cuda > cpu."""
     choice = device_type or os.environ.get("NXD_DEVICE")
+    if device_type is None and _cpu_mode_env():
+        if choice is not None and choice.lower() != "cpu":
+            raise ValueError(
+                f"NXD_CPU_MODE={os.environ['NXD_CPU_MODE']} asks for the CPU but "
+                f"NXD_DEVICE={choice!r} asks for another device: unset one of them"
+            )
+        choice = "cpu"
     if choice is None:
         if os.environ.get("PJRT_DEVICE"):
             choice = "xla"
@@ -54,6 +83,47 @@ def resolve_device_type(device_type: str | None = None) -> DeviceType:
             "device type 'cuda' was requested but torch.cuda.is_available() is False"
         )
     return cast(DeviceType, choice)
+
+
+def is_cpu_mode(device_type: str | None = None) -> bool:
+    """Whether this process computes on the CPU (what NxD's ``cpu_mode()`` reports).
+
+    NxD reads only ``NXD_CPU_MODE``; here CPU mode is the resolved device type being ``cpu``,
+    so ``NXD_CPU_MODE=1`` still forces it, and a machine with no GPU and no XLA device is in
+    CPU mode without it.
+    """
+    return resolve_device_type(device_type) == "cpu"
+
+
+def mark_step(device_type: str | None = None) -> None:
+    """Cut and run the pending lazy graph on an XLA device (torch-xla's ``sync``, or
+    ``xm.mark_step`` on releases without it); on CPU and CUDA, which run eagerly, nothing."""
+    if resolve_device_type(device_type) != "xla":
+        return
+    torch_xla = _import_xla()
+    sync = getattr(torch_xla, "sync", None)
+    if sync is not None:
+        sync()
+    else:  # older torch-xla, before torch_xla.sync existed
+        importlib.import_module("torch_xla.core.xla_model").mark_step()
+
+
+def get_local_world_size() -> int:
+    """Processes on this node: torchrun's ``LOCAL_WORLD_SIZE``.
+
+    Without it (a script started by hand, or a launcher that does not export it) the job is
+    taken to run on one node: the default group's world size if one exists, else 1.
+    """
+    value = os.environ.get("LOCAL_WORLD_SIZE")
+    if value is not None:
+        try:
+            size = int(value)
+        except ValueError:
+            size = 0
+        if size < 1:
+            raise ValueError(f"LOCAL_WORLD_SIZE must be a positive integer, got {value!r}")
+        return size
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def backend_for(device_type: str | None = None) -> str:

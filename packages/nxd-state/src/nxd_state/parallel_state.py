@@ -1,44 +1,65 @@
-"""The parallel state object and NxD's ``parallel_state`` functions on top of it.
+"""NxD's ``parallel_state`` functions, a thin layer over the current :class:`ParallelState`.
 
-:class:`ParallelState` owns the process groups of one ``[PP, DP, TP]`` layout. Code that
-communicates takes a state or a group explicitly; NxD's module-level getters
+Code that communicates takes a state or a group explicitly; NxD's module-level getters
 (``get_tensor_model_parallel_group()`` ...) read the *current* state, the one built by
-:func:`initialize_model_parallel`, so NxD scripts keep working unchanged.
+:func:`initialize_model_parallel`, so NxD scripts keep working unchanged. ``*_replica_groups()``
+return every group of a family as lists of global ranks (what ``as_list=True`` returns).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from nxd_state.collectives import register_group_name
-from nxd_state.layout import ParallelLayout, RankCoordinates
+from nxd_state.layout import check_positive_int, check_unsupported_degree
+from nxd_state.state import KVSharedGroups, ParallelState
 
 __all__ = [
+    "KVSharedGroups",
     "ParallelState",
+    "destroy_kv_group",
     "destroy_model_parallel",
+    "get_context_model_parallel_group",
+    "get_context_model_parallel_rank",
+    "get_context_model_parallel_replica_groups",
+    "get_context_model_parallel_size",
     "get_data_parallel_group",
     "get_data_parallel_rank",
+    "get_data_parallel_replica_groups",
     "get_data_parallel_size",
     "get_data_parallel_src_rank",
     "get_data_parallel_world_size",
+    "get_expert_data_parallel_group",
+    "get_expert_data_parallel_rank",
+    "get_expert_data_parallel_replica_groups",
+    "get_expert_data_parallel_size",
+    "get_expert_model_parallel_group",
+    "get_expert_model_parallel_rank",
+    "get_expert_model_parallel_replica_groups",
+    "get_expert_model_parallel_size",
+    "get_kv_shared_group",
+    "get_kv_shared_group_size",
+    "get_kv_shared_replica_groups",
     "get_model_parallel_group",
     "get_parallel_state",
     "get_pipeline_model_parallel_group",
     "get_pipeline_model_parallel_next_rank",
     "get_pipeline_model_parallel_prev_rank",
     "get_pipeline_model_parallel_rank",
+    "get_pipeline_model_parallel_replica_groups",
     "get_pipeline_model_parallel_size",
     "get_pipeline_model_parallel_world_size",
     "get_tensor_model_parallel_group",
     "get_tensor_model_parallel_rank",
+    "get_tensor_model_parallel_replica_groups",
     "get_tensor_model_parallel_size",
     "get_tensor_model_parallel_src_rank",
     "get_tensor_model_parallel_world_size",
     "get_world_group",
+    "get_zero1_sharding_groups",
+    "initialize_kv_group",
     "initialize_model_parallel",
     "is_pipeline_first_stage",
     "is_pipeline_last_stage",
@@ -47,154 +68,53 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-
-def _build_family(
-    name: str, all_groups: list[list[int]], rank: int
-) -> tuple[ProcessGroup, list[int]]:
-    """Create every group of one family (collective: all ranks call this in the same order)."""
-    mine: tuple[ProcessGroup, list[int]] | None = None
-    for ranks in all_groups:
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            register_group_name(group, name)
-            mine = (group, ranks)
-    if mine is None:  # pragma: no cover - the layout covers every rank
-        raise RuntimeError(f"rank {rank} is in no {name} group of {all_groups}")
-    return mine
-
-
-@dataclass(eq=False)
-class ParallelState:
-    """Process groups of a ``[PP, DP, TP]`` layout, seen from one rank.
-
-    Build it with :meth:`build` on every rank (group creation is collective). Ranks and sizes
-    are plain attributes; ``*_groups`` hold every group of a family as lists of global ranks,
-    which is NxD's ``as_list=True`` form and what XLA collectives call replica groups.
-    """
-
-    layout: ParallelLayout
-    rank: int
-    coordinates: RankCoordinates
-    tensor_parallel_group: ProcessGroup
-    data_parallel_group: ProcessGroup
-    pipeline_parallel_group: ProcessGroup
-    model_parallel_group: ProcessGroup
-    tensor_parallel_ranks: list[int] = field(default_factory=list)
-    data_parallel_ranks: list[int] = field(default_factory=list)
-    pipeline_parallel_ranks: list[int] = field(default_factory=list)
-    model_parallel_ranks: list[int] = field(default_factory=list)
-
-    @classmethod
-    def build(cls, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> ParallelState:
-        """Create the TP, DP, PP and model-parallel groups of the default process group."""
-        if not dist.is_initialized():
-            raise RuntimeError(
-                "torch.distributed is not initialized: call nxd_state.init_distributed() "
-                "(or torch.distributed.init_process_group) before initialize_model_parallel"
-            )
-        layout = ParallelLayout(
-            world_size=dist.get_world_size(),
-            tensor_parallel_size=tensor_parallel_size,
-            pipeline_parallel_size=pipeline_parallel_size,
-        )
-        rank = dist.get_rank()
-        register_group_name(dist.GroupMember.WORLD, "world")
-        tp, tp_ranks = _build_family("tp", layout.tensor_parallel_groups(), rank)
-        dp, dp_ranks = _build_family("dp", layout.data_parallel_groups(), rank)
-        pp, pp_ranks = _build_family("pp", layout.pipeline_parallel_groups(), rank)
-        mp, mp_ranks = _build_family("mp", layout.model_parallel_groups(), rank)
-        logger.info(
-            "rank %d: tp=%d pp=%d dp=%d at %s",
-            rank,
-            layout.tensor_parallel_size,
-            layout.pipeline_parallel_size,
-            layout.data_parallel_size,
-            layout.coordinates(rank),
-        )
-        return cls(
-            layout=layout,
-            rank=rank,
-            coordinates=layout.coordinates(rank),
-            tensor_parallel_group=tp,
-            data_parallel_group=dp,
-            pipeline_parallel_group=pp,
-            model_parallel_group=mp,
-            tensor_parallel_ranks=tp_ranks,
-            data_parallel_ranks=dp_ranks,
-            pipeline_parallel_ranks=pp_ranks,
-            model_parallel_ranks=mp_ranks,
-        )
-
-    # Sizes and ranks ------------------------------------------------------------------
-    @property
-    def tensor_parallel_size(self) -> int:
-        return self.layout.tensor_parallel_size
-
-    @property
-    def pipeline_parallel_size(self) -> int:
-        return self.layout.pipeline_parallel_size
-
-    @property
-    def data_parallel_size(self) -> int:
-        return self.layout.data_parallel_size
-
-    @property
-    def tensor_parallel_rank(self) -> int:
-        return self.coordinates.tp
-
-    @property
-    def pipeline_parallel_rank(self) -> int:
-        return self.coordinates.pp
-
-    @property
-    def data_parallel_rank(self) -> int:
-        return self.coordinates.dp
-
-    @property
-    def is_pipeline_first_stage(self) -> bool:
-        return self.coordinates.pp == 0
-
-    @property
-    def is_pipeline_last_stage(self) -> bool:
-        return self.coordinates.pp == self.pipeline_parallel_size - 1
-
-    @property
-    def pipeline_next_rank(self) -> int:
-        """Global rank of the next stage (the first stage follows the last)."""
-        ranks = self.pipeline_parallel_ranks
-        return ranks[(self.coordinates.pp + 1) % len(ranks)]
-
-    @property
-    def pipeline_prev_rank(self) -> int:
-        """Global rank of the previous stage (the last stage precedes the first)."""
-        ranks = self.pipeline_parallel_ranks
-        return ranks[(self.coordinates.pp - 1) % len(ranks)]
-
-    def destroy(self) -> None:
-        """Destroy this state's groups (the default group is left alone)."""
-        for group in {
-            self.tensor_parallel_group,
-            self.data_parallel_group,
-            self.pipeline_parallel_group,
-            self.model_parallel_group,
-        }:
-            if group is not dist.GroupMember.WORLD:
-                dist.destroy_process_group(group)
-
-
-# NxD's module-level API: a thin layer over the current ParallelState --------------------
+Groups = list[list[int]]
 _CURRENT: ParallelState | None = None
 
 
+def _clamp_to_world(name: str, value: int, world_size: int) -> int:
+    """NxD's rule: a degree above the world size means the whole world."""
+    if isinstance(value, int) and not isinstance(value, bool) and value > world_size:
+        logger.warning("%s=%d exceeds world_size=%d: using %d", name, value, world_size, world_size)
+        return world_size
+    return value
+
+
 def initialize_model_parallel(
-    tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
+    skip_collective_init: bool = False,
+    lnc_size: int = 1,
+    context_parallel_size: int = 1,
 ) -> ParallelState:
-    """Build the process groups and make them current (NxD's entry point).
+    """Build the process groups and make them current (NxD's entry point, NxD's signature).
+
+    As in NxD, a TP or PP degree above the world size is clamped to it. ``expert_model_parallel_
+    size`` and ``context_parallel_size`` must be 1: nxd has no expert or context parallelism,
+    and a larger value raises :class:`NotImplementedError` on every rank before any group is
+    made. ``skip_collective_init`` (NxD: skip the warm-up all-reduce that initialises Neuron's
+    collectives runtime) is accepted and changes nothing: no backend nxd drives needs a warm-up.
+    ``lnc_size`` (NxD: logical NeuronCores per rank, which picks a replica-group order on trn2)
+    is validated and has no effect: nxd always uses the row-major ``[PP, DP, TP]`` order.
 
     Calling it again with the same sizes returns the current state; other sizes are an error
     (call :func:`destroy_model_parallel` first).
     """
     global _CURRENT
+    check_unsupported_degree("expert_model_parallel_size", expert_model_parallel_size)
+    check_unsupported_degree("context_parallel_size", context_parallel_size)
+    if not isinstance(skip_collective_init, bool):
+        raise ValueError(f"skip_collective_init must be a bool, got {skip_collective_init!r}")
+    check_positive_int("lnc_size", lnc_size)
+    if dist.is_initialized():
+        world = dist.get_world_size()
+        tensor_model_parallel_size = _clamp_to_world(
+            "tensor_model_parallel_size", tensor_model_parallel_size, world
+        )
+        pipeline_model_parallel_size = _clamp_to_world(
+            "pipeline_model_parallel_size", pipeline_model_parallel_size, world
+        )
     if _CURRENT is not None:
         current = (_CURRENT.tensor_parallel_size, _CURRENT.pipeline_parallel_size)
         if current == (tensor_model_parallel_size, pipeline_model_parallel_size):
@@ -215,7 +135,7 @@ def model_parallel_is_initialized() -> bool:
 
 
 def destroy_model_parallel() -> None:
-    """Destroy the current state's groups; the default process group stays."""
+    """Destroy the current state's groups, KV-shared groups included; the default group stays."""
     global _CURRENT
     if _CURRENT is not None:
         _CURRENT.destroy()
@@ -233,6 +153,7 @@ def get_parallel_state() -> ParallelState:
     return _CURRENT
 
 
+# Sizes and ranks ---------------------------------------------------------------------------
 def get_tensor_model_parallel_size() -> int:
     return get_parallel_state().tensor_parallel_size
 
@@ -257,37 +178,122 @@ def get_data_parallel_rank() -> int:
     return get_parallel_state().data_parallel_rank
 
 
+def get_context_model_parallel_size() -> int:
+    """CP degree: always 1 in nxd."""
+    return get_parallel_state().context_parallel_size
+
+
+def get_context_model_parallel_rank() -> int:
+    """Rank in the CP group: always 0 in nxd."""
+    return get_parallel_state().context_parallel_rank
+
+
+def get_expert_model_parallel_size() -> int:
+    """EP degree: always 1 in nxd."""
+    return get_parallel_state().expert_model_parallel_size
+
+
+def get_expert_model_parallel_rank() -> int:
+    """Rank in the EP group: always 0 in nxd."""
+    return get_parallel_state().expert_model_parallel_rank
+
+
+def get_expert_data_parallel_size() -> int:
+    """Expert DP degree = world / (TP * PP * EP): the DP degree, as EP = 1."""
+    return get_parallel_state().data_parallel_size
+
+
+def get_expert_data_parallel_rank() -> int:
+    return get_parallel_state().data_parallel_rank
+
+
 # Megatron spellings, which NxD code also uses.
 get_tensor_model_parallel_world_size = get_tensor_model_parallel_size
 get_pipeline_model_parallel_world_size = get_pipeline_model_parallel_size
 get_data_parallel_world_size = get_data_parallel_size
 
 
-def get_tensor_model_parallel_group(as_list: bool = False) -> ProcessGroup | list[list[int]]:
+# Replica groups: every group of a family, as lists of global ranks -------------------------
+def get_tensor_model_parallel_replica_groups() -> Groups:
+    return get_parallel_state().layout.tensor_parallel_groups()
+
+
+def get_data_parallel_replica_groups() -> Groups:
+    return get_parallel_state().layout.data_parallel_groups()
+
+
+def get_pipeline_model_parallel_replica_groups() -> Groups:
+    return get_parallel_state().layout.pipeline_parallel_groups()
+
+
+def get_context_model_parallel_replica_groups() -> Groups:
+    return get_parallel_state().layout.context_parallel_groups()
+
+
+def get_expert_model_parallel_replica_groups() -> Groups:
+    return get_parallel_state().layout.expert_model_parallel_groups()
+
+
+def get_expert_data_parallel_replica_groups() -> Groups:
+    return get_parallel_state().layout.expert_data_parallel_groups()
+
+
+def get_zero1_sharding_groups() -> Groups:
+    """The groups ZeRO-1 shards optimizer state over: DP x CP, which is DP as CP = 1."""
+    return get_parallel_state().layout.data_parallel_groups()
+
+
+# Groups: this rank's process group, or with as_list=True the replica groups ----------------
+def get_tensor_model_parallel_group(as_list: bool = False) -> ProcessGroup | Groups:
     """This rank's TP group, or with ``as_list=True`` every TP group as lists of ranks."""
-    state = get_parallel_state()
-    return state.layout.tensor_parallel_groups() if as_list else state.tensor_parallel_group
+    if as_list:
+        return get_tensor_model_parallel_replica_groups()
+    return get_parallel_state().tensor_parallel_group
 
 
-def get_data_parallel_group(as_list: bool = False) -> ProcessGroup | list[list[int]]:
+def get_data_parallel_group(as_list: bool = False) -> ProcessGroup | Groups:
     """This rank's DP group, or with ``as_list=True`` every DP group as lists of ranks."""
-    state = get_parallel_state()
-    return state.layout.data_parallel_groups() if as_list else state.data_parallel_group
+    if as_list:
+        return get_data_parallel_replica_groups()
+    return get_parallel_state().data_parallel_group
 
 
-def get_pipeline_model_parallel_group(as_list: bool = False) -> ProcessGroup | list[list[int]]:
+def get_pipeline_model_parallel_group(as_list: bool = False) -> ProcessGroup | Groups:
     """This rank's PP group, or with ``as_list=True`` every PP group as lists of ranks."""
-    state = get_parallel_state()
-    return state.layout.pipeline_parallel_groups() if as_list else state.pipeline_parallel_group
+    if as_list:
+        return get_pipeline_model_parallel_replica_groups()
+    return get_parallel_state().pipeline_parallel_group
 
 
-def get_model_parallel_group(as_list: bool = False) -> ProcessGroup | list[list[int]]:
+def get_context_model_parallel_group(as_list: bool = False) -> ProcessGroup | Groups:
+    """This rank's CP group (this rank alone), or with ``as_list=True`` every one."""
+    if as_list:
+        return get_context_model_parallel_replica_groups()
+    return get_parallel_state().context_parallel_group
+
+
+def get_expert_model_parallel_group(as_list: bool = False) -> ProcessGroup | Groups:
+    """This rank's EP group (this rank alone), or with ``as_list=True`` every one."""
+    if as_list:
+        return get_expert_model_parallel_replica_groups()
+    return get_parallel_state().expert_model_parallel_group
+
+
+def get_expert_data_parallel_group(as_list: bool = False) -> ProcessGroup | Groups:
+    """This rank's expert DP group (its DP group, as EP = 1), or with ``as_list=True`` every
+    one."""
+    if as_list:
+        return get_expert_data_parallel_replica_groups()
+    return get_parallel_state().data_parallel_group
+
+
+def get_model_parallel_group(as_list: bool = False) -> ProcessGroup | Groups:
     """This rank's TP x PP group, or with ``as_list=True`` every one as lists of ranks."""
     state = get_parallel_state()
     return state.layout.model_parallel_groups() if as_list else state.model_parallel_group
 
 
-def get_world_group(as_list: bool = False) -> ProcessGroup | list[list[int]]:
+def get_world_group(as_list: bool = False) -> ProcessGroup | Groups:
     """The default group, or with ``as_list=True`` ``[[0, ..., world - 1]]``."""
     state = get_parallel_state()
     return [list(range(state.layout.world_size))] if as_list else dist.GroupMember.WORLD
@@ -317,3 +323,48 @@ def is_pipeline_first_stage() -> bool:
 
 def is_pipeline_last_stage() -> bool:
     return get_parallel_state().is_pipeline_last_stage
+
+
+# KV-shared groups (GQA layers with kv_size_multiplier > 1) ---------------------------------
+def initialize_kv_group(
+    kv_shared_group_size: int = 1, sequential_ranks_in_group: bool = False
+) -> None:
+    """Build the KV-shared groups of the current state (collective; NxD's signature).
+
+    A KV-shared group is the ``kv_shared_group_size`` TP ranks that hold replicas of the same
+    KV heads (see :meth:`ParallelLayout.kv_shared_groups` for the two orders). Calling it again
+    with the same arguments does nothing; other arguments are an error.
+    """
+    get_parallel_state().initialize_kv_groups(
+        kv_shared_group_size, sequential_ranks_in_group=sequential_ranks_in_group
+    )
+
+
+def _kv_shared() -> KVSharedGroups:
+    kv = get_parallel_state().kv_shared
+    if kv is None:
+        raise RuntimeError(
+            "the KV-shared group is not initialized: call "
+            "initialize_kv_group(kv_shared_group_size=...) first (GQA layers do when "
+            "kv_size_multiplier > 1)"
+        )
+    return kv
+
+
+def get_kv_shared_group(as_list: bool = False) -> ProcessGroup | Groups:
+    """This rank's KV-shared group, or with ``as_list=True`` every one as lists of ranks."""
+    return get_kv_shared_replica_groups() if as_list else _kv_shared().group
+
+
+def get_kv_shared_replica_groups() -> Groups:
+    return [list(ranks) for ranks in _kv_shared().all_groups]
+
+
+def get_kv_shared_group_size() -> int:
+    return _kv_shared().size
+
+
+def destroy_kv_group() -> None:
+    """Destroy the KV-shared groups of the current state, if any."""
+    if _CURRENT is not None:
+        _CURRENT.destroy_kv_groups()

@@ -1,0 +1,259 @@
+"""The parallel state object: the process groups of one ``[PP, DP, TP]`` layout, one rank's view.
+
+Building it creates every group of every family on every rank (``new_group`` is collective over
+the default group, so all ranks make the same calls in the same order); each rank keeps the
+group it belongs to. The KV-shared groups of GQA layers are built later, on demand, by
+:meth:`ParallelState.initialize_kv_groups`, and belong to the same state.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from nxd_state.collectives import register_group_name
+from nxd_state.layout import ParallelLayout, RankCoordinates
+
+__all__ = ["KVSharedGroups", "ParallelState"]
+
+logger = logging.getLogger(__name__)
+
+
+def _build_family(
+    name: str, all_groups: list[list[int]], rank: int
+) -> tuple[ProcessGroup, list[int]]:
+    """Create every group of one family (collective: all ranks call this in the same order)."""
+    mine: tuple[ProcessGroup, list[int]] | None = None
+    for ranks in all_groups:
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            register_group_name(group, name)
+            mine = (group, ranks)
+    if mine is None:  # pragma: no cover - the layout covers every rank
+        raise RuntimeError(f"rank {rank} is in no {name} group of {all_groups}")
+    return mine
+
+
+@dataclass(frozen=True, eq=False)
+class KVSharedGroups:
+    """The KV-shared groups (NxD's ``initialize_kv_group``) of one state, seen from one rank."""
+
+    size: int
+    """``kv_shared_group_size``: ranks holding replicas of the same KV heads (the GQA
+    layer's ``kv_size_multiplier``)."""
+    sequential_ranks_in_group: bool
+    """Adjacent ranks share a head (True) or ranks ``TP / size`` apart do (False, NxD's
+    default); see :meth:`ParallelLayout.kv_shared_groups`."""
+    group: ProcessGroup
+    """This rank's KV-shared group."""
+    ranks: list[int]
+    """Global ranks of this rank's group."""
+    all_groups: list[list[int]]
+    """Every KV-shared group as lists of global ranks (NxD's replica groups)."""
+
+
+@dataclass(eq=False)
+class ParallelState:
+    """Process groups of a ``[PP, DP, TP]`` layout, seen from one rank.
+
+    Build it with :meth:`build` on every rank (group creation is collective). Ranks and sizes
+    are plain attributes; ``*_groups`` of the layout hold every group of a family as lists of
+    global ranks, which is NxD's ``as_list=True`` form and what XLA collectives call replica
+    groups. Context and expert parallelism have degree 1: their groups hold one rank each, and
+    the expert data-parallel group is the data-parallel group.
+    """
+
+    layout: ParallelLayout
+    rank: int
+    coordinates: RankCoordinates
+    tensor_parallel_group: ProcessGroup
+    data_parallel_group: ProcessGroup
+    pipeline_parallel_group: ProcessGroup
+    model_parallel_group: ProcessGroup
+    context_parallel_group: ProcessGroup
+    expert_model_parallel_group: ProcessGroup
+    tensor_parallel_ranks: list[int] = field(default_factory=list)
+    data_parallel_ranks: list[int] = field(default_factory=list)
+    pipeline_parallel_ranks: list[int] = field(default_factory=list)
+    model_parallel_ranks: list[int] = field(default_factory=list)
+    kv_shared: KVSharedGroups | None = None
+    """The KV-shared groups, once :meth:`initialize_kv_groups` has built them."""
+
+    @classmethod
+    def build(
+        cls,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        *,
+        context_parallel_size: int = 1,
+        expert_model_parallel_size: int = 1,
+    ) -> ParallelState:
+        """Create the TP, DP, PP, model-parallel, CP and EP groups of the default process group.
+
+        Bad degrees (including CP or EP above 1) raise on every rank before any group exists.
+        """
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialized: call nxd_state.init_distributed() "
+                "(or torch.distributed.init_process_group) before initialize_model_parallel"
+            )
+        layout = ParallelLayout(
+            world_size=dist.get_world_size(),
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            context_parallel_size=context_parallel_size,
+            expert_model_parallel_size=expert_model_parallel_size,
+        )
+        rank = dist.get_rank()
+        register_group_name(dist.GroupMember.WORLD, "world")
+        tp, tp_ranks = _build_family("tp", layout.tensor_parallel_groups(), rank)
+        dp, dp_ranks = _build_family("dp", layout.data_parallel_groups(), rank)
+        pp, pp_ranks = _build_family("pp", layout.pipeline_parallel_groups(), rank)
+        mp, mp_ranks = _build_family("mp", layout.model_parallel_groups(), rank)
+        cp, _ = _build_family("cp", layout.context_parallel_groups(), rank)
+        ep, _ = _build_family("ep", layout.expert_model_parallel_groups(), rank)
+        logger.info(
+            "rank %d: tp=%d pp=%d dp=%d at %s",
+            rank,
+            layout.tensor_parallel_size,
+            layout.pipeline_parallel_size,
+            layout.data_parallel_size,
+            layout.coordinates(rank),
+        )
+        return cls(
+            layout=layout,
+            rank=rank,
+            coordinates=layout.coordinates(rank),
+            tensor_parallel_group=tp,
+            data_parallel_group=dp,
+            pipeline_parallel_group=pp,
+            model_parallel_group=mp,
+            context_parallel_group=cp,
+            expert_model_parallel_group=ep,
+            tensor_parallel_ranks=tp_ranks,
+            data_parallel_ranks=dp_ranks,
+            pipeline_parallel_ranks=pp_ranks,
+            model_parallel_ranks=mp_ranks,
+        )
+
+    # Sizes and ranks ------------------------------------------------------------------
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.layout.tensor_parallel_size
+
+    @property
+    def pipeline_parallel_size(self) -> int:
+        return self.layout.pipeline_parallel_size
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.layout.data_parallel_size
+
+    @property
+    def context_parallel_size(self) -> int:
+        return self.layout.context_parallel_size
+
+    @property
+    def expert_model_parallel_size(self) -> int:
+        return self.layout.expert_model_parallel_size
+
+    @property
+    def tensor_parallel_rank(self) -> int:
+        return self.coordinates.tp
+
+    @property
+    def pipeline_parallel_rank(self) -> int:
+        return self.coordinates.pp
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.coordinates.dp
+
+    @property
+    def context_parallel_rank(self) -> int:
+        return 0  # CP = 1: this rank is its group's only member
+
+    @property
+    def expert_model_parallel_rank(self) -> int:
+        return 0  # EP = 1
+
+    @property
+    def is_pipeline_first_stage(self) -> bool:
+        return self.coordinates.pp == 0
+
+    @property
+    def is_pipeline_last_stage(self) -> bool:
+        return self.coordinates.pp == self.pipeline_parallel_size - 1
+
+    @property
+    def pipeline_next_rank(self) -> int:
+        """Global rank of the next stage (the first stage follows the last)."""
+        ranks = self.pipeline_parallel_ranks
+        return ranks[(self.coordinates.pp + 1) % len(ranks)]
+
+    @property
+    def pipeline_prev_rank(self) -> int:
+        """Global rank of the previous stage (the last stage precedes the first)."""
+        ranks = self.pipeline_parallel_ranks
+        return ranks[(self.coordinates.pp - 1) % len(ranks)]
+
+    # KV-shared groups (GQA with replicated KV heads) ------------------------------------
+    def initialize_kv_groups(
+        self, kv_shared_group_size: int = 1, *, sequential_ranks_in_group: bool = False
+    ) -> KVSharedGroups:
+        """Build the KV-shared groups (collective), or return them if built with the same
+        arguments; other arguments are an error (one KV layout per state, as in NxD)."""
+        if self.kv_shared is not None:
+            built = self.kv_shared
+            if (built.size, built.sequential_ranks_in_group) == (
+                kv_shared_group_size,
+                sequential_ranks_in_group,
+            ):
+                return built
+            raise ValueError(
+                f"KV-shared groups already exist with kv_shared_group_size={built.size}, "
+                f"sequential_ranks_in_group={built.sequential_ranks_in_group}; cannot build "
+                f"kv_shared_group_size={kv_shared_group_size}, sequential_ranks_in_group="
+                f"{sequential_ranks_in_group} (one KV layout for all layers; "
+                f"destroy_kv_group() first)"
+            )
+        if not isinstance(sequential_ranks_in_group, bool):
+            raise ValueError(
+                f"sequential_ranks_in_group must be a bool, got {sequential_ranks_in_group!r}"
+            )
+        all_groups = self.layout.kv_shared_groups(
+            kv_shared_group_size, sequential_ranks_in_group=sequential_ranks_in_group
+        )
+        group, ranks = _build_family("kv", all_groups, self.rank)
+        self.kv_shared = KVSharedGroups(
+            size=kv_shared_group_size,
+            sequential_ranks_in_group=sequential_ranks_in_group,
+            group=group,
+            ranks=ranks,
+            all_groups=all_groups,
+        )
+        logger.info("rank %d: kv-shared group %s", self.rank, ranks)
+        return self.kv_shared
+
+    def destroy_kv_groups(self) -> None:
+        """Destroy the KV-shared groups, if any."""
+        if self.kv_shared is not None:
+            dist.destroy_process_group(self.kv_shared.group)
+            self.kv_shared = None
+
+    def destroy(self) -> None:
+        """Destroy this state's groups, KV-shared ones included (the default group stays)."""
+        self.destroy_kv_groups()
+        for group in {
+            self.tensor_parallel_group,
+            self.data_parallel_group,
+            self.pipeline_parallel_group,
+            self.model_parallel_group,
+            self.context_parallel_group,
+            self.expert_model_parallel_group,
+        }:
+            if group is not dist.GroupMember.WORLD:
+                dist.destroy_process_group(group)
