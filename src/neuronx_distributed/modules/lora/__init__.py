@@ -10,6 +10,7 @@ from nxd_lora import (
     LoRAModel,
     LoraModel,
     LoraParallelLinear,
+    get_lora_model,
 )
 
 __all__ = [
@@ -22,4 +23,5 @@ __all__ = [
     "LoraLinear",
     "LoraModel",
     "LoraParallelLinear",
+    "get_lora_model",
 ]

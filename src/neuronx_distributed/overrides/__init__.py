@@ -1,0 +1,1 @@
+"""NxD's ``neuronx_distributed.overrides``: replacements for a few ``transformers`` functions."""

@@ -1,0 +1,82 @@
+"""NxD's ``neuronx_distributed.utils`` and ``overrides`` helpers, imported from NxD's paths."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from nxd_state.testing import run_distributed
+
+
+def test_rotary_override_equals_transformers_llama() -> None:
+    from transformers.models.llama import modeling_llama
+
+    from neuronx_distributed.overrides.transformer_overrides import apply_rotary_pos_emb
+
+    generator = torch.Generator().manual_seed(0)
+    b, heads, s, d = 2, 3, 5, 8
+    q, k = (torch.randn(b, heads, s, d, generator=generator) for _ in range(2))
+    table_cos, table_sin = (torch.randn(16, d, generator=generator) for _ in range(2))
+    position_ids = torch.tensor([[0, 1, 2, 3, 4], [7, 8, 9, 10, 11]])
+    want = modeling_llama.apply_rotary_pos_emb(
+        q, k, table_cos[position_ids], table_sin[position_ids]
+    )
+    got = apply_rotary_pos_emb(q, k, table_cos, table_sin, position_ids, flash_attn=False)
+    # the same products and sums, in the same order: exact
+    for mine, theirs in zip(got, want):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
+    # gathered cos/sin (position_ids=None) and the transposed flash-attention layout agree too
+    gathered = apply_rotary_pos_emb(
+        q, k, table_cos[position_ids], table_sin[position_ids], None, flash_attn=False
+    )
+    transposed = apply_rotary_pos_emb(
+        q.transpose(-1, -2), k.transpose(-1, -2), table_cos, table_sin, position_ids, True
+    )
+    for plain, flash, theirs in zip(gathered, transposed, want):
+        torch.testing.assert_close(plain, theirs, rtol=0, atol=0)
+        torch.testing.assert_close(flash.transpose(-1, -2), theirs, rtol=0, atol=0)
+
+
+def test_shift_labels_pads_with_the_ignore_index() -> None:
+    from neuronx_distributed.utils.batch_utils import shift_labels
+
+    batch = {"input_ids": torch.arange(6).view(2, 3), "labels": torch.arange(6).view(2, 3)}
+    shifted = shift_labels(batch)
+    assert torch.equal(shifted["labels"], torch.tensor([[1, 2, -100], [4, 5, -100]]))
+    assert shifted["input_ids"] is batch["input_ids"]
+    with pytest.raises(
+        ValueError, match=r"labels must be \(batch, sequence, \.\.\.\), got shape \(3,\)"
+    ):
+        shift_labels({"labels": torch.arange(3)})
+
+
+def _logged_on_each_rank(rank0_only: bool) -> list[str]:
+    from neuronx_distributed.utils.logger import get_logger
+
+    logger = get_logger(f"nxd-compat-test-{rank0_only}", rank0_only=rank0_only)
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    logger.addHandler(Keep())
+    logger.info("hello from %d", torch.distributed.get_rank())
+    return records
+
+
+def test_logger_speaks_on_rank_zero_only_unless_asked() -> None:
+    assert run_distributed(_logged_on_each_rank, 2, True) == [["hello from 0"], []]
+    assert run_distributed(_logged_on_each_rank, 2, False) == [["hello from 0"], ["hello from 1"]]
+
+
+def test_log_level_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from neuronx_distributed.utils.logger import get_log_level
+
+    monkeypatch.setenv("NXD_LOG_LEVEL", "warning")
+    assert get_log_level() == logging.WARNING
+    monkeypatch.setenv("NXD_LOG_LEVEL", "loud")
+    with pytest.raises(ValueError, match=r"NXD_LOG_LEVEL must be one of .* got 'loud'"):
+        get_log_level()
