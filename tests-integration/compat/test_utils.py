@@ -80,3 +80,33 @@ def test_log_level_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setenv("NXD_LOG_LEVEL", "loud")
     with pytest.raises(ValueError, match=r"NXD_LOG_LEVEL must be one of .* got 'loud'"):
         get_log_level()
+
+
+def test_device_helpers_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from neuronx_distributed.utils import cpu_mode, get_device, mark_step
+    from neuronx_distributed.utils.model_utils import get_local_world_size
+
+    monkeypatch.setenv("NXD_DEVICE", "cpu")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert cpu_mode() is True
+    assert get_device() == torch.device("cpu")
+    mark_step()  # eager device: nothing to cut, and no torch_xla import
+    import sys
+
+    assert "torch_xla" not in sys.modules
+    assert get_local_world_size() == 4
+
+
+def test_init_on_meta_device_allocates_nothing() -> None:
+    from torch import nn
+
+    from neuronx_distributed.utils.model_utils import init_on_device
+
+    with init_on_device(torch.device("meta")):
+        model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8))
+        model[1].weight.requires_grad_(False)
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    assert (model[0].weight.requires_grad, model[1].weight.requires_grad) == (True, False)
+    assert torch.ones(1).device.type == "cpu"  # untouched without include_buffers
+    model.to_empty(device="cpu")
+    assert model(torch.ones(2, 4)).shape == (2, 8)
