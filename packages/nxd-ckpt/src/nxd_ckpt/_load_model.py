@@ -1,0 +1,139 @@
+"""Loading model tensors (any TP/PP/DP layout), RNG states and JSON content from a tag.
+
+Each local tensor is filled block by block: a block of the local tensor equals a box of the
+global tensor, which the reader assembles from the stored chunks it intersects. Key checks
+are collective: a name is *unexpected* only if no rank's model holds it (a pipeline stage
+holds part of the names), counted with one all-reduce.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+
+from nxd_ckpt import _jsonstate
+from nxd_ckpt._context import RankContext, agree, sum_counts
+from nxd_ckpt._items import DenseSource, TensorItem, pieces
+from nxd_ckpt._model_tensors import model_tensors
+from nxd_ckpt._plan import rank_local_name
+from nxd_ckpt._reader import CheckpointReader
+
+__all__ = ["check_keys", "load_json", "load_model", "load_rng"]
+
+logger = logging.getLogger(__name__)
+_LIST_LIMIT = 20
+
+
+def _listing(names: list[str]) -> str:
+    shown = ", ".join(names[:_LIST_LIMIT])
+    more = f" … and {len(names) - _LIST_LIMIT} more" if len(names) > _LIST_LIMIT else ""
+    return f"[{shown}{more}]"
+
+
+def check_keys(
+    what: str,
+    stored_names: list[str],
+    used: set[str],
+    missing: list[str],
+    mismatched: list[str],
+    strict: bool,
+    source: str,
+) -> None:
+    """Raise on every rank for shape mismatches, and under ``strict`` for missing names
+    (local) or stored names no rank uses (collective)."""
+    counts = sum_counts([int(name in used) for name in stored_names])
+    unexpected = [name for name, count in zip(stored_names, counts) if count == 0]
+    problems = []
+    if mismatched:
+        problems.append(f"shape mismatch: {_listing(mismatched)}")
+    if strict and missing:
+        problems.append(f"missing from the checkpoint: {_listing(sorted(missing))}")
+    if strict and unexpected:
+        problems.append(f"in the checkpoint but not in the {what}: {_listing(unexpected)}")
+    error = None
+    if problems:
+        error = ValueError(f"loading {what} from {source}: " + "; ".join(problems))
+    agree(error, f"loading {what}")
+    if missing or unexpected:
+        logger.warning(
+            "loading %s (strict=False): %d missing, %d unexpected",
+            what,
+            len(missing),
+            len(unexpected),
+        )
+
+
+@torch.no_grad()
+def load_model(
+    model: Any,
+    reader: CheckpointReader,
+    ctx: RankContext,
+    strict: bool,
+    slot: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
+) -> None:
+    """Fill ``model``'s tensors from the tag (checks are collective, reads under ``slot``)."""
+    tensors, aliases = model_tensors(model, ctx)
+    index = reader.index
+    stored = index.category("model")
+    requested, missing, mismatched, used = [], [], [], set()
+    for local in tensors:
+        name = rank_local_name(local.name, ctx) if local.spec.rank_local else local.name
+        target = index.resolve("model", name)
+        record = stored.get(target)
+        if record is None:
+            missing.append(name)
+            continue
+        used.add(target)
+        if tuple(record.shape) != tuple(local.spec.global_shape):
+            mismatched.append(
+                f"{local.name}: checkpoint {tuple(record.shape)}, model "
+                f"{tuple(local.spec.global_shape)}"
+            )
+            continue
+        requested.append((local, target))
+    for alias, first in aliases.items():  # tied names: present in the checkpoint or not
+        target = index.resolve("model", alias)
+        if target in stored:
+            used.add(target)
+        elif first in stored or index.resolve("model", first) in stored:
+            continue
+        else:
+            missing.append(alias)
+    check_keys("model", sorted(stored), used, missing, mismatched, strict, str(reader.tag_dir))
+    with slot():
+        for local, target in requested:
+            item = TensorItem(
+                "model", target, local.tensor.dtype, local.spec, DenseSource(local.tensor)
+            )
+            for piece in pieces(item):
+                reader.read_box("model", target, piece.global_box, out=piece.local)
+
+
+def load_rng(reader: CheckpointReader, ctx: RankContext) -> bool:
+    """Restore this rank's RNG states if the checkpoint was saved at the same layout."""
+    import nxd_state
+
+    saved = reader.index.parallel
+    now = ctx.parallel_dict(zero1=bool(saved.get("zero1")))
+    same = all(saved.get(k) == now[k] for k in now if k != "zero1")
+    prefix = f"rank{ctx.rank:05d}/"
+    names = [n for n in reader.index.category("rng") if n.startswith(prefix)]
+    if not same or not names:
+        logger.info("RNG states not restored: saved at %s, loading at %s", saved, now)
+        return False
+    states = {name[len(prefix) :]: reader.read_full("rng", name) for name in names}
+    nxd_state.load_rng_state_dict(states)
+    return True
+
+
+def load_json(reader: CheckpointReader, category: str) -> Any:
+    """The scheduler state or user content, with its tensors read back."""
+    encoded = getattr(reader.index, category)
+    paths = _jsonstate.tensor_paths(encoded)
+    tensors = {path: reader.read_full(category, path) for path in paths}
+    return _jsonstate.decode(encoded, tensors)

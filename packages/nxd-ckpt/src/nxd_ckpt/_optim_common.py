@@ -1,0 +1,256 @@
+"""What the optimizer checkpoint code needs to know about an optimizer, in one place.
+
+Optimizer state is saved by *parameter name* as global tensors (``<name>/exp_avg``,
+``<name>/master`` …), so it loads under any TP/PP/DP degrees and with ZeRO-1 on or off. This
+module resolves an optimizer into one of two shapes:
+
+* ``zero1``: :class:`nxd_optim.NeuronZero1Optimizer` (alone or inside ``NxDOptimizer``). It
+  flattens params into buckets (one per param group, or per dtype within a group): the
+  bucket's params p_1 … p_k lie end to end in a flat vector zero-padded to n·S elements
+  (S = ceil(Σ numel / n)), DP rank r holds elements [rS, (r+1)S) as its master shard, and the
+  inner optimizer keeps state tensors shaped like that shard (nxd_optim's layout, read by
+  :func:`zero1_buckets`, the one place that knows nxd_optim's internals).
+* ``plain``: any ``torch.optim`` optimizer, or ``NxDOptimizer`` without ZeRO-1 (whose inner
+  optimizer steps fp32 master copies of low-precision params).
+
+Parameter names come from the model; without a model, ``pp<r>.group<i>.<j>`` positions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from nxd_ckpt._context import RankContext
+from nxd_ckpt._model_tensors import model_tensors
+from nxd_ckpt._sharding import ShardSpec, spec_for_tensor
+
+__all__ = [
+    "FlatPiece",
+    "OptimizerView",
+    "ZeroBucket",
+    "flat_pieces",
+    "resolve_optimizer",
+    "zero1_buckets",
+    "zero1_inner",
+]
+
+MASTER_KEY = "master"
+
+
+@dataclass(frozen=True)
+class FlatPiece:
+    """Elements ``[param_start, +numel)`` of vec(p_index) sit at ``[shard_start, +numel)``."""
+
+    index: int
+    param_start: int
+    shard_start: int
+    numel: int
+
+
+def flat_pieces(shapes: list[tuple[int, ...]], num_shards: int, rank: int) -> list[FlatPiece]:
+    """Which slice of which parameter lands in shard ``rank`` (padding excluded); a param
+    with nothing in this shard gets a zero-length piece, so every param is listed."""
+    numels = [math.prod(shape) for shape in shapes]
+    shard = -(-sum(numels) // num_shards)
+    lo, hi = rank * shard, (rank + 1) * shard
+    out, start = [], 0
+    for index, numel in enumerate(numels):
+        begin, end = max(lo, start), min(hi, start + numel)
+        if begin < end:
+            out.append(FlatPiece(index, begin - start, begin - lo, end - begin))
+        else:
+            out.append(FlatPiece(index, 0, 0, 0))
+        start += numel
+    return out
+
+
+def shard_numel(shapes: list[tuple[int, ...]], num_shards: int) -> int:
+    return -(-sum(math.prod(s) for s in shapes) // num_shards)
+
+
+@dataclass(frozen=True)
+class ZeroBucket:
+    """One flat buffer of a ZeRO-1 optimizer, seen from this rank."""
+
+    group_index: int
+    params: list[torch.Tensor]
+    """The model params flattened into it, in flat order."""
+    master: torch.Tensor
+    """This rank's shard (what the inner optimizer steps and keys its state by)."""
+    num_shards: int
+    rank: int
+
+    @property
+    def shapes(self) -> list[tuple[int, ...]]:
+        return [tuple(p.shape) for p in self.params]
+
+
+def zero1_inner(zero: Any) -> torch.optim.Optimizer:
+    """The optimizer stepping the master shards (torch-xla's ``base_optimizer``)."""
+    return getattr(zero, "base_optimizer", None) or zero.inner_optimizer
+
+
+def zero1_buckets(zero: Any) -> list[ZeroBucket]:
+    """The flat buffers of an nxd_optim ZeRO-1 optimizer.
+
+    nxd_optim exposes no public accessor for its shards yet: this reads its dtype buckets
+    (``_buckets``: group index, positions, master), or, from the first releases, one flat
+    buffer per param group (``_masters``), and checks each shard's size against the layout.
+    """
+    if getattr(zero, "inited", True) is False:
+        raise RuntimeError(
+            "the ZeRO-1 optimizer has not sharded its params yet (lazy_init): call init_zero()"
+        )
+    n, rank = int(zero.sharding_size), int(zero.sharding_rank)
+    groups = zero.param_groups
+    raw = getattr(zero, "_buckets", None)
+    if raw is not None:
+        buckets = [
+            ZeroBucket(
+                b.group_index,
+                [groups[b.group_index]["params"][i] for i in b.positions],
+                b.master,
+                n,
+                rank,
+            )
+            for b in raw
+        ]
+    else:
+        buckets = [
+            ZeroBucket(i, list(group["params"]), master, n, rank)
+            for i, (group, master) in enumerate(zip(groups, zero._masters))
+        ]
+    for bucket in buckets:
+        expected = shard_numel(bucket.shapes, n)
+        if bucket.master.dim() != 1 or bucket.master.numel() != expected:
+            raise RuntimeError(
+                f"ZeRO-1 bucket of group {bucket.group_index}: master shard of shape "
+                f"{tuple(bucket.master.shape)}, expected ({expected},) for params "
+                f"{bucket.shapes} over {n} ranks: nxd_optim's layout is not the one nxd-ckpt reads"
+            )
+    return buckets
+
+
+@dataclass
+class OptimizerView:
+    """An optimizer resolved for checkpointing (see the module docstring)."""
+
+    kind: str
+    optimizer: Any
+    """The object whose state_dict / load_state_dict are used."""
+    inner: torch.optim.Optimizer | None = None
+    """``plain``: the optimizer holding per-parameter state."""
+    model_param: dict[int, torch.Tensor] = field(default_factory=dict)
+    """``plain``: id(inner param) -> the model parameter it stands for (fp32 masters)."""
+    masters_in_ckpt: bool = False
+    names: dict[int, str] = field(default_factory=dict)
+    """id(model param) -> name."""
+    specs: dict[str, ShardSpec] = field(default_factory=dict)
+    """name -> shard spec of the parameter."""
+
+    @property
+    def class_name(self) -> str:
+        if self.kind == "zero1":
+            return self.optimizer.optimizer_class.__name__
+        assert self.inner is not None
+        return type(self.inner).__name__
+
+    def name_of(self, param: torch.Tensor) -> str:
+        try:
+            return self.names[id(param)]
+        except KeyError:
+            raise ValueError(
+                f"the optimizer holds a parameter of shape {tuple(param.shape)} that is not a "
+                f"parameter of the model passed to the checkpoint call: optimizer state is "
+                f"saved by parameter name"
+            ) from None
+
+    def model_params_of_group(self, group: dict[str, Any]) -> list[torch.Tensor]:
+        return [self.model_param.get(id(p), p) for p in group["params"]]
+
+
+def _param_names(model: Any, optimizer_params: list[torch.Tensor], ctx: RankContext):
+    names: dict[int, str] = {}
+    specs: dict[str, ShardSpec] = {}
+    if model is not None:
+        tensors, _ = model_tensors(model, ctx)
+        for local in tensors:
+            names.setdefault(id(local.tensor), local.name)
+            specs[local.name] = local.spec
+        return names, specs
+    for index, param in enumerate(optimizer_params):  # positions: same layout only
+        name = f"pp{ctx.pp_rank}.param{index}"
+        names[id(param)] = name
+        specs[name] = spec_for_tensor(param, tp_rank=ctx.tp_rank, tp_size=ctx.tp_size)
+    return names, specs
+
+
+def resolve_optimizer(optimizer: Any, model: Any, ctx: RankContext) -> OptimizerView:
+    """Classify ``optimizer`` and name its parameters from ``model``."""
+    from nxd_optim import NeuronZero1Optimizer, NxDOptimizer
+
+    wrapper = optimizer if isinstance(optimizer, NxDOptimizer) else None
+    core = wrapper.optimizer if wrapper is not None else optimizer
+    if isinstance(core, NeuronZero1Optimizer):
+        params = [p for group in core.param_groups for p in group["params"]]
+        names, specs = _param_names(model, params, ctx)
+        return OptimizerView(
+            "zero1",
+            core,
+            masters_in_ckpt=bool(core.use_master_weights_in_ckpt),
+            names=names,
+            specs=specs,
+        )
+    if not isinstance(core, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer, an nxd_optim.NxDOptimizer or a "
+            f"NeuronZero1Optimizer, got {type(optimizer).__name__}"
+        )
+    model_param: dict[int, torch.Tensor] = {}
+    masters_in_ckpt = False
+    if wrapper is not None:
+        # NxDOptimizer keeps {model param: fp32 master} for low-precision params (nxd_optim
+        # exposes no public accessor for it yet).
+        masters: dict[torch.Tensor, torch.Tensor] = getattr(wrapper, "_masters", {})
+        model_param = {id(master): param for param, master in masters.items()}
+        masters_in_ckpt = bool(masters) and bool(wrapper.config.use_master_weights_in_ckpt)
+    inner_params = [p for group in core.param_groups for p in group["params"]]
+    names, specs = _param_names(model, [model_param.get(id(p), p) for p in inner_params], ctx)
+    return OptimizerView(
+        "plain",
+        wrapper if wrapper is not None else core,
+        inner=core,
+        model_param=model_param,
+        masters_in_ckpt=masters_in_ckpt,
+        names=names,
+        specs=specs,
+    )
+
+
+def encode_scalar(value: Any, where: str) -> dict[str, Any]:
+    """A non-tensor-shaped state value (``step``) as JSON."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise TypeError(
+                f"optimizer state {where} is a tensor of shape {tuple(value.shape)} that is not "
+                f"shaped like its parameter: it cannot be saved by parameter name"
+            )
+        return {
+            "value": value.item(),
+            "dtype": str(value.dtype).removeprefix("torch."),
+            "shape": list(value.shape),
+        }
+    if isinstance(value, (bool, int, float)) or value is None:
+        return {"value": value}
+    raise TypeError(f"optimizer state {where} is a {type(value).__name__}: not supported")
+
+
+def decode_scalar(encoded: dict[str, Any]) -> Any:
+    if "dtype" in encoded:
+        dtype = getattr(torch, encoded["dtype"])
+        return torch.tensor(encoded["value"], dtype=dtype).reshape(encoded.get("shape", []))
+    return encoded["value"]

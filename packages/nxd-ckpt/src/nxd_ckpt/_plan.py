@@ -1,0 +1,141 @@
+"""What one rank writes in a save: its chunks, the tensors it declares, and JSON metadata.
+
+Every rank declares every global tensor it holds a piece of (shape, dtype, sharding), so the
+merged index knows each tensor even where another rank wrote the data. Each piece is written
+by exactly one of the ranks holding it (:func:`nxd_ckpt._items.is_writer`): replicas over
+data parallelism (and over tensor parallelism for replicated tensors) share the work and
+write nothing twice; ZeRO-1 shards are written by their owners.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from nxd_ckpt import _jsonstate
+from nxd_ckpt._boxes import Box
+from nxd_ckpt._context import RankContext
+from nxd_ckpt._items import DenseSource, TensorItem, is_writer, pieces
+from nxd_ckpt._model_tensors import model_tensors
+from nxd_ckpt._optim_save import optimizer_save_items
+from nxd_ckpt._sharding import ShardSpec, rank_local_spec
+from nxd_ckpt._stfile import dtype_name
+
+__all__ = ["RankPlan", "WriteChunk", "build_plan", "rank_local_name"]
+
+
+def rank_local_name(name: str, ctx: RankContext) -> str:
+    """Stored name of a tensor of unknown sharding: one per (TP, PP) coordinate."""
+    return f"{name}#tp{ctx.tp_rank:02d}pp{ctx.pp_rank:02d}"
+
+
+@dataclass
+class WriteChunk:
+    category: str
+    name: str
+    box: Box
+    data: torch.Tensor
+    """A view of the local data (any device; made contiguous on CPU when written)."""
+
+    @property
+    def key(self) -> str:
+        return f"{self.category}/{self.name}@{','.join(map(str, self.box.offsets))}"
+
+
+@dataclass
+class RankPlan:
+    ctx: RankContext
+    chunks: list[WriteChunk] = field(default_factory=list)
+    declared: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
+    aliases: dict[str, dict[str, str]] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.data.numel() * c.data.element_size() for c in self.chunks)
+
+    def add(self, item: TensorItem) -> None:
+        sharding = dict(item.spec.info)
+        if item.spec.rank_local:
+            sharding["rank_local"] = True
+        entry = {
+            "shape": list(item.spec.global_shape),
+            "dtype": dtype_name(item.dtype),
+            "sharding": sharding,
+        }
+        self.declared.setdefault(item.category, {})[item.name] = entry
+        ctx = self.ctx
+        for piece in pieces(item):
+            if is_writer(item, piece, ctx.tp_rank, ctx.tp_size, ctx.dp_rank, ctx.dp_size):
+                data = piece.local
+                if data.dtype != item.dtype:
+                    data = data.to(item.dtype)
+                self.chunks.append(WriteChunk(item.category, item.name, piece.global_box, data))
+
+
+def _whole(category: str, name: str, tensor: torch.Tensor) -> TensorItem:
+    """A tensor only this rank has (RNG, scheduler, user content)."""
+    spec = ShardSpec(
+        tuple(tensor.shape),
+        rank_local_spec(tensor).blocks,
+        tp_replicated=False,
+    )
+    return TensorItem(
+        category, name, tensor.dtype, spec, DenseSource(tensor.detach()), dp_replicated=False
+    )
+
+
+def _add_model(plan: RankPlan, model: Any) -> None:
+    tensors, aliases = model_tensors(model, plan.ctx)
+    for local in tensors:
+        name = rank_local_name(local.name, plan.ctx) if local.spec.rank_local else local.name
+        plan.add(
+            TensorItem("model", name, local.tensor.dtype, local.spec, DenseSource(local.tensor))
+        )
+    if aliases:
+        plan.aliases["model"] = aliases
+
+
+def _add_json(plan: RankPlan, category: str, value: Any, what: str) -> None:
+    tensors: dict[str, torch.Tensor] = {}
+    plan.meta[category] = _jsonstate.encode(value, tensors, category, what)
+    plan.meta[f"has_{category}"] = True
+    for path, tensor in tensors.items():
+        plan.add(_whole(category, path, tensor))
+
+
+def build_plan(
+    ctx: RankContext,
+    *,
+    model: Any = None,
+    optimizer: Any = None,
+    scheduler: Any = None,
+    user_content: Any = None,
+    save_rng: bool = True,
+) -> RankPlan:
+    """This rank's part of a save (no I/O, no communication)."""
+    plan = RankPlan(ctx)
+    if model is not None:
+        _add_model(plan, model)
+        config = getattr(model, "config", None)
+        to_dict = getattr(config, "to_dict", None)
+        if callable(to_dict):
+            plan.meta["hf_config"] = to_dict()
+    if optimizer is not None:
+        items, meta = optimizer_save_items(optimizer, model, ctx)
+        for item in items:
+            plan.add(item)
+        plan.meta["optimizer"] = meta
+    if save_rng:
+        import nxd_state
+
+        for key, state in nxd_state.rng_state_dict().items():
+            plan.add(_whole("rng", f"rank{ctx.rank:05d}/{key}", state.detach().cpu()))
+    if ctx.rank == 0:
+        if scheduler is not None:
+            _add_json(plan, "scheduler", scheduler.state_dict(), "the scheduler state")
+        if user_content is not None:
+            _add_json(plan, "user_content", user_content, "user_content")
+    return plan

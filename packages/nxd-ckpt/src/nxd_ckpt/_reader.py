@@ -1,0 +1,101 @@
+"""Read boxes of global tensors from a tag: intersect with the stored chunks, read those.
+
+For a requested box R of tensor T, every chunk C of T with R ∩ C ≠ ∅ contributes
+``C[(R ∩ C) - C.offsets]`` to ``out[(R ∩ C) - R.offsets]``; chunks are disjoint, so the
+request is complete exactly when the intersections' volumes add up to R's (checked). Only
+the rows of each chunk that R needs are read (widened to the chunk's CRC blocks).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from nxd_ckpt._boxes import Box
+from nxd_ckpt._stfile import FileReader, dtype_from_name
+from nxd_ckpt.format import CheckpointIndex, FormatError, TensorRecord, read_index
+
+__all__ = ["CheckpointReader"]
+
+logger = logging.getLogger(__name__)
+
+
+class CheckpointReader:
+    """An open tag: its index and lazily opened, verified data files."""
+
+    def __init__(self, tag_dir: Path, *, verify: bool = True) -> None:
+        self.tag_dir = Path(tag_dir)
+        self.index: CheckpointIndex = read_index(self.tag_dir)
+        self.verify = verify
+        self._files: dict[str, FileReader] = {}
+        self.bytes_read = 0
+
+    def record(self, category: str, name: str) -> TensorRecord:
+        stored = self.index.resolve(category, name)
+        try:
+            return self.index.tensors[category][stored]
+        except KeyError:
+            raise KeyError(f"{category} tensor {name!r} is not in {self.tag_dir}") from None
+
+    def has(self, category: str, name: str) -> bool:
+        return self.index.resolve(category, name) in self.index.category(category)
+
+    def _file(self, relative: str) -> FileReader:
+        reader = self._files.get(relative)
+        if reader is None:
+            record = self.index.files.get(relative)
+            if record is None:
+                raise FormatError(f"{self.tag_dir}: the index names no file {relative!r}")
+            reader = FileReader(self.tag_dir / relative, record, verify=self.verify)
+            self._files[relative] = reader
+        return reader
+
+    def read_box(
+        self, category: str, name: str, box: Box, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``T[box]`` of tensor ``name``, in the saved dtype unless ``out`` is given (then
+        copied into ``out``, cast to its dtype and device, and returned)."""
+        record = self.record(category, name)
+        if len(box.shape) != len(record.shape) or not Box.whole(record.shape).contains(box):
+            raise ValueError(
+                f"{category} tensor {name!r}: box {box} is outside its shape {record.shape}"
+            )
+        if out is None:
+            out = torch.empty(box.shape, dtype=dtype_from_name(record.dtype))
+        elif tuple(out.shape) != box.shape:
+            raise ValueError(f"{name}: out has shape {tuple(out.shape)}, box {box.shape}")
+        covered = 0
+        for chunk in record.chunks:
+            stored = Box(tuple(chunk.offsets), tuple(chunk.shape))
+            common = box.intersect(stored)
+            if common is None:
+                continue
+            data = self._file(chunk.file).read(chunk, common.relative_to(stored))
+            target = out[common.relative_to(box).slices()]
+            target.copy_(data)
+            covered += common.numel
+            self.bytes_read += data.numel() * data.element_size()
+        if covered != box.numel:
+            raise FormatError(
+                f"{self.tag_dir}: {category} tensor {name!r} has chunks covering {covered} of "
+                f"the {box.numel} elements of {box}: the checkpoint is incomplete"
+            )
+        return out
+
+    def read_full(self, category: str, name: str) -> torch.Tensor:
+        return self.read_box(category, name, Box.whole(self.record(category, name).shape))
+
+    def verify_files(self) -> int:
+        """Read every chunk of every file and check its CRCs; returns the bytes checked."""
+        by_file: dict[str, list] = {}
+        for tensors in self.index.tensors.values():
+            for record in tensors.values():
+                for chunk in record.chunks:
+                    by_file.setdefault(chunk.file, []).append(chunk)
+        total = 0
+        for relative in self.index.files:
+            self._file(relative).verify_all(by_file.get(relative, []))
+            total += self.index.files[relative].size
+        return total

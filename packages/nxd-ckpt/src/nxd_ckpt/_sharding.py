@@ -1,0 +1,201 @@
+"""How a rank's local tensor maps into the global (unsharded) tensor: a list of blocks.
+
+A :class:`ShardSpec` says, for one tensor on one rank, which box of the local tensor equals
+which box of the global tensor. With TP size t, TP rank r, partition dim d and stride s, the
+local tensor holds chunks ``r, r + t, …, r + (s-1)t`` of the ``t·s`` equal chunks of the global
+tensor along d (chunk size c = local size / s):
+
+    local[j·c : (j+1)·c]  =  global[(j·t + r)·c : (j·t + r + 1)·c]     along d, j < s.
+
+GQA K/V projections replicate each KV head ``kv_size_multiplier`` times before splitting; the
+global tensor is the *unreplicated* one (what one process holds), and only the first copy of
+each head is "primary" (written). A fused ``weight_qkv`` is the concatenation [Q; K; V] of the
+global projections. Replicated (non-TP) tensors are one whole block held by every TP rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from nxd_ckpt._boxes import Box
+
+__all__ = ["Block", "ShardSpec", "rank_local_spec", "spec_for_tensor"]
+
+
+@dataclass(frozen=True)
+class Block:
+    """``local`` box of the local tensor == the same-shaped box at ``global_offsets``."""
+
+    local: Box
+    global_offsets: tuple[int, ...]
+    primary: bool = True
+    """False for a GQA replica: another TP rank's primary block holds the same elements."""
+
+    @property
+    def global_box(self) -> Box:
+        return Box(self.global_offsets, self.local.shape)
+
+
+@dataclass
+class ShardSpec:
+    """The blocks of one local tensor and the global tensor's shape."""
+
+    global_shape: tuple[int, ...]
+    blocks: list[Block]
+    tp_replicated: bool
+    """Every TP rank holds the whole tensor (so any of them may write it)."""
+    info: dict[str, Any] = field(default_factory=dict)
+    """Recorded in the index: partition_dim, partition_stride, tp_size, GQA layout."""
+    rank_local: bool = False
+    """Sharding unknown (a plain state dict): saved per (TP, PP) rank, loads only there."""
+
+
+def _rows_blocks(shape: tuple[int, ...], runs: list[tuple[int, int, int, bool]]) -> list[Block]:
+    """Blocks along dim 0 from runs ``(local_row, global_row, rows, primary)``."""
+    rest = tuple(shape[1:])
+    zeros = (0,) * len(rest)
+    return [
+        Block(Box((lo, *zeros), (n, *rest)), (go, *zeros), primary)
+        for lo, go, n, primary in runs
+        if n > 0
+    ]
+
+
+def _merge_runs(rows: list[tuple[int, bool]]) -> list[tuple[int, int, int, bool]]:
+    """Runs of consecutive local rows whose global rows are consecutive and equally primary;
+    ``rows[i] = (global_row, primary)`` for local row i."""
+    runs: list[tuple[int, int, int, bool]] = []
+    for local, (glob, primary) in enumerate(rows):
+        if runs:
+            lo, go, n, p = runs[-1]
+            if p == primary and go + n == glob and lo + n == local:
+                runs[-1] = (lo, go, n + 1, p)
+                continue
+        runs.append((local, glob, 1, primary))
+    return runs
+
+
+def _partitioned(
+    local_shape: tuple[int, ...], dim: int, stride: int, rank: int, size: int
+) -> ShardSpec:
+    dim = dim % len(local_shape)
+    length = local_shape[dim]
+    if stride < 1 or length % stride:
+        raise ValueError(
+            f"partition_stride({stride}) does not divide the local size {length} of dim {dim}"
+        )
+    chunk = length // stride
+    global_shape = list(local_shape)
+    global_shape[dim] = length * size
+    blocks = []
+    for j in range(stride):
+        local_off = [0] * len(local_shape)
+        global_off = [0] * len(local_shape)
+        local_off[dim] = j * chunk
+        global_off[dim] = (j * size + rank) * chunk
+        block_shape = list(local_shape)
+        block_shape[dim] = chunk
+        blocks.append(Block(Box(tuple(local_off), tuple(block_shape)), tuple(global_off)))
+    info = {"partition_dim": dim, "partition_stride": stride, "tp_size": size}
+    return ShardSpec(tuple(global_shape), blocks, tp_replicated=False, info=info)
+
+
+def _replica_rows(module: nn.Module) -> list[int]:
+    """For each row of the replicated K (or V) projection, its row in the unreplicated one.
+
+    Asks the module to replicate a column of row numbers, so the mapping is whatever
+    replication order the layer uses (nxd: head by head; NxD's ``repeat``: whole tensor).
+    """
+    kv_size = int(module.output_sizes[1])
+    multiplier = int(module.kv_size_multiplier)
+    replicate = getattr(module, "_replicate", None)
+    if replicate is None:  # NxD's order: the whole projection repeated m times
+        return [row for _ in range(multiplier) for row in range(kv_size)]
+    probe = torch.arange(kv_size, dtype=torch.float64).reshape(kv_size, 1)
+    return [int(v) for v in replicate(probe).reshape(-1).tolist()]
+
+
+def _gqa_spec(
+    module: nn.Module, local_name: str, local_shape: tuple[int, ...], rank: int, tp: int
+) -> ShardSpec:
+    """The GQA QKV projection's weights and biases (see the module docstring)."""
+    q_size, kv_size = (int(s) for s in module.output_sizes)
+    multiplier = int(module.kv_size_multiplier)
+    q_local = q_size // tp
+    kv_local = kv_size * multiplier // tp
+    replica_rows = _replica_rows(module) if multiplier > 1 else list(range(kv_size))
+    seen: set[int] = set()
+    primary_of = []  # replicated row -> first occurrence?
+    for row in replica_rows:
+        primary_of.append(row not in seen)
+        seen.add(row)
+
+    def kv_rows(offset: int) -> list[tuple[int, bool]]:
+        mine = range(rank * kv_local, (rank + 1) * kv_local)
+        return [(offset + replica_rows[j], primary_of[j]) for j in mine]
+
+    q_rows = [(rank * q_local + i, True) for i in range(q_local)]
+    part = local_name.rpartition("_")[2]
+    info: dict[str, Any] = {
+        "partition_dim": 0,
+        "partition_stride": 1,
+        "tp_size": tp,
+        "layout": "gqa_qkv",
+        "q_size": q_size,
+        "kv_size": kv_size,
+        "kv_size_multiplier": multiplier,
+        "part": part,
+    }
+    if part == "qkv":
+        rows = q_rows + kv_rows(q_size) + kv_rows(q_size + kv_size)
+        global_rows = q_size + 2 * kv_size
+    elif part == "q":
+        rows, global_rows = q_rows, q_size
+    else:
+        rows, global_rows = kv_rows(0), kv_size
+    if len(rows) != local_shape[0]:
+        raise ValueError(
+            f"GQA parameter {local_name} has {local_shape[0]} local rows, its layout says "
+            f"{len(rows)} (q_size={q_size}, kv_size={kv_size}, multiplier={multiplier}, tp={tp})"
+        )
+    blocks = _rows_blocks(local_shape, _merge_runs(rows))
+    return ShardSpec((global_rows, *local_shape[1:]), blocks, tp_replicated=False, info=info)
+
+
+def _is_gqa(module: nn.Module | None) -> bool:
+    return module is not None and all(
+        hasattr(module, name) for name in ("kv_size_multiplier", "output_sizes", "fuse_qkv")
+    )
+
+
+def spec_for_tensor(
+    tensor: torch.Tensor,
+    *,
+    tp_rank: int,
+    tp_size: int,
+    module: nn.Module | None = None,
+    local_name: str = "",
+) -> ShardSpec:
+    """The spec of a parameter or buffer from its sharding attributes (and, for the GQA QKV
+    projection, its owning ``module``; ``local_name`` is its name inside that module)."""
+    shape = tuple(tensor.shape)
+    if not getattr(tensor, "tensor_model_parallel", False):
+        return ShardSpec(shape, [Block(Box.whole(shape), (0,) * len(shape))], tp_replicated=True)
+    if _is_gqa(module) and local_name.startswith(("weight_", "bias_")):
+        return _gqa_spec(module, local_name, shape, tp_rank, tp_size)  # type: ignore[arg-type]
+    dim = int(getattr(tensor, "partition_dim", 0))
+    stride = int(getattr(tensor, "partition_stride", 1))
+    if not shape:
+        raise ValueError("a 0-d tensor cannot be tensor-parallel")
+    return _partitioned(shape, dim, stride, tp_rank, tp_size)
+
+
+def rank_local_spec(tensor: torch.Tensor) -> ShardSpec:
+    """A tensor whose sharding is unknown: it is its own global tensor, per (TP, PP) rank."""
+    shape = tuple(tensor.shape)
+    block = Block(Box.whole(shape), (0,) * len(shape))
+    return ShardSpec(shape, [block], tp_replicated=False, rank_local=True)

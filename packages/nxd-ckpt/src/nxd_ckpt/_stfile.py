@@ -1,0 +1,313 @@
+"""Safetensors files written tensor by tensor, with CRC-32s, and read back box by box.
+
+Layout (the safetensors format): an 8-byte little-endian header length n, n bytes of JSON
+(``{key: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``, padded
+with spaces to a multiple of 8), then the tensors' bytes back to back. Tensors are ordered by
+element size, largest first, so every tensor starts aligned to its element size.
+
+Writing streams each tensor's bytes to a temporary file in blocks (no serialised copy of the
+whole file), computes the CRC-32 of every block of rows on the way, fsyncs, renames to the
+final name and fsyncs the folder. Reading uses ``safetensors.safe_open(...).get_slice`` on
+the rows a box needs, widened to whole CRC blocks, and verifies them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import math
+import os
+import struct
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nxd_ckpt._boxes import Box
+from nxd_ckpt.format import ChunkRecord, FileRecord, FormatError
+
+__all__ = [
+    "CRC_BLOCK_BYTES",
+    "FileDigest",
+    "FilePlan",
+    "FileReader",
+    "dtype_from_name",
+    "dtype_name",
+    "fsync_dir",
+    "plan_file",
+    "write_planned",
+]
+
+CRC_BLOCK_BYTES = 4 << 20
+_ST_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``"float32"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise FormatError(f"unknown dtype {name!r} in checkpoint index")
+    return dtype
+
+
+def _st_dtype(dtype: torch.dtype) -> str:
+    try:
+        return _ST_DTYPES[dtype]
+    except KeyError:
+        raise TypeError(
+            f"dtype {dtype} cannot be stored in safetensors; supported: "
+            f"{sorted(dtype_name(d) for d in _ST_DTYPES)}"
+        ) from None
+
+
+def crc_rows_for(shape: Sequence[int], itemsize: int) -> int:
+    """Rows (dim 0) per CRC block: as many as fit in ``CRC_BLOCK_BYTES``, at least one."""
+    if not shape:
+        return 1
+    row_bytes = max(1, math.prod(shape[1:]) * itemsize)
+    return max(1, CRC_BLOCK_BYTES // row_bytes)
+
+
+@dataclass(frozen=True)
+class PlannedEntry:
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def crc_rows(self) -> int:
+        return crc_rows_for(self.shape, self.dtype.itemsize)
+
+
+@dataclass(frozen=True)
+class FilePlan:
+    """Header bytes and where each tensor's bytes go, before any data is written."""
+
+    header: bytes
+    entries: tuple[PlannedEntry, ...]
+    data_size: int
+
+    @property
+    def size(self) -> int:
+        return len(self.header) + self.data_size
+
+
+@dataclass(frozen=True)
+class FileDigest:
+    """What was written: the file's record and each key's block CRCs."""
+
+    size: int
+    crc32: int
+    header_crc32: int
+    block_crcs: dict[str, list[int]]
+
+
+def plan_file(
+    items: Sequence[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str]
+) -> FilePlan:
+    """Lay out ``(key, dtype, shape)`` items: largest element size first, then given order."""
+    ordered = sorted(items, key=lambda item: -item[1].itemsize)
+    entries, header, offset = [], {}, 0
+    for key, dtype, shape in ordered:
+        nbytes = math.prod(shape) * dtype.itemsize
+        entries.append(PlannedEntry(key, dtype, tuple(shape), offset, offset + nbytes))
+        header[key] = {
+            "dtype": _st_dtype(dtype),
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    header["__metadata__"] = {k: str(v) for k, v in metadata.items()}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return FilePlan(struct.pack("<Q", len(text)) + text, tuple(entries), offset)
+
+
+def as_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy."""
+    flat = tensor.reshape(-1)
+    if not flat.is_contiguous() or flat.device.type != "cpu":
+        raise ValueError("as_bytes needs a contiguous CPU tensor")
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or creation inside ``path`` durable."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover - some filesystems refuse fsync on directories
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_planned(
+    path: Path, plan: FilePlan, tensors: Sequence[torch.Tensor | Callable[[], torch.Tensor]]
+) -> FileDigest:
+    """Write ``tensors`` (contiguous, CPU, in ``plan.entries`` order; or callables returning
+    them, called one at a time so only one is materialised) as the file ``path``.
+
+    Atomic: written under ``<path>.tmp``, fsynced, renamed, folder fsynced. On any error the
+    temporary file is removed and an OSError naming ``path`` is raised.
+    """
+    if len(tensors) != len(plan.entries):
+        raise ValueError(f"{path}: plan has {len(plan.entries)} tensors, got {len(tensors)}")
+    tmp = path.with_name(path.name + ".tmp")
+    block_crcs: dict[str, list[int]] = {}
+    file_crc = header_crc = zlib.crc32(plan.header)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            _write_all(fd, memoryview(plan.header))
+            for entry, source in zip(plan.entries, tensors):
+                data = as_bytes(source() if callable(source) else source)
+                if len(data) != entry.end - entry.begin:
+                    raise ValueError(
+                        f"{path}: tensor {entry.key} has {len(data)} bytes, planned "
+                        f"{entry.end - entry.begin}"
+                    )
+                rows = entry.shape[0] if entry.shape else 1
+                block = entry.crc_rows * (len(data) // rows if rows else 0)
+                crcs = []
+                for start in range(0, len(data), max(block, 1)):
+                    piece = data[start : start + block]
+                    _write_all(fd, piece)
+                    crcs.append(zlib.crc32(piece))
+                if not entry.shape:  # 0-d: one block, even of zero bytes
+                    crcs = crcs or [zlib.crc32(b"")]
+                for crc in crcs:
+                    file_crc = zlib.crc32(struct.pack("<I", crc), file_crc)
+                block_crcs[entry.key] = crcs
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError as error:
+        _remove_quietly(tmp)
+        code = error.errno if error.errno is not None else errno.EIO
+        raise OSError(
+            code, f"writing checkpoint file {path} failed: {error.strerror or error}"
+        ) from error
+    except BaseException:
+        _remove_quietly(tmp)
+        raise
+    fsync_dir(path.parent)
+    return FileDigest(plan.size, file_crc, header_crc, block_crcs)
+
+
+def _remove_quietly(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write a small text file atomically and durably (tmp, fsync, rename, fsync folder)."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            _write_all(fd, memoryview(text.encode()))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError as error:
+        _remove_quietly(tmp)
+        code = error.errno if error.errno is not None else errno.EIO
+        raise OSError(code, f"writing {path} failed: {error.strerror or error}") from error
+    fsync_dir(path.parent)
+
+
+def _crc_of(tensor: torch.Tensor) -> int:
+    return zlib.crc32(as_bytes(tensor.contiguous()))
+
+
+class FileReader:
+    """Reads boxes of the chunks stored in one data file, verifying sizes and CRCs."""
+
+    def __init__(self, path: Path, record: FileRecord, *, verify: bool = True) -> None:
+        from safetensors import safe_open
+
+        self.path = path
+        self.verify = verify
+        if not path.is_file():
+            raise FormatError(f"checkpoint file {path} is missing (the index lists it)")
+        size = path.stat().st_size
+        if size != record.size:
+            raise FormatError(
+                f"checkpoint file {path} has {size} bytes, the index says {record.size}: "
+                f"truncated or overwritten"
+            )
+        with open(path, "rb") as handle:
+            head = handle.read(8)
+            length = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+            body = handle.read(length) if 0 <= length <= size else b""
+        if zlib.crc32(head + body) != record.header_crc32:
+            raise FormatError(f"checkpoint file {path}: header checksum mismatch (corrupted)")
+        self._handle: Any = safe_open(str(path), framework="pt", device="cpu")
+
+    def read(self, chunk: ChunkRecord, box: Box) -> torch.Tensor:
+        """``box`` (in the chunk's own coordinates) of the stored chunk."""
+        if not chunk.shape:
+            value = self._handle.get_tensor(chunk.key)
+            if self.verify and [_crc_of(value)] != chunk.crc32:
+                raise self._corrupt(chunk, 0)
+            return value
+        rows = chunk.crc_rows
+        first, last = box.offsets[0] // rows, -(-(box.offsets[0] + box.shape[0]) // rows)
+        start, stop = first * rows, min(last * rows, chunk.shape[0])
+        data = self._handle.get_slice(chunk.key)[start:stop]
+        if self.verify:
+            for index, block in enumerate(range(first, last)):
+                piece = data[index * rows : (index + 1) * rows]
+                if _crc_of(piece) != chunk.crc32[block]:
+                    raise self._corrupt(chunk, block)
+        inner = (slice(box.offsets[0] - start, box.offsets[0] - start + box.shape[0]),)
+        return data[inner + box.slices()[1:]]
+
+    def _corrupt(self, chunk: ChunkRecord, block: int) -> FormatError:
+        return FormatError(
+            f"checkpoint file {self.path}: checksum mismatch in tensor {chunk.key!r} (rows "
+            f"{block * chunk.crc_rows}..{(block + 1) * chunk.crc_rows - 1}): the file is corrupted"
+        )
+
+    def verify_all(self, chunks: Sequence[ChunkRecord]) -> None:
+        """Read and check every chunk stored here."""
+        for chunk in chunks:
+            self.read(chunk, Box.whole(chunk.shape))

@@ -1,0 +1,216 @@
+"""Writing a rank's file and manifest, staging for async saves, and merging the manifests.
+
+Each rank writes ``data-<id>/<coords>.safetensors`` (its chunks) and then
+``data-<id>/manifest_rank_<r>.json`` (what it wrote and declared); a manifest exists only
+after its data file is durable. Rank 0 merges the manifests into the index once all exist,
+checking that every tensor's chunks cover it exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nxd_ckpt._plan import RankPlan, WriteChunk
+from nxd_ckpt._stfile import FilePlan, plan_file, write_planned, write_text_atomic
+from nxd_ckpt.format import (
+    FORMAT_VERSION,
+    CheckpointIndex,
+    ChunkRecord,
+    FileRecord,
+    FormatError,
+    TensorRecord,
+)
+
+__all__ = ["StagingBuffer", "file_plan_for", "manifest_path", "merge_manifests", "write_rank"]
+
+logger = logging.getLogger(__name__)
+
+
+def manifest_path(data_dir: Path, rank: int) -> Path:
+    return data_dir / f"manifest_rank_{rank:05d}.json"
+
+
+def file_plan_for(plan: RankPlan) -> FilePlan:
+    items = [(c.key, c.data.dtype, tuple(c.box.shape)) for c in plan.chunks]
+    return plan_file(items, {"format": "pt", "nxd_ckpt_format_version": str(FORMAT_VERSION)})
+
+
+def _ordered_chunks(plan: RankPlan, file_plan: FilePlan) -> list[WriteChunk]:
+    by_key = {chunk.key: chunk for chunk in plan.chunks}
+    return [by_key[entry.key] for entry in file_plan.entries]
+
+
+class StagingBuffer:
+    """One host buffer a rank's chunks are copied into for an async save (pinned when the
+    data is on CUDA); reused by later saves of the same or a smaller size."""
+
+    def __init__(self) -> None:
+        self._buffer: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self._buffer is None else self._buffer.numel()
+
+    def release(self) -> None:
+        self._buffer = None
+
+    def stage(self, plan: RankPlan, file_plan: FilePlan) -> list[torch.Tensor]:
+        """Copy every chunk into the buffer (this is the only blocking part of an async save)."""
+        on_cuda = any(c.data.device.type == "cuda" for c in plan.chunks)
+        if self._buffer is None or self._buffer.numel() < file_plan.data_size:
+            self._buffer = None  # free the old one first: peak stays one buffer
+            self._buffer = torch.empty(
+                max(file_plan.data_size, 1), dtype=torch.uint8, pin_memory=on_cuda
+            )
+        views = []
+        for entry, chunk in zip(file_plan.entries, _ordered_chunks(plan, file_plan)):
+            target = self._buffer[entry.begin : entry.end].view(entry.dtype).view(entry.shape)
+            target.copy_(chunk.data, non_blocking=on_cuda)
+            views.append(target)
+        if on_cuda:
+            torch.cuda.synchronize()
+        return views
+
+
+def write_rank(
+    plan: RankPlan,
+    tag_dir: Path,
+    data_dir: Path,
+    file_plan: FilePlan | None = None,
+    staged: list[torch.Tensor] | None = None,
+) -> Path:
+    """Write this rank's data file (if it has chunks) and then its manifest."""
+    ctx = plan.ctx
+    manifest: dict[str, Any] = {
+        "rank": ctx.rank,
+        "tp_rank": ctx.tp_rank,
+        "pp_rank": ctx.pp_rank,
+        "dp_rank": ctx.dp_rank,
+        "declared": plan.declared,
+        "aliases": plan.aliases,
+        "meta": plan.meta,
+        "chunks": [],
+        "file": None,
+    }
+    if plan.chunks:
+        file_plan = file_plan or file_plan_for(plan)
+        relative = f"{data_dir.name}/{ctx.coordinates}.safetensors"
+        if staged is None:  # sync: one tensor at a time on the host
+            ordered = _ordered_chunks(plan, file_plan)
+            sources: list[Any] = [
+                (lambda c=c: c.data.detach().to("cpu").contiguous()) for c in ordered
+            ]
+        else:
+            sources = list(staged)
+        digest = write_planned(tag_dir / relative, file_plan, sources)
+        manifest["file"] = {
+            "path": relative,
+            "record": FileRecord(
+                digest.size,
+                digest.crc32,
+                digest.header_crc32,
+                ctx.rank,
+                ctx.tp_rank,
+                ctx.pp_rank,
+                ctx.dp_rank,
+            ).__dict__,
+        }
+        entries = {entry.key: entry for entry in file_plan.entries}
+        for chunk in plan.chunks:
+            manifest["chunks"].append(
+                {
+                    "category": chunk.category,
+                    "name": chunk.name,
+                    "file": relative,
+                    "key": chunk.key,
+                    "offsets": list(chunk.box.offsets),
+                    "shape": list(chunk.box.shape),
+                    "crc32": digest.block_crcs[chunk.key],
+                    "crc_rows": entries[chunk.key].crc_rows,
+                    "tp_rank": ctx.tp_rank,
+                    "pp_rank": ctx.pp_rank,
+                    "dp_rank": ctx.dp_rank,
+                }
+            )
+    path = manifest_path(data_dir, ctx.rank)
+    write_text_atomic(path, json.dumps(manifest))
+    return path
+
+
+def _merge_optimizer(target: dict[str, Any] | None, meta: dict[str, Any]) -> dict[str, Any]:
+    if target is None:
+        return json.loads(json.dumps(meta))
+    for index, group in enumerate(meta["param_groups"]):
+        if index >= len(target["param_groups"]):
+            target["param_groups"].append(group)
+            continue
+        known = target["param_groups"][index]["params"]
+        known.extend(name for name in group["params"] if name not in known)
+    for name, scalars in meta["scalars"].items():
+        target["scalars"].setdefault(name, scalars)
+    target["master_weights"] = target["master_weights"] or meta["master_weights"]
+    return target
+
+
+def merge_manifests(
+    data_dir: Path, world_size: int, tag: str, save_id: str, parallel: dict[str, Any]
+) -> CheckpointIndex:
+    """The index of a save from every rank's manifest (rank 0, after all are written)."""
+    index = CheckpointIndex(tag=tag, save_id=save_id, parallel=parallel)
+    seen: dict[tuple[str, str], set[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
+    for rank in range(world_size):
+        manifest = json.loads(manifest_path(data_dir, rank).read_text())
+        if manifest["file"] is not None:
+            index.files[manifest["file"]["path"]] = FileRecord(**manifest["file"]["record"])
+        for category, declared in manifest["declared"].items():
+            tensors = index.tensors.setdefault(category, {})
+            for name, entry in declared.items():
+                record = tensors.get(name)
+                if record is None:
+                    tensors[name] = TensorRecord(
+                        entry["shape"], entry["dtype"], [], entry["sharding"]
+                    )
+                elif record.shape != entry["shape"] or record.dtype != entry["dtype"]:
+                    raise FormatError(
+                        f"ranks disagree on {category} tensor {name!r}: shape/dtype "
+                        f"{record.shape}/{record.dtype} vs {entry['shape']}/{entry['dtype']} "
+                        f"(rank {rank})"
+                    )
+        for category, aliases in manifest["aliases"].items():
+            index.aliases.setdefault(category, {}).update(aliases)
+        for chunk in manifest["chunks"]:
+            category, name = chunk.pop("category"), chunk.pop("name")
+            box = (tuple(chunk["offsets"]), tuple(chunk["shape"]))
+            boxes = seen.setdefault((category, name), set())
+            if box in boxes:  # the same replica written twice (tied across stages): keep one
+                continue
+            boxes.add(box)
+            index.tensors[category][name].chunks.append(ChunkRecord(**chunk))
+        meta = manifest["meta"]
+        if "optimizer" in meta:
+            index.optimizer = _merge_optimizer(index.optimizer, meta["optimizer"])
+        for key in ("scheduler", "user_content", "hf_config", "lora"):
+            if key in meta:
+                setattr(index, key, meta[key])
+        for key in ("has_scheduler", "has_user_content"):
+            if meta.get(key):
+                setattr(index, key, True)
+    for category, tensors in index.tensors.items():
+        for name, record in tensors.items():
+            stored = sum(math.prod(c.shape) for c in record.chunks)
+            if stored != math.prod(record.shape):
+                raise FormatError(
+                    f"{category} tensor {name!r} of shape {record.shape}: the ranks wrote "
+                    f"{stored} of its {math.prod(record.shape)} elements (replicas that differ "
+                    f"in layout across ranks?)"
+                )
+        for alias in list(index.aliases.get(category, {})):
+            if alias in tensors:  # stored under that name by some rank: not an alias
+                del index.aliases[category][alias]
+    return index

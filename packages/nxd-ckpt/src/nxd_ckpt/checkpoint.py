@@ -1,0 +1,221 @@
+"""NxD's ``save_checkpoint`` / ``load_checkpoint`` on the nxd-ckpt format.
+
+``save_checkpoint(path, tag, model=…, optimizer=…, scheduler=…, user_content=…)`` writes the
+tag folder described in :mod:`nxd_ckpt.format`; every rank must call it. ``load_checkpoint``
+reads it back into a model and optimizer at any TP/PP/DP degrees and ZeRO-1 setting and
+returns the user content. NxD's checkpoint folders (pickled ``.pt`` files) are read too, with
+``torch.load(weights_only=True)`` (:mod:`nxd_ckpt.nxd_format`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import time
+from pathlib import Path
+from typing import Any
+
+from nxd_ckpt import _saver, _tags
+from nxd_ckpt._context import agree, broadcast_int, current_context
+from nxd_ckpt._load_model import load_json, load_model
+from nxd_ckpt._load_model import load_rng as _load_rng_states
+from nxd_ckpt._optim_load import load_optimizer
+from nxd_ckpt._plan import build_plan
+from nxd_ckpt._reader import CheckpointReader
+from nxd_ckpt._slots import host_slot
+from nxd_ckpt._write import StagingBuffer, file_plan_for
+from nxd_ckpt.format import INDEX_NAME
+
+__all__ = ["finalize_checkpoint", "has_checkpoint", "load_checkpoint", "save_checkpoint"]
+
+logger = logging.getLogger(__name__)
+_STAGING = StagingBuffer()
+
+
+def _check_num_workers(num_workers: Any) -> int:
+    if (
+        isinstance(num_workers, bool)
+        or not isinstance(num_workers, int)
+        or not (1 <= num_workers <= 32)
+    ):
+        raise ValueError(f"num_workers must be an int in [1, 32] (NxD's), got {num_workers!r}")
+    return num_workers
+
+
+def _check_save_args(path: Any, tag: Any, num_kept_ckpts: Any) -> tuple[Path, str]:
+    if not isinstance(path, (str, os.PathLike)) or not str(path):
+        raise ValueError(f"path must be a non-empty str or path, got {path!r}")
+    tag = "" if tag is None else str(tag)
+    if "/" in tag or "\\" in tag or tag in (".", "..") or tag.startswith("."):
+        raise ValueError(f"tag {tag!r} must be a plain folder name (no separators, no leading '.')")
+    if num_kept_ckpts is not None and (
+        isinstance(num_kept_ckpts, bool)
+        or not isinstance(num_kept_ckpts, int)
+        or num_kept_ckpts < 1
+    ):
+        raise ValueError(f"num_kept_ckpts must be None or an int >= 1, got {num_kept_ckpts!r}")
+    root = Path(path)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".nxd-ckpt-probe-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as error:
+        raise PermissionError(
+            f"checkpoint path {root} is not a writable folder: {error.strerror or error}"
+        ) from error
+    return root, tag
+
+
+def save_checkpoint(
+    path: str | os.PathLike[str],
+    tag: str = "",
+    model: Any = None,
+    optimizer: Any = None,
+    scheduler: Any = None,
+    user_content: Any = None,
+    num_workers: int = 8,
+    use_xser: bool = False,
+    num_kept_ckpts: int | None = None,
+    async_save: bool = False,
+    zero1_optimizer: bool = False,
+) -> None:
+    """Save a checkpoint tag (collective: every rank calls it with the same arguments).
+
+    ``model``: an ``nn.Module`` (``NxDPPModel`` included) or a state dict; ``optimizer``: a
+    ``torch.optim`` optimizer, ``NxDOptimizer`` or ``NeuronZero1Optimizer`` (state saved by
+    parameter name, which needs ``model``); ``scheduler``: anything with ``state_dict``;
+    ``user_content``: dicts/lists/numbers/strings/tensors (no pickle). ``num_workers``: at most
+    that many ranks per host write at once (1-32). ``use_xser`` is accepted for NxD
+    compatibility: this format always writes tensor by tensor. ``num_kept_ckpts``: keep the
+    newest N complete tags. ``async_save``: copy the state to host memory now and write it in
+    a background thread; the next save, :func:`finalize_checkpoint`, ``load_checkpoint`` and
+    interpreter exit wait for it, and raise its error if it failed. ``zero1_optimizer`` is
+    accepted for NxD compatibility (ZeRO-1 is detected from the optimizer).
+    """
+    del use_xser, zero1_optimizer  # see the docstring
+    ctx = current_context()
+    error: BaseException | None = None
+    try:
+        _check_num_workers(num_workers)
+        root, tag = _check_save_args(path, tag, num_kept_ckpts)
+    except (ValueError, PermissionError) as caught:
+        error = caught
+    agree(error, "save_checkpoint argument checks")
+    _saver.wait_pending()
+    save_id = f"{broadcast_int(secrets.randbits(62)):016x}"
+    tag_dir = root / tag if tag else root
+    data_dir = tag_dir / f"data-{save_id}"
+    started = time.perf_counter()
+    error = None
+    try:  # plan first (no I/O): bad content fails before anything is created
+        plan = build_plan(
+            ctx, model=model, optimizer=optimizer, scheduler=scheduler, user_content=user_content
+        )
+        zero1 = bool(plan.meta.get("optimizer", {}).get("zero1"))
+        plan.meta["parallel"] = ctx.parallel_dict(zero1)
+        if ctx.rank == 0:
+            _tags.begin_tag(tag_dir)
+        data_dir.mkdir(parents=True, exist_ok=True)
+    except BaseException as caught:
+        error = caught
+    agree(error, f"preparing checkpoint {tag_dir}")
+    job = _saver.SaveJob(root, tag, tag_dir, data_dir, save_id, plan, num_kept_ckpts, num_workers)
+    if not async_save:
+        job.run_sync()
+        logger.info(
+            "saved %s in %.2fs (%d bytes on rank %d)",
+            tag_dir,
+            time.perf_counter() - started,
+            plan.nbytes,
+            ctx.rank,
+        )
+        return
+    job.file_plan = file_plan_for(plan)
+    job.staged = _STAGING.stage(plan, job.file_plan) if plan.chunks else []
+    job.start_async()
+    _saver.set_pending(job)
+    logger.info(
+        "staged %s for async save in %.3fs (%d bytes on rank %d)",
+        tag_dir,
+        time.perf_counter() - started,
+        plan.nbytes,
+        ctx.rank,
+    )
+
+
+def finalize_checkpoint() -> None:
+    """Wait for a pending async save and raise its error (collective); frees the host copy."""
+    _saver.wait_pending()
+    _STAGING.release()
+
+
+def has_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` holds at least one complete tag."""
+    root = Path(path)
+    return root.is_dir() and _tags.newest_complete_tag(root) is not None
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str],
+    tag: str | None = None,
+    model: Any = None,
+    optimizer: Any = None,
+    scheduler: Any = None,
+    num_workers: int = 8,
+    strict: bool = True,
+    *,
+    allow_pickle: bool = False,
+    load_rng: bool = True,
+) -> Any:
+    """Load tag ``tag`` (None: the newest complete one) into ``model``, ``optimizer`` and
+    ``scheduler``; return the user content (None if none was saved). Collective.
+
+    Any TP/PP/DP degrees and ZeRO-1 setting load any checkpoint: each rank reads the boxes
+    its local tensors need. ``strict``: missing or unexpected model/optimizer names are an
+    error (listed). NxD-layout folders (``model/*.pt`` …) are read with
+    ``torch.load(weights_only=True)``; their pickled user content and scheduler only with
+    ``allow_pickle=True`` (which executes code from the files: trusted checkpoints only).
+    ``load_rng``: restore the RNG states when the layout is the one saved.
+    """
+    _check_num_workers(num_workers)
+    _saver.wait_pending()
+    ctx = current_context()
+    tag_dir, _ = _tags.resolve_tag_dir(path, tag)
+    if not (tag_dir / INDEX_NAME).exists():
+        from nxd_ckpt.nxd_format import is_nxd_checkpoint, load_nxd_checkpoint
+
+        if is_nxd_checkpoint(tag_dir):
+            return load_nxd_checkpoint(
+                tag_dir,
+                model=model,
+                optimizer=optimizer,
+                scheduler=scheduler,
+                strict=strict,
+                allow_pickle=allow_pickle,
+            )
+        raise FileNotFoundError(
+            f"{tag_dir} has no {INDEX_NAME} and is not in NxD's layout: not a checkpoint"
+        )
+    if optimizer is not None and model is None:
+        logger.info("loading optimizer state without model=: parameters are matched by position")
+    reader = CheckpointReader(tag_dir)
+
+    def slot() -> Any:  # reading only: never held across a collective
+        return host_slot(num_workers, ctx.local_rank, f"rank {ctx.rank} load")
+
+    if model is not None:
+        load_model(model, reader, ctx, strict, slot)
+    if optimizer is not None:
+        load_optimizer(optimizer, model, reader, ctx, strict, slot)
+    with slot():
+        if scheduler is not None:
+            if not reader.index.has_scheduler:
+                raise ValueError(f"{tag_dir} holds no scheduler state (saved without scheduler=)")
+            scheduler.load_state_dict(load_json(reader, "scheduler"))
+        if load_rng:
+            _load_rng_states(reader, ctx)
+        content = load_json(reader, "user_content") if reader.index.has_user_content else None
+    logger.info("loaded %s (%d bytes read on rank %d)", tag_dir, reader.bytes_read, ctx.rank)
+    return content

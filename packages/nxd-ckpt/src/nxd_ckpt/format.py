@@ -1,0 +1,188 @@
+"""The on-disk format: one folder per tag, safetensors data files and one JSON index.
+
+::
+
+    <path>/<tag>/checkpoint                  written when the first save into the tag begins
+    <path>/<tag>/done                        written once the index names a complete save
+    <path>/<tag>/index.json                  CheckpointIndex (this module), the commit point
+    <path>/<tag>/data-<save_id>/dp_rank_DD_tp_rank_TT_pp_rank_PP.safetensors
+    <path>/<tag>/data-<save_id>/manifest_rank_RRRRR.json   what one rank wrote
+
+Every tensor is described by its *global* shape (what one process holding the whole model
+would have) and a list of chunks, each a box of the global tensor stored under a key of one
+safetensors file. Chunks of a tensor are disjoint and cover it exactly, so a rank under any
+TP/PP/DP layout reads the boxes it needs by intersecting them with the chunks. Each chunk
+carries CRC-32s of its rows in blocks of ``crc_rows`` rows (verified on every read, and a
+partial read widens to whole blocks); each file carries its size, the CRC-32 of its
+safetensors header and a file CRC-32 over the header and every block CRC, in file order.
+
+Saving into an existing tag writes a new ``data-<save_id>`` folder and replaces
+``index.json`` atomically once that data is complete; the old data is removed afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "DONE_MARKER",
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "INDEX_NAME",
+    "START_MARKER",
+    "CheckpointIndex",
+    "ChunkRecord",
+    "FileRecord",
+    "FormatError",
+    "TensorRecord",
+    "read_index",
+]
+
+FORMAT_NAME = "nxd-ckpt"
+FORMAT_VERSION = 1
+INDEX_NAME = "index.json"
+START_MARKER = "checkpoint"
+DONE_MARKER = "done"
+CATEGORIES = ("model", "optimizer", "rng", "scheduler", "user_content")
+
+
+class FormatError(ValueError):
+    """A checkpoint's files do not match what its index promises (or the index is unreadable)."""
+
+
+@dataclass
+class ChunkRecord:
+    """One stored box of a global tensor."""
+
+    file: str
+    """Path of the safetensors file, relative to the tag folder."""
+    key: str
+    """The tensor's key inside that file."""
+    offsets: list[int]
+    """Where the box starts in the global tensor, per dimension."""
+    shape: list[int]
+    """The box's shape (the stored tensor's shape)."""
+    crc32: list[int]
+    """CRC-32 of each block of ``crc_rows`` rows (dim 0) of the stored bytes."""
+    crc_rows: int
+    """Rows per CRC block (1 for a 0-d tensor)."""
+    tp_rank: int = 0
+    """Coordinates of the rank that wrote it."""
+    pp_rank: int = 0
+    dp_rank: int = 0
+
+
+@dataclass
+class TensorRecord:
+    """A global tensor: shape, dtype, how it was sharded when saved, and its chunks."""
+
+    shape: list[int]
+    dtype: str
+    """torch dtype name without the ``torch.`` prefix (``float32``, ``bfloat16`` …)."""
+    chunks: list[ChunkRecord] = field(default_factory=list)
+    sharding: dict[str, Any] = field(default_factory=dict)
+    """As saved: ``partition_dim``, ``partition_stride``, ``tp_size``; ``layout: gqa_qkv`` with
+    ``q_size``, ``kv_size``, ``kv_size_multiplier``, ``part`` for the GQA projection;
+    ``rank_local: true`` for tensors of unknown sharding (loadable at the same degrees only)."""
+
+
+@dataclass
+class FileRecord:
+    """A data file: what its bytes must be."""
+
+    size: int
+    crc32: int
+    header_crc32: int
+    rank: int
+    tp_rank: int = 0
+    pp_rank: int = 0
+    dp_rank: int = 0
+
+
+@dataclass
+class CheckpointIndex:
+    """Everything a tag holds; ``index.json``."""
+
+    tag: str
+    save_id: str
+    parallel: dict[str, Any]
+    """``world_size``, ``tensor_parallel_size``, ``pipeline_parallel_size``,
+    ``data_parallel_size``, ``zero1`` at save time."""
+    files: dict[str, FileRecord] = field(default_factory=dict)
+    tensors: dict[str, dict[str, TensorRecord]] = field(default_factory=dict)
+    """Category (``model``, ``optimizer``, ``rng``, ``scheduler``, ``user_content``) -> name."""
+    aliases: dict[str, dict[str, str]] = field(default_factory=dict)
+    """Category -> name -> the name whose data it shares (tied weights)."""
+    optimizer: dict[str, Any] | None = None
+    """``class``, ``param_groups`` (hyper-parameters and parameter names), ``scalars`` (per
+    parameter name, non-tensor state such as ``step``), ``zero1``, ``master_weights``."""
+    scheduler: Any = None
+    """The scheduler's state dict as JSON (tensors replaced by references)."""
+    user_content: Any = None
+    """The user content as JSON (tensors replaced by references)."""
+    has_scheduler: bool = False
+    has_user_content: bool = False
+    lora: dict[str, Any] | None = None
+    """For a LoRA model: the save mode and the adapter configuration."""
+    hf_config: dict[str, Any] | None = None
+    """A Hugging Face ``config.json`` to write on export, when the model had one."""
+    format: str = FORMAT_NAME
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "index") -> CheckpointIndex:
+        if data.get("format") != FORMAT_NAME:
+            raise FormatError(f"{source}: format {data.get('format')!r} is not {FORMAT_NAME!r}")
+        version = data.get("format_version")
+        if version != FORMAT_VERSION:
+            raise FormatError(
+                f"{source}: format_version {version!r} is not supported: this nxd-ckpt reads "
+                f"version {FORMAT_VERSION} (a newer nxd-ckpt wrote it? upgrade nxd-ckpt)"
+            )
+        data = dict(data)
+        data["files"] = {k: FileRecord(**v) for k, v in data.get("files", {}).items()}
+        data["tensors"] = {
+            category: {
+                name: TensorRecord(
+                    shape=record["shape"],
+                    dtype=record["dtype"],
+                    chunks=[ChunkRecord(**c) for c in record.get("chunks", [])],
+                    sharding=record.get("sharding", {}),
+                )
+                for name, record in tensors.items()
+            }
+            for category, tensors in data.get("tensors", {}).items()
+        }
+        try:
+            return cls(**data)
+        except TypeError as error:
+            raise FormatError(f"{source}: unexpected index structure: {error}") from error
+
+    def category(self, name: str) -> dict[str, TensorRecord]:
+        return self.tensors.get(name, {})
+
+    def resolve(self, category: str, name: str) -> str:
+        """``name``, or the name it is an alias of."""
+        return self.aliases.get(category, {}).get(name, name)
+
+    def names(self, category: str) -> list[str]:
+        """Every name a model may ask for: stored tensors and aliases."""
+        return [*self.category(category), *self.aliases.get(category, {})]
+
+
+def read_index(tag_dir: Path) -> CheckpointIndex:
+    """Parse ``tag_dir/index.json`` (clear errors for a missing or foreign index)."""
+    path = tag_dir / INDEX_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: {tag_dir} is not an nxd-ckpt tag")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise FormatError(f"{path} is not valid JSON: {error}") from error
+    return CheckpointIndex.from_dict(data, str(path))
