@@ -202,3 +202,100 @@ def test_all_reduce_bucketed_averages_every_tensor_in_few_collectives() -> None:
         for shape, tensor in zip(shapes, out["tensors"]):
             expected = (rank_tensor(0, shape) + rank_tensor(1, shape)) / 2
             torch.testing.assert_close(tensor, expected.to(tensor.dtype), **EXACT)
+
+
+def all_to_all_emulated(shape: tuple[int, ...], dim: int, force: bool) -> dict:
+    """all_to_all with the native op either refused by the backend (as gloo refuses the list
+    form through torch 2.11) or marked missing up front; counts the native attempts."""
+    rank = dist.get_rank()
+    attempts = []
+    native = dist.all_to_all_single
+    if force:
+        C._NO_NATIVE_ALL_TO_ALL.add(C._backend_name(None))
+    else:
+
+        def refuse(*args: object, **kwargs: object) -> None:
+            attempts.append(1)
+            raise RuntimeError("Backend gloo does not support alltoall_base")
+
+        dist.all_to_all_single = refuse
+    try:
+        with count_collectives() as counter:
+            first = C.all_to_all(rank_tensor(rank, shape), scatter_dim=dim, gather_dim=0)
+            second = C.all_to_all(rank_tensor(rank, shape), scatter_dim=dim, gather_dim=dim)
+    finally:
+        dist.all_to_all_single = native
+    return {
+        "first": first,
+        "second": second,
+        "attempts": len(attempts),
+        "missing": sorted(C._NO_NATIVE_ALL_TO_ALL),
+        "counter": counter.as_dict(),
+    }
+
+
+@pytest.mark.parametrize("force", [False, True])
+@pytest.mark.parametrize(("world", "shape", "dim"), [(2, (4, 3), 0), (4, (2, 8), 1)])
+def test_all_to_all_emulation_matches_definition_and_counts_native_volume(
+    world: int, shape: tuple[int, ...], dim: int, force: bool
+) -> None:
+    results = run_distributed(all_to_all_emulated, world, shape, dim, force)
+    inputs = [rank_tensor(r, shape) for r in range(world)]
+    nbytes = 4 * torch.Size(shape).numel()
+    for rank, out in enumerate(results):
+        chunks = [x.chunk(world, dim=dim)[rank] for x in inputs]
+        torch.testing.assert_close(out["first"], torch.cat(chunks, dim=0), **EXACT)
+        torch.testing.assert_close(out["second"], torch.cat(chunks, dim=dim), **EXACT)
+        # The missing op is detected once, then emulated without asking the backend again.
+        assert out["attempts"] == (0 if force else 1)
+        assert out["missing"] == ["gloo"]
+        # Pairwise sends move (n-1)/n of the input, the native all-to-all volume: nothing else
+        # (no send/recv entries) is counted.
+        assert out["counter"] == {
+            "all_to_all@world": {
+                "calls": 2,
+                "bytes": 2 * nbytes,
+                "wire_bytes": 2 * (world - 1) / world * nbytes,
+            }
+        }
+
+
+def reduce_scatter_emulated() -> dict:
+    rank = dist.get_rank()
+    C._NO_NATIVE_REDUCE_SCATTER.add(C._backend_name(None))
+    with count_collectives() as counter:
+        out = C.reduce_scatter(rank_tensor(rank, (4, 3)), dim=0)
+    return {"out": out, "counter": counter.as_dict()}
+
+
+def test_emulated_reduce_scatter_counts_the_all_reduce_it_sends() -> None:
+    world, nbytes = 2, 4 * 3 * 4
+    total = rank_tensor(0, (4, 3)) + rank_tensor(1, (4, 3))
+    for rank, out in enumerate(run_distributed(reduce_scatter_emulated, world)):
+        torch.testing.assert_close(out["out"], total.chunk(world)[rank], **EXACT)
+        assert out["counter"] == {
+            "reduce_scatter@world": {
+                "calls": 1,
+                "bytes": nbytes,
+                "wire_bytes": 2 * (world - 1) / world * nbytes,
+            }
+        }
+
+
+def all_to_all_failure_mid_transfer() -> str:
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("Connection closed by peer")
+
+    native, dist.all_to_all_single = dist.all_to_all_single, broken
+    try:
+        C.all_to_all(torch.ones(4))
+    except RuntimeError as error:
+        return f"{error} | missing={sorted(C._NO_NATIVE_ALL_TO_ALL)}"
+    finally:
+        dist.all_to_all_single = native
+    return "no error"
+
+
+def test_all_to_all_failure_that_is_not_a_missing_op_is_raised() -> None:
+    for message in run_distributed(all_to_all_failure_mid_transfer, 2):
+        assert message == "Connection closed by peer | missing=[]"

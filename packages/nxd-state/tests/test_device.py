@@ -2,6 +2,8 @@
 
 import os
 import socket
+import sys
+import types
 
 import pytest
 import torch
@@ -11,7 +13,10 @@ from torch import nn
 from nxd_state import (
     backend_for,
     current_device,
+    get_local_world_size,
     init_distributed,
+    is_cpu_mode,
+    mark_step,
     move_model_to_device,
     resolve_device_type,
 )
@@ -92,3 +97,103 @@ def test_move_model_to_device_keeps_parallel_attributes() -> None:
     assert moved[0].weight.tensor_model_parallel is True
     assert moved[0].weight.partition_dim == 0
     assert not hasattr(moved[1].weight, "tensor_model_parallel")
+
+
+# NxD's device helpers: cpu mode, mark_step, local world size -----------------------------------
+@pytest.fixture
+def plain_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    for key in ("NXD_DEVICE", "NXD_CPU_MODE", "PJRT_DEVICE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    return monkeypatch
+
+
+def test_nxd_cpu_mode_forces_the_cpu(plain_env: pytest.MonkeyPatch) -> None:
+    plain_env.setenv("PJRT_DEVICE", "CPU")  # would select xla
+    assert not is_cpu_mode()
+    plain_env.setenv("NXD_CPU_MODE", "1")
+    assert resolve_device_type() == "cpu"
+    assert is_cpu_mode()
+    assert resolve_device_type("xla") == "xla"  # an explicit argument still wins
+    plain_env.setenv("NXD_CPU_MODE", "0")
+    assert resolve_device_type() == "xla"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the default device is cuda")
+def test_cpu_mode_without_the_variable_on_a_cpu_only_machine(
+    plain_env: pytest.MonkeyPatch,
+) -> None:
+    assert is_cpu_mode()
+
+
+def test_cpu_mode_conflicts_and_bad_values_are_clear(plain_env: pytest.MonkeyPatch) -> None:
+    plain_env.setenv("NXD_CPU_MODE", "1")
+    plain_env.setenv("NXD_DEVICE", "xla")
+    with pytest.raises(ValueError, match=r"NXD_CPU_MODE=1 asks for the CPU but NXD_DEVICE='xla'"):
+        is_cpu_mode()
+    plain_env.setenv("NXD_DEVICE", "cpu")
+    assert is_cpu_mode()
+    plain_env.delenv("NXD_DEVICE")
+    plain_env.setenv("NXD_CPU_MODE", "yes")
+    with pytest.raises(ValueError, match=r"NXD_CPU_MODE must be an integer .* got 'yes'"):
+        is_cpu_mode()
+
+
+class FakeTorchXla(types.ModuleType):
+    """Stands in for torch_xla: records the graph cuts mark_step asks for."""
+
+    def __init__(self, with_sync: bool) -> None:
+        super().__init__("torch_xla")
+        self.cuts: list[str] = []
+        if with_sync:
+            self.sync = lambda: self.cuts.append("torch_xla.sync")
+
+
+def test_mark_step_is_a_no_op_off_xla(plain_env: pytest.MonkeyPatch) -> None:
+    fake = FakeTorchXla(with_sync=True)
+    plain_env.setitem(sys.modules, "torch_xla", fake)
+    plain_env.setenv("NXD_DEVICE", "cpu")
+    mark_step()
+    plain_env.setenv("NXD_DEVICE", "xla")
+    plain_env.setenv("NXD_CPU_MODE", "0")
+    mark_step("cpu")
+    assert fake.cuts == []
+
+
+def test_mark_step_cuts_the_graph_on_xla(plain_env: pytest.MonkeyPatch) -> None:
+    plain_env.setenv("NXD_DEVICE", "xla")
+    fake = FakeTorchXla(with_sync=True)
+    plain_env.setitem(sys.modules, "torch_xla", fake)
+    mark_step()
+    assert fake.cuts == ["torch_xla.sync"]
+    # A torch-xla without torch_xla.sync: xla_model.mark_step.
+    old = FakeTorchXla(with_sync=False)
+    xla_model = types.ModuleType("torch_xla.core.xla_model")
+    xla_model.mark_step = lambda: old.cuts.append("xm.mark_step")  # type: ignore[attr-defined]
+    plain_env.setitem(sys.modules, "torch_xla", old)
+    plain_env.setitem(sys.modules, "torch_xla.core", types.ModuleType("torch_xla.core"))
+    plain_env.setitem(sys.modules, "torch_xla.core.xla_model", xla_model)
+    mark_step()
+    assert old.cuts == ["xm.mark_step"]
+
+
+def test_local_world_size_from_torchrun_or_one(plain_env: pytest.MonkeyPatch) -> None:
+    assert not dist.is_initialized()
+    assert get_local_world_size() == 1
+    plain_env.setenv("LOCAL_WORLD_SIZE", "3")
+    assert get_local_world_size() == 3
+    for bad in ("0", "four"):
+        plain_env.setenv("LOCAL_WORLD_SIZE", bad)
+        with pytest.raises(
+            ValueError, match=rf"LOCAL_WORLD_SIZE must be a positive integer, got '{bad}'"
+        ):
+            get_local_world_size()
+
+
+def local_world_sizes() -> tuple[int, int]:
+    from_torchrun = get_local_world_size()  # the harness exports LOCAL_WORLD_SIZE as torchrun does
+    os.environ.pop("LOCAL_WORLD_SIZE")
+    return from_torchrun, get_local_world_size()
+
+
+def test_local_world_size_falls_back_to_the_world_of_one_node() -> None:
+    assert run_distributed(local_world_sizes, 2) == [(2, 2), (2, 2)]

@@ -137,3 +137,85 @@ def test_out_of_range_rank_and_coordinates() -> None:
         layout.coordinates(4)
     with pytest.raises(ValueError, match=r"tp coordinate 2 is outside \[0, 2\)"):
         layout.rank_of(pp=0, dp=0, tp=2)
+
+
+# CP and EP: degree 1 only --------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["context_parallel_size", "expert_model_parallel_size"])
+def test_context_or_expert_degree_above_one_is_not_implemented(name: str) -> None:
+    with pytest.raises(NotImplementedError, match=rf"{name}=2: nxd does not support"):
+        ParallelLayout(world_size=4, **{name: 2})
+    with pytest.raises(ValueError, match=rf"{name} must be a positive integer, got 0"):
+        ParallelLayout(world_size=4, **{name: 0})
+
+
+def test_context_and_expert_groups_at_degree_one() -> None:
+    layout = ParallelLayout(world_size=8, tensor_parallel_size=2, pipeline_parallel_size=2)
+    assert layout.context_parallel_groups() == [[r] for r in range(8)]
+    assert layout.expert_model_parallel_groups() == [[r] for r in range(8)]
+    # NxD's expert view [PP, DP_exp, EP, TP] with EP = 1 is the [PP, DP, TP] view.
+    assert layout.expert_data_parallel_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+
+
+# KV-shared groups ----------------------------------------------------------------------------
+# (world, tp, kv_shared_group_size) -> (interleaved, sequential), written out by hand.
+KV_HAND_COMPUTED = {
+    (4, 4, 2): ([[0, 2], [1, 3]], [[0, 1], [2, 3]]),
+    (8, 4, 2): ([[0, 2], [1, 3], [4, 6], [5, 7]], [[0, 1], [2, 3], [4, 5], [6, 7]]),
+    (8, 8, 4): ([[0, 2, 4, 6], [1, 3, 5, 7]], [[0, 1, 2, 3], [4, 5, 6, 7]]),
+    (8, 8, 2): (
+        [[0, 4], [1, 5], [2, 6], [3, 7]],
+        [[0, 1], [2, 3], [4, 5], [6, 7]],
+    ),
+    (8, 4, 4): ([[0, 1, 2, 3], [4, 5, 6, 7]], [[0, 1, 2, 3], [4, 5, 6, 7]]),
+    (4, 2, 1): ([[0], [1], [2], [3]], [[0], [1], [2], [3]]),
+}
+
+
+@pytest.mark.parametrize(("world", "tp", "size"), sorted(KV_HAND_COMPUTED))
+def test_kv_shared_groups_match_hand_computed(world: int, tp: int, size: int) -> None:
+    layout = ParallelLayout(world_size=world, tensor_parallel_size=tp)
+    interleaved, sequential = KV_HAND_COMPUTED[(world, tp, size)]
+    assert layout.kv_shared_groups(size) == interleaved
+    assert layout.kv_shared_groups(size, sequential_ranks_in_group=True) == sequential
+
+
+def ranks_by_held_heads(head_order: list[int], tp: int) -> list[list[int]]:
+    """Split a replicated head list over ``tp`` ranks; group ranks that hold the same heads."""
+    per_rank = len(head_order) // tp
+    held: dict[tuple[int, ...], list[int]] = {}
+    for rank in range(tp):
+        held.setdefault(tuple(head_order[rank * per_rank : (rank + 1) * per_rank]), []).append(rank)
+    return sorted(held.values())
+
+
+@pytest.mark.parametrize(
+    ("tp", "kv_heads", "multiplier"),
+    [(4, 2, 2), (8, 2, 4), (8, 1, 8), (8, 4, 2), (8, 4, 4), (8, 2, 8), (16, 8, 4)],
+)
+def test_interleaved_kv_groups_are_the_ranks_holding_the_same_heads(
+    tp: int, kv_heads: int, multiplier: int
+) -> None:
+    """NxD replicates K/V block-wise ([k_0 .. k_{h-1}] m times) before the column split."""
+    blockwise = list(range(kv_heads)) * multiplier
+    layout = ParallelLayout(world_size=tp, tensor_parallel_size=tp)
+    assert sorted(layout.kv_shared_groups(multiplier)) == ranks_by_held_heads(blockwise, tp)
+
+
+@pytest.mark.parametrize(("tp", "kv_heads"), [(4, 2), (8, 2), (8, 4), (8, 1)])
+def test_sequential_kv_groups_are_the_ranks_holding_the_same_head(tp: int, kv_heads: int) -> None:
+    """Heads replicated one by one ([k_0, k_0, .., k_1, k_1, ..]), one KV head per rank."""
+    multiplier = tp // kv_heads
+    one_by_one = [head for head in range(kv_heads) for _ in range(multiplier)]
+    layout = ParallelLayout(world_size=tp, tensor_parallel_size=tp)
+    groups = layout.kv_shared_groups(multiplier, sequential_ranks_in_group=True)
+    assert sorted(groups) == ranks_by_held_heads(one_by_one, tp)
+
+
+def test_kv_shared_group_size_must_divide_tp() -> None:
+    layout = ParallelLayout(world_size=8, tensor_parallel_size=4)
+    with pytest.raises(
+        ValueError, match=r"kv_shared_group_size\(3\) does not divide tensor_parallel_size\(4\)"
+    ):
+        layout.kv_shared_groups(3)
+    with pytest.raises(ValueError, match=r"kv_shared_group_size must be a positive integer"):
+        layout.kv_shared_groups(0)

@@ -65,3 +65,19 @@ def test_move_model_to_xla_keeps_attributes(xla_world: None) -> None:
     move = ps.move_model_to_device(model, ps.current_device())
     assert move.weight.device.type == "xla"
     assert move.weight.partition_dim == 1
+
+
+def test_mark_step_runs_the_pending_graph(xla_world: None) -> None:
+    assert not ps.is_cpu_mode()
+    x = torch.arange(4.0, device=ps.current_device())
+    y = x * 2 + 1  # pending lazy computation until the graph is cut
+    ps.mark_step()
+    torch.testing.assert_close(y.cpu(), torch.tensor([1.0, 3.0, 5.0, 7.0]), rtol=0, atol=0)
+
+
+def test_nxd_surface_at_degree_one_on_xla(xla_world: None) -> None:
+    ps.initialize_model_parallel(1, 1, 1, skip_collective_init=False, lnc_size=1)
+    assert ps.get_context_model_parallel_size() == ps.get_expert_model_parallel_size() == 1
+    assert ps.get_tensor_model_parallel_replica_groups() == [[0]]
+    ps.initialize_kv_group(1)
+    assert ps.get_kv_shared_replica_groups() == [[0]]
