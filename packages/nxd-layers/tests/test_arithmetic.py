@@ -1,4 +1,5 @@
-"""Logic without communication: divisibility, head padding, KV multipliers, shard layouts."""
+"""Logic without communication: divisibility, head padding, KV multipliers, shard layouts,
+NxD's ``parallel_layers.utils`` helpers and NxD's GQA rank order."""
 
 from __future__ import annotations
 
@@ -9,11 +10,18 @@ import torch
 
 import nxd_layers
 from nxd_layers import (
+    EmbeddingUtility,
+    cast_all,
     divide,
     get_kv_size_multiplier,
     get_number_of_extra_heads,
+    get_padding_length,
+    is_torch_version_greater_than_2,
     merge_shards,
+    neuronx_gqa_rank_map,
     shard_for_rank,
+    split_tensor_along_last_dim,
+    split_tensor_along_second_dim,
 )
 
 
@@ -65,3 +73,51 @@ def test_shards_follow_the_stride_layout_and_merge_back(dim: int, stride: int) -
     torch.testing.assert_close(merge_shards(shards, dim, stride), full, rtol=0, atol=0)
     with pytest.raises(ValueError, match=r"size of dim 0\(12\) is not divisible by 5"):
         shard_for_rank(full, 0, 0, 5)
+
+
+def test_nxd_split_and_padding_helpers() -> None:
+    t = torch.arange(2 * 6 * 4).reshape(2, 6, 4)
+    last = split_tensor_along_last_dim(t, 2)
+    assert [c.shape for c in last] == [(2, 6, 2)] * 2
+    assert not last[0].is_contiguous()  # views, as torch.split gives
+    second = split_tensor_along_second_dim(t, 3, contiguous_split_chunks=True)
+    assert all(c.is_contiguous() for c in second)
+    torch.testing.assert_close(torch.cat(second, dim=1), t, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"numerator\(4\) is not divisible by 3"):
+        split_tensor_along_last_dim(t, 3)
+    assert [get_padding_length(n, 4) for n in (8, 9, 10, 11)] == [0, 3, 2, 1]
+    assert EmbeddingUtility.range_from_global_vocab_size(64, 2, 4) == (32, 48)
+    assert EmbeddingUtility.range_from_per_partition_vocab_size(16, 3, 4) == (48, 64)
+    assert is_torch_version_greater_than_2()  # torch >= 2.9 is required
+
+
+def test_cast_all_casts_only_the_source_dtype_in_nests() -> None:
+    from collections import namedtuple
+
+    pair = namedtuple("pair", "a b")
+    state = {
+        "w": torch.ones(2),
+        "i": torch.ones(2, dtype=torch.int64),
+        "n": [pair(torch.ones(1), 3)],
+    }
+    cast = cast_all(state)
+    assert cast["w"].dtype == torch.bfloat16
+    assert cast["i"].dtype == torch.int64
+    assert isinstance(cast["n"][0], pair)
+    assert cast["n"][0].a.dtype == torch.bfloat16
+    assert cast["n"][0].b == 3
+
+
+def test_neuronx_gqa_rank_map() -> None:
+    # One KV head per rank: NxD's rank r holds KV head r % n_kv; here rank s holds s // m.
+    for heads, kv, tp in ((8, 2, 8), (16, 4, 8), (32, 8, 32)):
+        m = tp // kv
+        mapping = neuronx_gqa_rank_map(heads, kv, tp, m)
+        assert sorted(mapping) == list(range(tp))
+        assert [s // m for s in mapping] == [r % kv for r in range(tp)]
+    assert neuronx_gqa_rank_map(8, 2, 8, 4) == [0, 4, 1, 5, 2, 6, 3, 7]
+    assert neuronx_gqa_rank_map(8, 8, 4, 1) == [0, 1, 2, 3]  # no replication: same layout
+    with pytest.raises(ValueError, match=r"must equal tensor_parallel_size\(4\)"):
+        neuronx_gqa_rank_map(8, 4, 4, 2)
+    with pytest.raises(ValueError, match=r"num_heads\(6\) must be divisible"):
+        neuronx_gqa_rank_map(6, 2, 4, 2)

@@ -41,6 +41,7 @@ from nxd_state.testing import run_distributed, run_named_checks
 
 FP32 = {"rtol": 1.3e-6, "atol": 1e-5}  # see the module docstring
 BLOCK = {"rtol": 1e-5, "atol": 1e-5}  # attention block, see the module docstring
+EXACT = {"rtol": 0.0, "atol": 0.0}  # copies of the same numbers
 B, S = 2, 8
 
 
@@ -103,8 +104,21 @@ def check_qkv_gather(n_heads: int, n_kv: int, hd: int, fuse: bool, with_head_dim
         head_dim=hd if with_head_dim else None,
         keep_master_weight=True,
     )
-    # The layer's own initialisation: this rank's slices of the seed-drawn master weights.
-    masters = par.master_weights
+    # The layer's own initialisation: this rank's slices of the seed-drawn master weights,
+    # kept unreplicated as NxD keeps them (concatenated into master_weight_qkv when fused).
+    if fuse:
+        assert par.master_weight_q is None
+        fused = par.master_weight_qkv
+        assert fused.shape == ((n_heads + 2 * n_kv) * hd, hidden)
+        split = fused.split([n_heads * hd, n_kv * hd, n_kv * hd])
+        masters = {f"weight_{p}": w for p, w in zip("qkv", split)}
+        bias_q = par.master_bias_qkv[: n_heads * hd].chunk(_tp()[0])[_tp()[1]]
+        torch.testing.assert_close(par._parts("bias")[0], bias_q, rtol=0, atol=0)
+    else:
+        assert par.master_weight_qkv is None
+        masters = {f"weight_{p}": getattr(par, f"master_weight_{p}") for p in "qkv"}
+        assert masters["weight_k"].shape == (n_kv * hd, hidden)  # not replicated
+        assert par.master_bias_k.shape == (n_kv * hd,)
     local = dict(zip("qkv", par._parts("weight")))
     torch.testing.assert_close(local["q"], masters["weight_q"].chunk(tp)[_tp()[1]], rtol=0, atol=0)
     for part in "kv":
@@ -334,10 +348,9 @@ class TwoBlocks(nn.Module):
         return x + self.down(F.gelu(self.up(x)))
 
 
-def check_pad_model() -> None:
-    """3 heads over TP 2 or 4: padded to 4 zero-extended heads, outputs unchanged."""
+def _attention_model(hidden: int, n_heads: int, hd: int) -> tuple[nn.Module, TwoBlocks]:
+    """A reference attention + MLP and the parallel copy holding its weights."""
     tp, rank = _tp()
-    hidden, n_heads, hd = 16, 3, 4
     ref_attn = RefAttention(hidden, n_heads, n_heads, hd)
     ref = TwoBlocks(ref_attn, nn.Linear(hidden, 32), nn.Linear(32, hidden))
     par_attn = PaddableAttention(hidden, n_heads, hd)
@@ -353,6 +366,21 @@ def check_pad_model() -> None:
         for mod_par, mod_ref, dim in ((par.up, ref.up, 0), (par.down, ref.down, 1)):
             mod_par.weight.copy_(mod_ref.weight.chunk(tp, dim=dim)[rank])
             mod_par.bias.copy_(mod_ref.bias.chunk(tp)[rank] if dim == 0 else mod_ref.bias)
+    return ref, par
+
+
+def _reference_output(ref: TwoBlocks, x: torch.Tensor, hd: int) -> torch.Tensor:
+    attn = ref.attention  # the reference attention without its norm
+    h = x + attn.o(attend(attn.q(x), attn.k(x), attn.v(x), hd, False))
+    return h + ref.down(F.gelu(ref.up(h)))
+
+
+def check_pad_model_head_aligned() -> None:
+    """3 heads over TP 2 or 4, head_aligned=True: 4 whole heads, the attention unchanged.
+    NxD's pad_hook_fn semantics: called on every module of the padded region."""
+    tp, _ = _tp()
+    hidden, n_heads, hd = 16, 3, 4
+    ref, par = _attention_model(hidden, n_heads, hd)
     seen: list[tuple[str, float]] = []
     pad_model(
         par,
@@ -360,19 +388,64 @@ def check_pad_model() -> None:
         n_heads,
         wrapped_classes=(PaddableAttention,),
         pad_hook_fn=lambda m, ratio: seen.append((type(m).__name__, ratio)),
+        head_aligned=True,
     )
-    assert seen == [("PaddableAttention", 4 / 3)]
-    assert par_attn.q.output_size == 4 * hd
+    linears = ["ColumnParallelLinear"] * 3 + ["RowParallelLinear"]
+    assert seen == [(name, 4 / 3) for name in [*linears, "PaddableAttention"]]
+    assert par.attention.q.output_size == 4 * hd
     assert par.up.output_size == 32  # outside wrapped_classes: untouched
-
-    def ref_h(x: torch.Tensor) -> torch.Tensor:  # the reference attention without its norm
-        return x + ref_attn.o(attend(ref_attn.q(x), ref_attn.k(x), ref_attn.v(x), hd, False))
-
     x = torch.randn(B, S, hidden)
-    expected = ref_h(x)
-    expected = expected + ref.down(F.gelu(ref.up(expected)))
-    torch.testing.assert_close(par(x), expected, **BLOCK)
+    torch.testing.assert_close(par(x), _reference_output(ref, x, hd), **BLOCK)
+    # NxD's per-rank layout splits heads here (a rank's original shard is 1.5 or 0.75 heads),
+    # so the same attention padded that way computes something else: why head_aligned exists.
+    ref2, nxd_padded = _attention_model(hidden, n_heads, hd)
+    pad_model(nxd_padded, tp, n_heads, wrapped_classes=(PaddableAttention,))
+    assert not torch.allclose(nxd_padded(x), _reference_output(ref2, x, hd), **BLOCK)
     _raises(lambda: pad_model(par, tp + 1, n_heads), f"tp_degree({tp + 1})")
+
+
+def check_pad_model_nxd_layout() -> None:
+    """NxD's layout: every rank zero-pads its own shard (so per-rank state dicts are NxD's);
+    a Column -> GeLU -> Row block computes what it did before, outputs and input gradients;
+    n_heads=1 is NxD's own test (each shard grows tp times)."""
+    tp, rank = _tp()
+    hidden, width = 16, 12
+    for n_heads in (3, 1):
+        n_padded = n_heads + get_number_of_extra_heads(n_heads, tp)
+        local, new_local = width // tp, width // tp * n_padded // n_heads
+        up = ColumnParallelLinear(hidden, width, gather_output=False)
+        down = RowParallelLinear(width, hidden, input_is_parallel=True)
+        gathered = ColumnParallelLinear(hidden, width, gather_output=True)
+        model = nn.ModuleDict({"up": up, "down": down, "gathered": gathered})
+        before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        x = torch.randn(B, S, hidden)
+        x_ref, x_par = x.clone().requires_grad_(), x.clone().requires_grad_()
+        out_ref, g_out_ref = down(F.gelu(up(x_ref))), gathered(x)
+        pad_model(model, tp, n_heads)
+        after = model.state_dict()
+        assert after["up.weight"].shape == (new_local, hidden)
+        assert after["down.weight"].shape == (hidden, new_local)
+        torch.testing.assert_close(after["up.weight"][:local], before["up.weight"], **EXACT)
+        torch.testing.assert_close(after["up.bias"][:local], before["up.bias"], **EXACT)
+        torch.testing.assert_close(after["down.weight"][:, :local], before["down.weight"], **EXACT)
+        assert torch.count_nonzero(after["up.weight"][local:]) == 0
+        assert torch.count_nonzero(after["down.weight"][:, local:]) == 0
+        torch.testing.assert_close(after["down.bias"], before["down.bias"], **EXACT)
+        assert (up.output_size, down.input_size) == (new_local * tp, new_local * tp)
+        # The full tensor interleaves each rank's rows with its zeros: [W_0; 0; W_1; 0; ...].
+        full = full_tensor(up.weight).reshape(tp, new_local, hidden)
+        torch.testing.assert_close(full[rank, :local], before["up.weight"], **EXACT)
+        out = down(F.gelu(up(x_par)))
+        torch.testing.assert_close(out, out_ref, **FP32)
+        g = torch.randn_like(out)
+        (out_ref * g).sum().backward()
+        (out * g).sum().backward()
+        torch.testing.assert_close(x_par.grad, x_ref.grad, **FP32)
+        # A gathered Column: its full bias follows the gathered, per-rank-padded layout.
+        g_out = gathered(x).reshape(B, S, tp, new_local)
+        torch.testing.assert_close(g_out[..., :local], g_out_ref.reshape(B, S, tp, local), **FP32)
+        assert torch.count_nonzero(g_out[..., local:]) == 0
+        assert after["gathered.bias"].shape == (new_local * tp,)
 
 
 CHECKS: dict[str, Callable[[], None]] = {
@@ -382,7 +455,8 @@ CHECKS: dict[str, Callable[[], None]] = {
     "qkv_errors": check_qkv_errors,
     "attention_block": lambda: check_attention_block(sequence_parallel=False),
     "attention_block_sequence_parallel": lambda: check_attention_block(sequence_parallel=True),
-    "pad_model": check_pad_model,
+    "pad_model_head_aligned": check_pad_model_head_aligned,
+    "pad_model_nxd_layout": check_pad_model_nxd_layout,
 }
 
 

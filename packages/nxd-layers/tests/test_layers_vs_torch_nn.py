@@ -1,5 +1,5 @@
-"""Column/RowParallelLinear and ParallelEmbedding against torch.nn.Linear / nn.Embedding holding
-the same full weights, on 2 and 4 ranks.
+"""Column/RowParallelLinear against torch.nn.Linear holding the same full weights, on 2 and 4
+ranks (ParallelEmbedding: test_embedding.py).
 
 Each rank builds the reference ``nn.Linear`` / ``nn.Embedding`` (same seed on every rank),
 copies its weights into the parallel layer by slicing, runs both on the same input and
@@ -25,10 +25,12 @@ from torch import nn
 
 import nxd_state
 from nxd_layers import (
+    BaseParallelLinear,
     ColumnParallelLinear,
-    ParallelEmbedding,
+    GQAQKVColumnParallelLinear,
     RowParallelLinear,
     allreduce_sequence_parallel_gradients,
+    clip_grad_norm,
     full_tensor,
     mappings,
 )
@@ -197,7 +199,9 @@ def check_init_matches_tp1() -> None:
 
 def check_attributes_meta_dtype_master() -> None:
     tp = nxd_state.get_tensor_model_parallel_size()
-    col = ColumnParallelLinear(H, F, device="meta", dtype=torch.bfloat16, keep_master_weight=True)
+    col = ColumnParallelLinear(
+        H, F, gather_output=False, device="meta", dtype=torch.bfloat16, keep_master_weight=True
+    )
     assert col.weight.device.type == "meta"
     assert col.weight.dtype == torch.bfloat16
     assert col.weight.shape == (F // tp, H)
@@ -227,6 +231,74 @@ def check_skip_bias_add() -> None:
     assert bias is par.bias
 
 
+def check_column_gather_bias_is_nxd() -> None:
+    """NxD: with gather_output the bias is the full (output_size,) vector on every rank, not
+    TP-sharded, added after the gather; its gradient is the full one on every rank and the
+    gradient norm counts it once."""
+    tp, _ = _tp()
+    ref = nn.Linear(H, F)
+    par = ColumnParallelLinear(H, F, gather_output=True)
+    assert {k: tuple(v.shape) for k, v in par.state_dict().items()} == {
+        "weight": (F // tp, H),
+        "bias": (F,),
+    }
+    assert (par.bias.tensor_model_parallel, par.bias.partition_dim) == (False, -1)
+    _copy_linear(par, ref)
+    torch.testing.assert_close(par.bias, ref.bias, **EXACT)  # the whole vector, copied as is
+    x, g = torch.randn(B, S, H), torch.randn(B, S, F)
+    _run_pair(ref, par, x, (g, g))
+    torch.testing.assert_close(par.bias.grad, ref.bias.grad, **FP32)  # full on every rank
+    norm = clip_grad_norm(par.parameters(), 1e9)
+    torch.testing.assert_close(norm, torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9), **FP32)
+    out, bias = ColumnParallelLinear(H, F, skip_bias_add=True)(x)
+    assert out.shape == (B, S, F)
+    assert bias.shape == (F,)
+    # The TP=1 layer holds the same bias (drawn whole from the seed) as any TP degree.
+    singles = [dist.new_group([r]) for r in range(dist.get_world_size())]  # collective
+    torch.manual_seed(9)
+    sharded = ColumnParallelLinear(H, F)
+    torch.manual_seed(9)
+    whole = ColumnParallelLinear(H, F, tensor_parallel_group=singles[dist.get_rank()])
+    torch.testing.assert_close(sharded.bias, whole.bias, **EXACT)
+
+
+def check_column_stride_gather() -> None:
+    """stride=2 with gather_output: the gathered features come back in W's order, so the layer
+    equals nn.Linear(W) (the fused gate/up case)."""
+    ref = nn.Linear(H, F)
+    torch.manual_seed(21)
+    par = ColumnParallelLinear(H, F, stride=2, keep_master_weight=True)
+    with torch.no_grad():
+        ref.weight.copy_(par.master_weight)
+        ref.bias.copy_(par.bias)
+    x, g = torch.randn(B, S, H), torch.randn(B, S, F)
+    out_ref, out_par, gx_ref, gx_par = _run_pair(ref, par, x, (g, g))
+    torch.testing.assert_close(out_par, out_ref, **FP32)
+    torch.testing.assert_close(gx_par, gx_ref, **FP32)
+    _compare_grads(par, ref)
+
+
+def check_base_class_and_group_alias() -> None:
+    """NxD's BaseParallelLinear is the base of the linear layers; NxD's keyword
+    tensor_model_parallel_group names the TP group."""
+    group = nxd_state.get_tensor_model_parallel_group()
+    layers = (
+        ColumnParallelLinear(H, F, tensor_model_parallel_group=group),
+        RowParallelLinear(F, H, tensor_model_parallel_group=group),
+        GQAQKVColumnParallelLinear(H, [F, F], tensor_model_parallel_group=group),
+    )
+    for layer in layers:
+        assert isinstance(layer, BaseParallelLinear)
+        assert layer.tensor_parallel_group is group
+    singles = [dist.new_group([r]) for r in range(dist.get_world_size())]  # collective
+    _raises(
+        lambda: ColumnParallelLinear(
+            H, F, tensor_parallel_group=group, tensor_model_parallel_group=singles[0]
+        ),
+        "name different groups",
+    )
+
+
 def _raises(fn: Callable[[], object], *fragments: str) -> None:
     with pytest.raises(ValueError, match=re.escape(fragments[0])) as info:
         fn()
@@ -250,52 +322,6 @@ def check_bad_input() -> None:
     )
 
 
-# ParallelEmbedding -------------------------------------------------------------------------------
-def check_embedding(sequence_parallel: bool) -> None:
-    tp, rank = _tp()
-    vocab, dim = 64, 16
-    ref = nn.Embedding(vocab, dim, padding_idx=3)
-    par = ParallelEmbedding(vocab, dim, padding_idx=3, sequence_parallel_enabled=sequence_parallel)
-    with torch.no_grad():
-        par.weight.copy_(ref.weight.chunk(tp, dim=0)[rank])
-    ids = torch.randint(0, vocab, (S, B))
-    ids[0, 0], ids[1, 1] = 3, vocab - 1  # the padding row and the last shard's last row
-    out_ref, out_par = ref(ids), par(ids)
-    g = torch.randn(S, B, dim)
-    (out_ref * g).sum().backward()
-    if sequence_parallel:  # reduce-scattered along the sequence dim (0)
-        torch.testing.assert_close(out_par, out_ref.chunk(tp, dim=0)[rank], **FP32)
-        (out_par * g.chunk(tp, dim=0)[rank]).sum().backward()
-    else:
-        torch.testing.assert_close(out_par, out_ref, **FP32)
-        (out_par * g).sum().backward()
-    torch.testing.assert_close(full_tensor(par.weight, par.weight.grad), ref.weight.grad, **FP32)
-    assert torch.count_nonzero(ref.weight.grad[3]) == 0  # padding row: no gradient
-
-
-def check_embedding_init_and_padding() -> None:
-    tp, _ = _tp()
-    torch.manual_seed(7)
-    par = ParallelEmbedding(64, 8, padding_idx=5)
-    torch.manual_seed(7)
-    ref = nn.Embedding(64, 8, padding_idx=5)  # N(0, 1) drawn the same way, padding row zeroed
-    torch.testing.assert_close(full_tensor(par.weight), ref.weight.detach(), rtol=0, atol=0)
-    odd = 4 * tp + 1
-    _raises(lambda: ParallelEmbedding(odd, 8), f"num_embeddings({odd})", "pad=True")
-    padded = ParallelEmbedding(odd, 8, pad=True)
-    assert padded.num_embeddings_padded % tp == 0
-    full = full_tensor(padded.weight)
-    assert torch.count_nonzero(full[odd:]) == 0
-    ids = torch.arange(odd).reshape(1, odd)
-    torch.testing.assert_close(padded(ids)[0], full[:odd], **FP32)
-    _raises(lambda: ParallelEmbedding(64, 8, padding_idx=64), "padding_idx(64)")
-    _raises(lambda: par(torch.zeros(2, 2)), "integer ids")
-    meta = ParallelEmbedding(64, 8, device="meta")
-    assert meta.weight.is_meta
-    assert meta.weight.shape == (64 // tp, 8)
-    assert (meta.weight.tensor_model_parallel, meta.weight.partition_dim) == (True, 0)
-
-
 CHECKS: dict[str, Callable[[], None]] = {
     "column_gather": lambda: check_column(gather_output=True, bias=True),
     "column_no_gather": lambda: check_column(gather_output=False, bias=True),
@@ -308,9 +334,9 @@ CHECKS: dict[str, Callable[[], None]] = {
     "attributes_meta_dtype_master": check_attributes_meta_dtype_master,
     "skip_bias_add": check_skip_bias_add,
     "bad_input": check_bad_input,
-    "embedding": lambda: check_embedding(sequence_parallel=False),
-    "embedding_sequence_parallel": lambda: check_embedding(sequence_parallel=True),
-    "embedding_init_and_padding": check_embedding_init_and_padding,
+    "column_gather_bias_is_nxd": check_column_gather_bias_is_nxd,
+    "column_stride_gather": check_column_stride_gather,
+    "base_class_and_group_alias": check_base_class_and_group_alias,
 }
 
 

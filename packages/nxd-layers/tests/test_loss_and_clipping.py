@@ -4,9 +4,16 @@ Cross entropy: the parallel loss is computed from per-shard max / sum-exp / targ
 reduced over ranks, where torch uses one log-softmax over the vocabulary: the same math in a
 different summation order, so fp32 with torch's defaults (rtol=1.3e-6, atol=1e-5).
 
+Log-probabilities (``from_parallel_logits_to_logprobs``): the same per-shard reductions vs
+``log_softmax(...).gather`` on the whole vocabulary, fp32 with torch's defaults.
+
 Clipping: the norm is a sum of squares regrouped by shard and rank (a few ulps apart), and the
 clipped gradients scale by the same factor: rtol=1e-5, atol=1e-6 (tight: the values are
-O(0.01-1); any mis-counted shard would change the norm by >= 10%).
+O(0.01-1); any mis-counted shard would change the norm by >= 10%). NxD's arguments are checked
+at TP=2 x DP=2 with ZeRO-1-style gradient shards (each DP rank holds half of every gradient):
+``zero1_optimizer_groups`` as NxD's replica groups or a ProcessGroup, the world reduction of
+``zero1_optimizer=True`` alone, ``force_spmd=False``, ``shared`` parameters, and NxD's default
+of reducing over the pipeline group.
 """
 
 from __future__ import annotations
@@ -23,8 +30,12 @@ import nxd_state
 from nxd_layers import (
     ColumnParallelLinear,
     RowParallelLinear,
+    allreduce_sequence_parallel_gradients,
     clip_grad_norm,
+    copy_tensor_model_parallel_attributes,
+    from_parallel_logits_to_logprobs,
     full_tensor,
+    get_grad_norm,
     parallel_cross_entropy,
 )
 from nxd_state import count_collectives
@@ -74,10 +85,31 @@ def _ce_case(tp: int, smoothing: float, single: dist.ProcessGroup) -> dict[str, 
     return {"loss": float(ref.sum())}
 
 
+def _logprobs_case(tp: int) -> None:
+    """NxD's shifted log-probabilities: (B, S - 1) values and the logits gradient."""
+    rank = nxd_state.get_tensor_model_parallel_rank()
+    logits, target = torch.randn(B, S, V) * 3, torch.randint(0, V, (B, S))
+    target[0, 1], target[1, 2] = 0, V - 1  # the first and last shard's edges
+    full = logits.clone().requires_grad_()
+    ref = full.log_softmax(-1)[:, :-1].gather(-1, target[:, 1:].unsqueeze(-1)).squeeze(-1)
+    upstream = torch.rand(B, S - 1)
+    (ref * upstream).sum().backward()
+    shard = logits.chunk(tp, dim=-1)[rank].clone().requires_grad_()
+    out = from_parallel_logits_to_logprobs(shard, target, inference=False)
+    assert out.shape == (B, S - 1)
+    torch.testing.assert_close(out, ref, **FP32)
+    (out * upstream).sum().backward()
+    torch.testing.assert_close(shard.grad, full.grad.chunk(tp, dim=-1)[rank], **FP32)
+    frozen = from_parallel_logits_to_logprobs(shard, target)  # inference=True: no graph
+    assert not frozen.requires_grad
+    torch.testing.assert_close(frozen, ref, **FP32)
+
+
 def run_cross_entropy(tp: int) -> list[str]:
     singles = [dist.new_group([r]) for r in range(dist.get_world_size())]  # collective
     for smoothing in (0.0, 0.1):
         _ce_case(tp, smoothing, singles[dist.get_rank()])
+    _logprobs_case(tp)
     shard = torch.randn(B, S, V // tp)
     bad = []
     for kwargs in (
@@ -126,8 +158,9 @@ def _parallel_block(ref: nn.ModuleList) -> nn.ModuleList:
     return nn.ModuleList([col, row, norm])
 
 
-def run_clipping(tp: int, pp: int) -> list[str]:
-    """Stage s of the pipeline holds block s of the reference; grads are set, not computed."""
+def run_clipping(tp: int, pp: int, nxd_call: bool = False) -> list[str]:
+    """Stage s of the pipeline holds block s of the reference; grads are set, not computed.
+    ``nxd_call``: no group argument, NxD's call (the state's PP group is reduced over)."""
     nxd_state.destroy_model_parallel()
     state = nxd_state.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
@@ -138,9 +171,8 @@ def run_clipping(tp: int, pp: int) -> list[str]:
         stage = _parallel_block(refs[state.pipeline_parallel_rank])
         ref_params = [p for block in refs for p in block.parameters()]
         norm_ref = torch.nn.utils.clip_grad_norm_(ref_params, 0.1, norm_type=norm_type)
-        norm = clip_grad_norm(
-            stage.parameters(), 0.1, norm_type=norm_type, pipeline_parallel_group=pp_group
-        )
+        groups = {} if nxd_call else {"pipeline_parallel_group": pp_group}
+        norm = clip_grad_norm(stage.parameters(), 0.1, norm_type=norm_type, **groups)
         assert norm_ref > 0.1  # clipping happened
         torch.testing.assert_close(norm, norm_ref, **NORM, msg=f"norm_type={norm_type}")
         ref_block = refs[state.pipeline_parallel_rank]
@@ -162,12 +194,80 @@ def run_clipping(tp: int, pp: int) -> list[str]:
     return messages
 
 
+def _zero1_shards(block: nn.ModuleList) -> list[torch.Tensor]:
+    """This DP rank's half (along dim 0) of every parameter and gradient, tagged like the
+    parameter: the pieces a ZeRO-1 optimizer clips."""
+    dp, dp_rank = nxd_state.get_data_parallel_size(), nxd_state.get_data_parallel_rank()
+    pieces = []
+    for p in block.parameters():
+        holder = p.detach().chunk(dp)[dp_rank].clone()
+        holder.grad = p.grad.chunk(dp)[dp_rank].clone()
+        copy_tensor_model_parallel_attributes(holder, p)
+        pieces.append(holder)
+    return pieces
+
+
+def run_zero1_arguments() -> list[str]:
+    """TP=2 x DP=2: NxD's zero1_optimizer / zero1_optimizer_groups / force_spmd / shared."""
+    nxd_state.destroy_model_parallel()
+    state = nxd_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    ref = _reference_blocks(1)[0]
+    norm_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9)
+    replica_groups = nxd_state.get_data_parallel_group(as_list=True)
+    for kwargs in (
+        {"zero1_optimizer": True, "zero1_optimizer_groups": replica_groups},
+        {"zero1_optimizer": True, "zero1_optimizer_groups": state.data_parallel_group},
+        {"zero1_optimizer": True},  # the whole world
+        {"zero1_optimizer": True, "zero1_optimizer_groups": replica_groups, "force_spmd": False},
+    ):
+        pieces = _zero1_shards(_parallel_block(ref))
+        torch.testing.assert_close(get_grad_norm(pieces, 2, **kwargs), norm_ref, **NORM)
+    # Clipping: every shard scaled by the factor torch applies to the whole model.
+    pieces = _zero1_shards(_parallel_block(ref))
+    twin = nn.Parameter(pieces[0].detach().clone())  # a tied copy, counted elsewhere
+    twin.grad, twin.shared = torch.full_like(pieces[0].grad, 100.0), True
+    norm = clip_grad_norm([*pieces, twin], 0.1, 2, True, replica_groups)
+    torch.testing.assert_close(norm, norm_ref, **NORM)  # the shared copy was left out
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+    expected = _zero1_shards(_parallel_block(ref))
+    for piece, want in zip(pieces, expected):
+        torch.testing.assert_close(piece.grad, want.grad, **NORM)
+    # NxD's allreduce_sequence_parallel_gradients(optimizer): marked params summed over TP.
+    tp_rank = state.tensor_parallel_rank
+    marked, plain = nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(3))
+    marked.sequence_parallel_enabled = True
+    marked.grad, plain.grad = torch.full((3,), tp_rank + 1.0), torch.full((3,), tp_rank + 1.0)
+    allreduce_sequence_parallel_gradients(torch.optim.SGD([marked, plain], lr=0.1))
+    assert marked.grad.tolist() == [3.0] * 3  # 1 + 2 over the two TP ranks
+    assert plain.grad.tolist() == [tp_rank + 1.0] * 3
+    messages = []
+    for kwargs in (
+        {"zero1_optimizer_groups": replica_groups},
+        {"zero1_optimizer": True, "zero1_optimizer_groups": [[0, 3], [1, 2]]},
+        {"zero1_optimizer": True, "data_parallel_group": state.data_parallel_group},
+        {
+            "zero1_optimizer": True,
+            "zero1_optimizer_groups": replica_groups,
+            "data_parallel_group": state.data_parallel_group,
+        },
+    ):
+        try:
+            get_grad_norm(pieces, **kwargs)
+            messages.append("no error")
+        except ValueError as error:
+            messages.append(str(error))
+    return messages
+
+
 def run_all(world: int) -> dict[str, list[str]]:
-    """Cross entropy and clipping at TP=world; with 4 ranks also clipping at TP=2 x PP=2."""
+    """Cross entropy and clipping at TP=world; with 4 ranks also clipping at TP=2 x PP=2 (the
+    PP group given, and NxD's call without it) and NxD's ZeRO-1 arguments at TP=2 x DP=2."""
     nxd_state.initialize_model_parallel(tensor_model_parallel_size=world)
     out = {"cross_entropy": run_cross_entropy(world), "clip": run_clipping(world, 1)}
     if world == 4:
         out["clip_pp"] = run_clipping(2, 2)
+        out["clip_pp_nxd_call"] = run_clipping(2, 2, nxd_call=True)
+        out["zero1"] = run_zero1_arguments()
     return out
 
 
@@ -183,7 +283,13 @@ def test_cross_entropy_and_clipping_match_torch(world: int) -> None:
     )
     assert "label_smoothing must be in [0, 1], got 1.5" in messages[1]
     assert "labels must be integer ids" in messages[2]
-    for key in ("clip", "clip_pp") if world == 4 else ("clip",):
+    if world == 4:
+        zero1 = out["zero1"]
+        assert "zero1_optimizer_groups was given with zero1_optimizer=False" in zero1[0]
+        assert "[[0, 3], [1, 2]] match none of the current parallel state's groups" in zero1[1]
+        assert "reduces over the whole world" in zero1[2]
+        assert "pass one of them" in zero1[3]
+    for key in ("clip", "clip_pp", "clip_pp_nxd_call") if world == 4 else ("clip",):
         messages = out[key]
         assert "norm_type must be a positive number or inf, got -1" in messages[0]
         assert "norm_type must be a positive number or inf, got 'nan'" in messages[1]

@@ -46,6 +46,7 @@ def run_mappings(tp: int, seq_dim: int) -> dict[str, object]:
         _value(rank, 3, shard_last.shape),
         _value(rank, 3, shard_seq.shape),
     )
+    up_channels = _value(rank, 3, (SHAPE[0], SHAPE[1] // tp, SHAPE[2]))
     return {
         "bad_input": _bad_input_messages(),
         "copy": _forward_backward(M.copy_to_tensor_model_parallel_region, full, up_full),
@@ -55,12 +56,12 @@ def run_mappings(tp: int, seq_dim: int) -> dict[str, object]:
             M.gather_from_tensor_model_parallel_region, shard_last, up_full
         ),
         "sp_scatter": _forward_backward(
-            lambda x: M.scatter_to_sequence_parallel_region(x, sequence_dimension=seq_dim),
+            lambda x: M.scatter_to_sequence_parallel_region(x, seq_dim),  # NxD's order
             full,
             up_seq,
         ),
         "sp_gather": _forward_backward(
-            lambda x: M.gather_from_sequence_parallel_region(x, sequence_dimension=seq_dim),
+            lambda x: M.gather_from_sequence_parallel_region(x, seq_dim, True, None),
             shard_seq,
             up_full,
         ),
@@ -75,6 +76,19 @@ def run_mappings(tp: int, seq_dim: int) -> dict[str, object]:
             lambda x: M.reduce_scatter_to_sequence_parallel_region(x, sequence_dimension=seq_dim),
             full,
             up_seq,
+        ),
+        "gather_with_dim": _forward_backward(
+            lambda x: M.gather_from_tensor_model_parallel_region_with_dim(x, seq_dim),
+            shard_seq,
+            up_full,
+        ),
+        "reduce_scatter_with_dim": _forward_backward(
+            lambda x: M.reduce_scatter_to_tensor_model_parallel_region_with_dim(x, seq_dim),
+            full,
+            up_seq,
+        ),
+        "channels_scatter": _forward_backward(
+            M.scatter_input_channels_to_tensor_model_parallel_region, full, up_channels
         ),
     }
 
@@ -91,11 +105,14 @@ def test_mappings_forward_and_dual_backward(tp: int, seq_dim: int) -> None:
     ups_last = [_value(r, 3, (*SHAPE[:-1], SHAPE[-1] // tp)) for r in range(tp)]
     shards_seq = [_value(r, 0, tuple(seq_shape)) for r in range(tp)]
     ups_seq = [_value(r, 3, tuple(seq_shape)) for r in range(tp)]
+    ups_channels = [_value(r, 3, (SHAPE[0], SHAPE[1] // tp, SHAPE[2])) for r in range(tp)]
     lines = results[0]["bad_input"]
     assert "size 3" in lines[0]
     assert f"not divisible by {tp}" in lines[0]
     assert "size 3" in lines[1]
     assert "sequence_dimension=2 is out of range for a 2-D input" in lines[2]
+    assert "sequence_dimension must be an int" in lines[3]
+    assert "NxD's argument order: input_, sequence_dimension" in lines[3]
     for r, out in enumerate(results):
         expected = {
             # identity forward, all-reduce backward
@@ -114,6 +131,14 @@ def test_mappings_forward_and_dual_backward(tp: int, seq_dim: int) -> None:
             "sp_gather_replicated": (torch.cat(shards_seq, seq_dim), ups[r].chunk(tp, seq_dim)[r]),
             # reduce-scatter the sequence forward, all-gather backward
             "sp_reduce_scatter": (sum(xs).chunk(tp, seq_dim)[r], torch.cat(ups_seq, seq_dim)),
+            # NxD's *_with_dim: the same collectives along any dim
+            "gather_with_dim": (torch.cat(shards_seq, seq_dim), ups[r].chunk(tp, seq_dim)[r]),
+            "reduce_scatter_with_dim": (
+                sum(xs).chunk(tp, seq_dim)[r],
+                torch.cat(ups_seq, seq_dim),
+            ),
+            # split dim 1 (image channels) forward, all-gather it backward
+            "channels_scatter": (xs[r].chunk(tp, 1)[r], torch.cat(ups_channels, 1)),
         }
         for name, (forward, backward) in expected.items():
             torch.testing.assert_close(out[name][0], forward, **EXACT, msg=f"{name} forward")
@@ -126,10 +151,14 @@ def _bad_input_messages() -> list[str]:
         lambda: M.scatter_to_tensor_model_parallel_region(torch.ones(2, 3)),
         lambda: M.scatter_to_sequence_parallel_region(torch.ones(3, 2), sequence_dimension=0),
         lambda: M.gather_from_sequence_parallel_region(torch.ones(2, 2), sequence_dimension=2),
+        # nxd's old order (input, group, dim): NxD's second argument is the sequence dim
+        lambda: M.reduce_scatter_to_sequence_parallel_region(
+            torch.ones(4, 2), nxd_state.get_tensor_model_parallel_group()
+        ),
     ):
         try:
             call()
             messages.append("no error")
-        except ValueError as error:
+        except (ValueError, TypeError) as error:
             messages.append(str(error))
     return messages

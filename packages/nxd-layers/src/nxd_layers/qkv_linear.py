@@ -166,13 +166,15 @@ class GQAQKVColumnParallelLinear(BaseParallelLinear):
                 self.register_parameter(name, None)
 
     def _keep_masters(self, masters: dict[str, torch.Tensor | None], fused: bool) -> None:
-        """NxD's ``master_weight_q/k/v`` and ``master_bias_q/k/v``, or the ``*_qkv`` concat."""
+        """NxD's ``master_weight_q/k/v`` and ``master_bias_q/k/v``, or the ``*_qkv`` concat
+        (the others None)."""
         for kind in ("weight", "bias"):
             parts = [masters.get(f"{kind}_{p}") for p in "qkv"]
+            whole = None
             if fused:
                 whole = None if parts[0] is None else torch.cat(parts)  # type: ignore[arg-type]
-                setattr(self, f"master_{kind}_qkv", whole)
                 parts = [None, None, None]
+            setattr(self, f"master_{kind}_qkv", whole)
             for part, value in zip("qkv", parts):
                 setattr(self, f"master_{kind}_{part}", value)
 
