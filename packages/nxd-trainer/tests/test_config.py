@@ -22,10 +22,10 @@ from nxd_trainer.testing import Block, CoreAttention
 
 def test_defaults_are_nxds() -> None:
     d = NxDConfig().to_nxd()
-    assert d["tensor_parallel_size"] == 1 and d["pipeline_parallel_size"] == 1
-    assert d["pipeline_config"] is None and d["lora_config"] is None
+    assert (d["tensor_parallel_size"], d["pipeline_parallel_size"]) == (1, 1)
+    assert (d["pipeline_config"], d["lora_config"]) == (None, None)
     assert d["activation_checkpoint_config"] is None
-    assert d["pad_model"] is False and d["sequence_parallel"] is False
+    assert (d["pad_model"], d["sequence_parallel"]) == (False, False)
     opt = d["optimizer_config"]
     assert (opt["zero_one_enabled"], opt["grad_clipping"], opt["max_grad_norm"]) == (
         False,
