@@ -69,11 +69,27 @@ def _bad_inputs() -> list[str]:
     )
     expect(
         ValueError,
-        r"holds params of dtypes \['torch.bfloat16', 'torch.float32'\]",
-        lambda: NeuronZero1Optimizer(
-            [good, nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))], torch.optim.SGD, lr=0.1
-        ),
+        r"grad_reduction must be one of \('auto', 'reduce_scatter', 'all_reduce'\), got 'ring'",
+        lambda: NeuronZero1Optimizer([good], torch.optim.SGD, lr=0.1, grad_reduction="ring"),
     )
+    expect(
+        ValueError,
+        r"bucket_cap_mb_all_gather must be >= 0 \(0: no cap\), got -1",
+        lambda: NeuronZero1Optimizer([good], torch.optim.SGD, lr=0.1, bucket_cap_mb_all_gather=-1),
+    )
+    lazy = NeuronZero1Optimizer([good], torch.optim.SGD, lr=0.1, lazy_init=True)
+    expect(RuntimeError, r"step: .*lazy_init=True.*call init_zero\(\) first", lazy.step)
+    expect(
+        AttributeError,
+        r"base_optimizer does not exist before init_zero",
+        lambda: lazy.base_optimizer,
+    )
+    lazy.init_zero()
+
+    def change_groups() -> None:
+        lazy.sharding_groups = [[0], [1]]
+
+    expect(RuntimeError, r"sharding_groups can only change before init_zero\(\)", change_groups)
     expect(
         ValueError,
         r"param 0 \(shape \(4,\)\) does not require grad",
@@ -106,4 +122,4 @@ def _bad_inputs() -> list[str]:
 
 def test_bad_distributed_input_fails_early_with_clear_errors() -> None:
     results = run_distributed(_bad_inputs, 2)
-    assert len(results[0]) == 8
+    assert len(results[0]) == 12

@@ -105,7 +105,7 @@ def _train_and_compare(
         "full_state_bytes": full_bytes,
         "straddling": [
             sum(1 for r in range(dp) if any(pc.param_index == i for pc in layout.pieces(r)))
-            for layout in opt._layouts
+            for layout in (bucket.layout for bucket in opt._buckets)
             for i in range(len(layout.shapes))
         ],
     }

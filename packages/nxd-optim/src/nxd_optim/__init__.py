@@ -1,18 +1,22 @@
 """nxd-optim: the optimizer side of nxd's data parallelism, on CPU (gloo), CUDA and XLA.
 
-* :class:`NeuronZero1Optimizer`: ZeRO-1. Each param group is flattened into one padded buffer
-  sharded over the data-parallel group; gradients are reduce-scattered, any ``torch.optim``
-  optimizer steps the local shard (fp32 master weights for bf16 params), parameters are
-  all-gathered. Sharded and full state dicts, safetensors + JSON files.
+* :class:`NeuronZero1Optimizer`: ZeRO-1. Each param group is flattened, one padded buffer per
+  dtype, sharded over the data-parallel group; gradients are reduce-scattered (all-reduced and
+  sliced on gloo), any ``torch.optim`` optimizer steps the local shard (fp32 master weights for
+  bf16 params), parameters are all-gathered. torch-xla's attributes (``base_optimizer`` …),
+  sharded and full state dicts, safetensors + JSON files, torch-xla state dicts read.
 * :class:`NxDOptimizer`: NxD's optimizer wrapper. Without ZeRO-1 it all-reduces gradients over
   data parallelism (bucketed, averaged); it sums sequence-parallel gradients over TP, clips with
   ``nxd_layers.clip_grad_norm`` across TP/PP and exposes ``grad_norm``.
 * :class:`OptimizerConfig` and :func:`build_optimizer`: NxD's ``optimizer_config`` /
   ``mixed_precision_config`` keys as a dataclass, and the factory that applies them.
+* :class:`AdamWFP32OptimParams` (NxD's ``AdamW_FP32OptimParams``): Hugging Face-style AdamW
+  keeping fp32 state (and fp32 arithmetic) for bf16/fp16 params.
 """
 
 from importlib.metadata import version as _version
 
+from nxd_optim.adamw_fp32 import AdamW_FP32OptimParams, AdamWFP32OptimParams
 from nxd_optim.config import OptimizerConfig
 from nxd_optim.wrapper import NxDOptimizer, build_optimizer
 from nxd_optim.zero1 import NeuronZero1Optimizer
@@ -20,6 +24,8 @@ from nxd_optim.zero1 import NeuronZero1Optimizer
 __version__ = _version("nxd-optim")
 
 __all__ = [
+    "AdamWFP32OptimParams",
+    "AdamW_FP32OptimParams",
     "NeuronZero1Optimizer",
     "NxDOptimizer",
     "OptimizerConfig",

@@ -25,10 +25,18 @@ def is_low_precision(dtype: torch.dtype) -> bool:
 
 
 class GradientStore:
-    """The gradients of ``params``: ``p.grad``, or fp32 buffers when ``fp32_accumulation``."""
+    """The gradients of ``params``: ``p.grad``, or buffers of ``dtype`` (fp32 by default) when
+    ``fp32_accumulation``."""
 
-    def __init__(self, params: Sequence[torch.Tensor], *, fp32_accumulation: bool) -> None:
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        *,
+        fp32_accumulation: bool,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         self.fp32_accumulation = fp32_accumulation
+        self.dtype = dtype
         self._buffers: dict[torch.Tensor, torch.Tensor] = {}
         self._handles: list[RemovableHandle] = []
         if fp32_accumulation:
@@ -40,7 +48,7 @@ class GradientStore:
         for param in params:
             if param in self._buffers or not param.requires_grad:
                 continue
-            self._buffers[param] = torch.zeros_like(param, dtype=torch.float32)
+            self._buffers[param] = torch.zeros_like(param, dtype=self.dtype)
             self._handles.append(param.register_post_accumulate_grad_hook(self._accumulate))
         logger.debug("fp32 gradient accumulation on %d params", len(self._buffers))
 

@@ -1,9 +1,10 @@
 """ZeRO-1 state dicts: the local shard, the gathered full state, and sharded files on disk.
 
-The inner optimizer holds, per param group, state tensors shaped like the master shard
-(exp_avg, momentum_buffer …: "sharded" state) and scalars (step). The full state dict splits
-the gathered sharded state back into one tensor per model parameter, which is the form a plain
-optimizer over the model's parameters has, and what allows a change of data-parallel size.
+The inner optimizer holds, per dtype bucket (one or more per param group), state tensors
+shaped like the master shard (exp_avg, momentum_buffer …: "sharded" state) and scalars (step).
+The full state dict splits the gathered sharded state back into one tensor per model
+parameter, which is the form a plain optimizer over the model's parameters has, and what
+allows a change of data-parallel size.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from nxd_optim._groups import current_state_or_none
 from nxd_optim._state_io import read_state, write_state
+from nxd_optim._xla_state import is_xla_state_dict, load_xla_state_dict
 from nxd_state import collectives
 
 if TYPE_CHECKING:
@@ -40,7 +42,8 @@ def _shard_meta(opt: NeuronZero1Optimizer) -> dict[str, Any]:
     return {
         "sharding_size": opt.sharding_size,
         "sharding_rank": opt.sharding_rank,
-        "shapes": [[list(shape) for shape in layout.shapes] for layout in opt._layouts],
+        "shapes": [[list(p.shape) for p in group["params"]] for group in opt.param_groups],
+        "dtypes": [[str(p.dtype) for p in group["params"]] for group in opt.param_groups],
         "optimizer_class": opt.optimizer_class.__name__,
     }
 
@@ -58,52 +61,82 @@ def _check_meta(opt: NeuronZero1Optimizer, meta: dict[str, Any], source: str) ->
             f"{source} holds shard {meta['sharding_rank']}, but this rank owns shard "
             f"{opt.sharding_rank}"
         )
-    mine = _shard_meta(opt)["shapes"]
-    if meta["shapes"] != mine:
-        raise ValueError(
-            f"{source} was saved for param shapes {meta['shapes']}, this optimizer holds {mine}"
-        )
+    mine = _shard_meta(opt)
+    for key in ("shapes", "dtypes"):
+        if key in meta and meta[key] != mine[key]:  # files written before dtype buckets: shapes
+            raise ValueError(
+                f"{source} was saved for param {key} {meta[key]}, this optimizer holds {mine[key]}"
+            )
+
+
+def _bucket_ids(opt: NeuronZero1Optimizer) -> list[list[int]]:
+    """Per param group, the inner optimizer's param ids (one per dtype bucket)."""
+    ids: list[list[int]] = [[] for _ in opt.param_groups]
+    for index, bucket in enumerate(opt._buckets):
+        ids[bucket.group_index].append(index)
+    return ids
+
+
+def _group_offsets(opt: NeuronZero1Optimizer) -> list[int]:
+    """Index of each group's first param when params are numbered across groups."""
+    offsets, total = [], 0
+    for group in opt.param_groups:
+        offsets.append(total)
+        total += len(group["params"])
+    return offsets
 
 
 def local_state_dict(opt: NeuronZero1Optimizer) -> dict[str, Any]:
-    inner = opt.inner_optimizer.state_dict()
+    inner = opt.base_optimizer.state_dict()
     out: dict[str, Any] = {
         "state": inner["state"],
         "param_groups": [_hyper(group) for group in opt.param_groups],
         "shard": _shard_meta(opt),
+        "shape_info": {i: tuple(shape) for i, shape in opt.get_shape_info().items()},
     }
     if opt.use_master_weights_in_ckpt:
-        out["master_weights"] = [master.detach().clone() for master in opt._masters]
+        out["master_weights"] = [bucket.master.detach().clone() for bucket in opt._buckets]
     return out
 
 
 def load_local_state_dict(opt: NeuronZero1Optimizer, state_dict: dict[str, Any]) -> None:
+    if is_xla_state_dict(state_dict):  # NxD / torch-xla's per-param shards: collective
+        load_xla_state_dict(opt, state_dict)
+        return
     _check_meta(opt, state_dict["shard"], "the state dict")
     groups = state_dict["param_groups"]
-    opt.inner_optimizer.load_state_dict(
+    opt.base_optimizer.load_state_dict(
         {
             "state": state_dict["state"],
-            "param_groups": [{**hyper, "params": [i]} for i, hyper in enumerate(groups)],
+            "param_groups": [
+                {**_hyper(hyper), "params": ids} for hyper, ids in zip(groups, _bucket_ids(opt))
+            ],
         }
     )
     for group, hyper in zip(opt.param_groups, groups):
-        group.update(hyper)
+        group.update(_hyper(hyper))
     if "master_weights" in state_dict:
+        saved_masters = state_dict["master_weights"]
+        if len(saved_masters) != len(opt._buckets):
+            raise ValueError(
+                f"the state dict holds {len(saved_masters)} master shards, this optimizer has "
+                f"{len(opt._buckets)} dtype buckets"
+            )
         with torch.no_grad():
-            for master, saved in zip(opt._masters, state_dict["master_weights"]):
-                master.copy_(saved)
+            for bucket, saved in zip(opt._buckets, saved_masters):
+                bucket.master.copy_(saved)
     else:
         opt.refresh_masters_from_params()
 
 
 def full_state_dict(opt: NeuronZero1Optimizer) -> dict[str, Any]:
+    offsets = _group_offsets(opt)
     state: dict[int, dict[str, Any]] = {}
-    groups_out = []
-    base = 0
-    inner_state = opt.inner_optimizer.state
-    for group, layout, master in zip(opt.param_groups, opt._layouts, opt._masters):
+    inner_state = opt.base_optimizer.state
+    for bucket in opt._buckets:
+        layout, master = bucket.layout, bucket.master
         shard_state = inner_state.get(master, {})
-        per_param: list[dict[str, Any]] = [{} for _ in layout.shapes]
+        per_param: list[dict[str, Any]] = [{} for _ in bucket.positions]
         for key in sorted(shard_state):  # same order on every rank: the gathers pair up
             value = shard_state[key]
             if isinstance(value, torch.Tensor) and value.shape == master.shape:
@@ -115,24 +148,29 @@ def full_state_dict(opt: NeuronZero1Optimizer) -> dict[str, Any]:
             else:
                 for entry in per_param:
                     entry[key] = value.clone() if isinstance(value, torch.Tensor) else value
-        for i, entry in enumerate(per_param):
+        for position, entry in zip(bucket.positions, per_param):
             if entry:
-                state[base + i] = entry
-        groups_out.append({**_hyper(group), "params": list(range(base, base + len(per_param)))})
-        base += len(per_param)
+                state[offsets[bucket.group_index] + position] = entry
+    groups_out = [
+        {**_hyper(group), "params": list(range(start, start + len(group["params"])))}
+        for group, start in zip(opt.param_groups, offsets)
+    ]
     return {"state": state, "param_groups": groups_out}
 
 
 def load_full_state_dict(opt: NeuronZero1Optimizer, state_dict: dict[str, Any]) -> None:
     groups = state_dict["param_groups"]
-    if [len(g["params"]) for g in groups] != [len(layout.shapes) for layout in opt._layouts]:
+    sizes = [len(g["params"]) for g in opt.param_groups]
+    if [len(g["params"]) for g in groups] != sizes:
         raise ValueError(
             f"full state dict has param groups of sizes {[len(g['params']) for g in groups]}, "
-            f"this optimizer has {[len(layout.shapes) for layout in opt._layouts]}"
+            f"this optimizer has {sizes}"
         )
     inner_state: dict[int, dict[str, Any]] = {}
-    for index, (saved, layout, master) in enumerate(zip(groups, opt._layouts, opt._masters)):
-        per_param = [state_dict["state"].get(i, {}) for i in saved["params"]]
+    for index, bucket in enumerate(opt._buckets):
+        saved_ids = groups[bucket.group_index]["params"]
+        per_param = [state_dict["state"].get(saved_ids[pos], {}) for pos in bucket.positions]
+        layout, master = bucket.layout, bucket.master
         entry: dict[str, Any] = {}
         for key in sorted({key for states in per_param for key in states}):
             values = [states.get(key) for states in per_param]
@@ -148,10 +186,12 @@ def load_full_state_dict(opt: NeuronZero1Optimizer, state_dict: dict[str, Any]) 
                 entry[key] = first.clone() if isinstance(first, torch.Tensor) else first
         if entry:
             inner_state[index] = entry
-    opt.inner_optimizer.load_state_dict(
+    opt.base_optimizer.load_state_dict(
         {
             "state": inner_state,
-            "param_groups": [{**_hyper(g), "params": [i]} for i, g in enumerate(groups)],
+            "param_groups": [
+                {**_hyper(g), "params": ids} for g, ids in zip(groups, _bucket_ids(opt))
+            ],
         }
     )
     for group, saved in zip(opt.param_groups, groups):

@@ -1,0 +1,104 @@
+"""torch-xla's ZeRO-1 state dict (what NxD's NeuronZero1Optimizer saves), read into nxd's layout.
+
+torch-xla shards every parameter on its own: p of shape (d0, …) is zero-padded along dim 0 to
+a multiple of n and rank r holds rows [r·c, (r+1)·c), c = ⌈d0/n⌉. Its ``state_dict()`` is
+
+    {"state": {}, "param_groups": [{…, "params": [ids]}],
+     "base_state": {i: {"step": t, "exp_avg": (c, …), …}},   the inner optimizer's, per param
+     "shape_info": {i: shape},
+     "sharded_master_weights": {i: (c, …)}}                   with save_master_weights
+
+with params numbered across groups. Loading it is collective over the sharding group: every
+rank brings its own rank's dict; per param and state key the row blocks are all-gathered and
+unpadded, Σ_r rows_r[:d0] = the full tensor, and the result is loaded as a full state dict.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from nxd_state import collectives
+
+if TYPE_CHECKING:
+    from nxd_optim.zero1 import NeuronZero1Optimizer
+
+__all__ = ["is_xla_state_dict", "load_xla_state_dict"]
+
+
+def is_xla_state_dict(state_dict: dict[str, Any]) -> bool:
+    return "base_state" in state_dict and "shape_info" in state_dict
+
+
+def _check(opt: NeuronZero1Optimizer, state_dict: dict[str, Any]) -> list[torch.Tensor]:
+    """The params, after checking the dict describes them (on every rank, before any
+    collective)."""
+    params = opt._all_params()
+    shapes = {int(i): tuple(shape) for i, shape in state_dict["shape_info"].items()}
+    mine = {i: tuple(p.shape) for i, p in enumerate(params)}
+    if shapes != mine:
+        raise ValueError(
+            f"torch-xla ZeRO-1 state dict has param shapes {shapes}, this optimizer holds {mine}"
+        )
+    saved_sizes = [len(group["params"]) for group in state_dict["param_groups"]]
+    sizes = [len(group["params"]) for group in opt.param_groups]
+    if saved_sizes != sizes:
+        raise ValueError(
+            f"torch-xla ZeRO-1 state dict has param groups of sizes {saved_sizes}, this "
+            f"optimizer has {sizes}"
+        )
+    if any(p.dim() == 0 for p in params):
+        raise ValueError("torch-xla ZeRO-1 state dicts cannot hold 0-dim params (it pads dim 0)")
+    return params
+
+
+def _unshard(opt: NeuronZero1Optimizer, rows: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """The full tensor from this rank's row block of ``param`` (collective)."""
+    full = collectives.all_gather(rows.to(param.device).contiguous(), opt.sharding_group, dim=0)
+    return full[: param.shape[0]].clone()
+
+
+def _is_row_block(value: Any, param: torch.Tensor, n: int) -> bool:
+    rows = -(-param.shape[0] // n)
+    return (
+        isinstance(value, torch.Tensor)
+        and value.dim() == param.dim()
+        and value.shape[0] == rows
+        and value.shape[1:] == param.shape[1:]
+    )
+
+
+def load_xla_state_dict(opt: NeuronZero1Optimizer, state_dict: dict[str, Any]) -> None:
+    """Load this rank's torch-xla ZeRO-1 state dict (collective over the sharding group)."""
+    from nxd_optim._zero1_checkpoint import load_full_state_dict
+
+    params = _check(opt, state_dict)
+    n = opt.sharding_size
+    base_state = {int(i): entry for i, entry in state_dict["base_state"].items()}
+    full_state: dict[int, dict[str, Any]] = {}
+    for index, param in enumerate(params):  # the same order on every rank: gathers pair up
+        entry: dict[str, Any] = {}
+        for key, value in sorted(base_state.get(index, {}).items()):
+            if key != "step" and _is_row_block(value, param, n):
+                entry[key] = _unshard(opt, value, param)
+            else:
+                entry[key] = value
+        if entry:
+            full_state[index] = entry
+    load_full_state_dict(opt, {"state": full_state, "param_groups": state_dict["param_groups"]})
+    masters = state_dict.get("sharded_master_weights")
+    if not masters:
+        return  # load_full_state_dict rebuilt the masters from the params
+    masters = {int(i): rows for i, rows in masters.items()}
+    full_masters = [_unshard(opt, masters[i], p) for i, p in enumerate(params)]
+    offsets, total = [], 0
+    for group in opt.param_groups:
+        offsets.append(total)
+        total += len(group["params"])
+    with torch.no_grad():
+        for bucket in opt._buckets:
+            values = [full_masters[offsets[bucket.group_index] + i] for i in bucket.positions]
+            flat = bucket.layout.flatten(values, bucket.master.dtype, bucket.master.device)
+            bucket.master.copy_(bucket.layout.shard(flat, opt.sharding_rank))
+    opt.allgather_weights_and_update_full_parameter()  # params <- masters, as torch-xla does

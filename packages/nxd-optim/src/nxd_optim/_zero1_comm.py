@@ -1,0 +1,103 @@
+"""How ZeRO-1 moves a flat bucket: the gradient reduction and the parameter gather, per backend.
+
+With n ranks, a flat buffer F of L = n·S elements and rank r owning F[rS : (r+1)S], a step
+needs Σ_k F^(k)[rS : (r+1)S] on rank r (the summed gradient shard) and, after the update,
+every rank's shard on every rank. Two ways to get the summed shard:
+
+* ``reduce_scatter``: rank r receives only its shard; (n-1)/n·B bytes sent per rank. Native on
+  NCCL and XLA.
+* ``all_reduce``: every rank receives the whole sum and keeps its slice; 2(n-1)/n·B sent.
+
+torch's gloo backend has no reduce-scatter of its own: ``reduce_scatter_tensor`` clones the
+input, all-reduces the clone and copies a chunk out. So on gloo the reduce-scatter already
+moves an all-reduce's bytes, plus two full-size copies; all-reducing our own temporary flat
+buffer in place and slicing moves the same bytes without the copies, and leaves the whole
+reduced gradient on every rank (the clipping norm then needs no collective over the sharding
+group). ``"auto"`` picks ``all_reduce`` on gloo and ``reduce_scatter`` elsewhere; the traffic
+counter of ``nxd_state.collectives`` records the op that really ran.
+
+A positive ``max_numel`` splits a collective into pieces of at most that many elements: the
+flat buffer is viewed as an (n, S) matrix and moved in column blocks, so each piece is itself
+a reduce-scatter (or all-gather) whose row r is rank r's part (torch-xla's
+``bucket_cap_mb_reduce_scatter`` / ``bucket_cap_mb_all_gather``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from nxd_state import collectives
+
+__all__ = [
+    "GRAD_REDUCTIONS",
+    "GradReduction",
+    "all_gather_flat",
+    "reduce_flat",
+    "resolve_grad_reduction",
+]
+
+GradReduction = Literal["auto", "reduce_scatter", "all_reduce"]
+GRAD_REDUCTIONS = ("auto", "reduce_scatter", "all_reduce")
+# Backends whose reduce-scatter is an all-reduce in disguise (torch's ProcessGroupGloo).
+_EMULATED_REDUCE_SCATTER = frozenset({"gloo"})
+
+
+def resolve_grad_reduction(requested: str, group: ProcessGroup) -> str:
+    """``requested`` with ``"auto"`` replaced by the faster primitive for ``group``'s backend."""
+    if requested not in GRAD_REDUCTIONS:
+        raise ValueError(f"grad_reduction must be one of {GRAD_REDUCTIONS}, got {requested!r}")
+    if requested != "auto":
+        return requested
+    backend = str(dist.get_backend(group)).lower()
+    return "all_reduce" if backend in _EMULATED_REDUCE_SCATTER else "reduce_scatter"
+
+
+def _column_blocks(shard_numel: int, max_numel: int, n: int) -> list[slice]:
+    """Column ranges of the (n, S) view such that each block holds <= max_numel elements."""
+    if max_numel <= 0 or n * shard_numel <= max_numel:
+        return [slice(0, shard_numel)]
+    width = max(1, max_numel // n)
+    return [slice(j, min(j + width, shard_numel)) for j in range(0, shard_numel, width)]
+
+
+def reduce_flat(
+    flat: torch.Tensor, group: ProcessGroup, mode: str, max_numel: int = 0
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(shard, full)``: this rank's shard of Σ_k F^(k), and with ``all_reduce`` the whole sum
+    (``flat`` itself, reduced in place; ``shard`` is then a view of it). ``full`` is None after
+    a reduce-scatter. ``flat`` must be a temporary: it is overwritten."""
+    n, rank = collectives.group_size(group), collectives.group_rank(group)
+    shard_numel = flat.numel() // n
+    if n == 1:
+        return flat, flat
+    if mode == "all_reduce":
+        for block in _column_blocks(shard_numel, max_numel, n):
+            start, stop = block.start * n, block.stop * n  # contiguous pieces of the same size
+            collectives.all_reduce(flat[start:stop], group=group)
+        return flat[rank * shard_numel : (rank + 1) * shard_numel], flat
+    blocks = _column_blocks(shard_numel, max_numel, n)
+    if len(blocks) == 1:
+        return collectives.reduce_scatter(flat, group=group), None
+    matrix = flat.view(n, shard_numel)
+    shard = torch.empty(shard_numel, dtype=flat.dtype, device=flat.device)
+    for block in blocks:
+        piece = matrix[:, block].contiguous().view(-1)  # row r = rank r's part of this block
+        shard[block] = collectives.reduce_scatter(piece, group=group)
+    return shard, None
+
+
+def all_gather_flat(shard: torch.Tensor, group: ProcessGroup, max_numel: int = 0) -> torch.Tensor:
+    """F = [shard_0, …, shard_{n-1}]: every rank's shard, in rank order."""
+    n = collectives.group_size(group)
+    blocks = _column_blocks(shard.numel(), max_numel, n)
+    if len(blocks) == 1:
+        return collectives.all_gather(shard.contiguous(), group)
+    full = torch.empty(n, shard.numel(), dtype=shard.dtype, device=shard.device)
+    for block in blocks:
+        gathered = collectives.all_gather(shard[block].contiguous(), group)
+        full[:, block] = gathered.view(n, -1)
+    return full.view(-1)
