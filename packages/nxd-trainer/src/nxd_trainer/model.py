@@ -252,38 +252,42 @@ class NxDModel(nn.Module):
     # Hugging Face shortcuts ----------------------------------------------------------------
     @property
     def dtype(self) -> torch.dtype:
-        """The model's dtype (a Hugging Face model's own; else its first float parameter's)."""
-        if self.info.dtype is not None:
-            return self.info.dtype
+        """The dtype of the model's (local) floating-point parameters, as Hugging Face's."""
         for param in self.parameters():
             if param.is_floating_point():
                 return param.dtype
-        return torch.get_default_dtype()
+        return self.info.dtype or torch.get_default_dtype()
 
     @property
     def config(self) -> Any:
-        """A Hugging Face model's ``config``."""
-        if self.info.hf_config is None:
-            raise AttributeError(f"{self.info.class_name} is not a Hugging Face model: no config")
-        return self.info.hf_config
+        """A Hugging Face model's ``config`` (else the wrapped module's ``config``, if any)."""
+        if self.info.hf_config is not None:
+            return self.info.hf_config
+        return self.__getattr__("config")
 
     @property
     def name_or_path(self) -> str | None:
         """A Hugging Face model's ``name_or_path``."""
-        if not self.info.is_hf:
-            raise AttributeError(
-                f"{self.info.class_name} is not a Hugging Face model: no name_or_path"
-            )
-        return self.info.name_or_path
+        if self.info.is_hf:
+            return self.info.name_or_path
+        return self.__getattr__("name_or_path")
 
     def __getattr__(self, name: str) -> Any:
         """Attributes the wrapper lacks come from the wrapped module (as in NxD)."""
         try:
             return super().__getattr__(name)
         except AttributeError:
-            if name == "module":
+            if name in ("module", "info"):
                 raise
+        try:
             return getattr(self.module, name)
+        except AttributeError:
+            info = self.__dict__.get("info")
+            wrapped = info.class_name if info is not None else "module"
+            raise AttributeError(
+                f"NxDModel has no attribute {name!r}, nor has the wrapped {wrapped} "
+                f"(config, name_or_path: Hugging Face models only)"
+            ) from None
 
 
 def claim_dp_reduction(parameters: Iterable[torch.Tensor]) -> list[NxDModel]:
