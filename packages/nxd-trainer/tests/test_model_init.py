@@ -138,7 +138,7 @@ def check_module_api_pp2() -> dict[str, Any]:
     assert model.dtype == torch.float32
     with pytest.raises(AttributeError, match="no attribute 'config', nor has the wrapped TinyLM"):
         _ = model.config
-    with pytest.raises(RuntimeError, match="call model.run_train"):
+    with pytest.raises(RuntimeError, match=r"call model\.run_train"):
         model(R.batches()[0], R.batches()[0])
     # load_state_dict round trip: perturb, reload the saved local state, same again
     saved = {k: v.clone() for k, v in model.state_dict().items()}
