@@ -180,9 +180,10 @@ def _trace_fx(
 def _hf_example_inputs(module: nn.Module, names: Sequence[str]) -> dict[str, torch.Tensor]:
     config = getattr(module, "config", None)
     vocab = int(getattr(config, "vocab_size", 2) or 2)
+    # On the model's own device, meta included: torch 2.11 rejects an op that mixes a meta
+    # parameter with a CPU input ("Unhandled FakeTensor Device Propagation ... meta, cpu").
+    # A meta model's graph then has device=meta arguments, retargeted per stage.
     device = next((p.device for p in module.parameters()), torch.device("cpu"))
-    if device.type == "meta":
-        device = torch.device("cpu")
     shape = (2, 4)  # batch and sequence are dynamic: any size works later
     out: dict[str, torch.Tensor] = {}
     for name in names:
