@@ -117,9 +117,21 @@ def _bad_inputs() -> list[str]:
         "sharded over 4 ranks, but this one shards over 1",
         lambda: opt.load_state_dict(state),
     )
+    xla = {  # torch-xla's ZeRO-1 format, for params of other shapes: refused before gathering
+        "state": {},
+        "param_groups": [{"params": [0], "lr": 0.1}],
+        "base_state": {0: {}},
+        "shape_info": {0: torch.Size([4])},
+    }
+    expect(
+        ValueError,
+        r"torch-xla ZeRO-1 state dict has param shapes \{0: \(4,\)\}, this optimizer holds "
+        r"\{0: \(3,\)\}",
+        lambda: opt.load_state_dict(xla),
+    )
     return messages
 
 
 def test_bad_distributed_input_fails_early_with_clear_errors() -> None:
     results = run_distributed(_bad_inputs, 2)
-    assert len(results[0]) == 12
+    assert len(results[0]) == 13
