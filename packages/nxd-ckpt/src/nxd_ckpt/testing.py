@@ -7,6 +7,12 @@ from the same weights (drawn in one process from ``seed``, then sliced), and
 :func:`train_step` feeds every layout the same global batch (each DP rank its slice), so any
 two layouts follow the same trajectory up to float reassociation. :func:`full_state` gathers
 this rank's parameters over TP (through nxd_layers, not through this package).
+
+AdamW runs with ``eps=1e-5``: the attention key bias has an exactly zero gradient in exact
+arithmetic (softmax is invariant to a per-query shift), so its computed gradient is rounding
+noise of ~1e-9 that a tiny eps would normalise into full-size ±lr steps, different for every
+reduction order. With eps = 1e-5 such noise moves a parameter by < 1e-6, while real
+gradients (1e-3 and up) are normalised as usual.
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ def build(
     hidden: int = 32,
     heads: int = 4,
     lr: float = 1e-2,
+    eps: float = 1e-5,
     microbatches: int = 2,
 ) -> tuple[Any, Any]:
     """(model, optimizer) at ``degrees`` (re-initialises the nxd parallel state)."""
@@ -89,6 +96,7 @@ def build(
         torch.optim.AdamW,
         list(params),
         lr=lr,
+        eps=eps,
         weight_decay=0.01,
     )
     return model, optimizer
