@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -70,3 +72,40 @@ def test_state_io_errors_name_the_problem(tmp_path: Path) -> None:
         write_state({"state": {0: {"bad": object()}}}, tmp_path / "x", {})
     with pytest.raises(FileNotFoundError, match=r"missing\.json does not exist"):
         read_state(tmp_path / "missing")
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, 3.0, math.inf])
+def test_norm_summaries_equal_nxd_layers_norm_of_the_params(norm_type: float) -> None:
+    """ZeRO-1 summarises each slice of a param by one number; get_grad_norm over the summaries
+    of arbitrary slices (cut across rows) equals get_grad_norm over the whole params, for
+    every attribute it reads: TP-sharded or not, a uniform replica count, per-row replica
+    counts (fused QKV) and a ``shared`` tied copy (left out). fp32, summed in another order:
+    rtol 1e-6."""
+    from nxd_layers import get_grad_norm
+    from nxd_optim._zero1_norm import GradSpan, global_grad_norm
+
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.zeros(6, 5), torch.zeros(7), torch.zeros(4, 3), torch.zeros(9), torch.zeros(5)]
+    for param in params:
+        param.grad = torch.randn(param.shape, generator=gen)
+    params[0].tensor_model_parallel = True
+    params[1].tensor_parallel_replicas = 2
+    params[2].tensor_model_parallel = True
+    params[2].tensor_parallel_replicas = torch.tensor([1.0, 2.0, 4.0, 2.0])  # per row
+    params[3].shared = True
+    expected = get_grad_norm(params, norm_type)
+    spans = []
+    for param, cuts in zip(params, ([0, 7, 19, 30], [0, 7], [0, 4, 5, 12], [0, 9], [0, 2, 5])):
+        flat = param.grad.reshape(-1)
+        for start, stop in itertools.pairwise(cuts):
+            spans.append(GradSpan(flat[start:stop], param, start))
+    norm = global_grad_norm(
+        spans,
+        norm_type,
+        tensor_parallel_group=None,
+        pipeline_parallel_group=None,
+        data_parallel_group=None,
+    )
+    torch.testing.assert_close(norm, expected, rtol=1e-6, atol=0)
+    without_shared = get_grad_norm([p for p in params if p is not params[3]], norm_type)
+    torch.testing.assert_close(norm, without_shared, rtol=1e-6, atol=0)

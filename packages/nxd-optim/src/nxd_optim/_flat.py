@@ -79,10 +79,13 @@ class FlatLayout:
         """F = [vec(t_1), …, vec(t_k), 0 …] in ``dtype``; a ``None`` tensor contributes zeros."""
         if len(tensors) != len(self.shapes):
             raise ValueError(f"layout holds {len(self.shapes)} tensors, got {len(tensors)}")
-        flat = torch.zeros(self.padded_numel, dtype=dtype, device=device)
+        flat = torch.empty(self.padded_numel, dtype=dtype, device=device)
         for tensor, start, numel in zip(tensors, self.offsets, self.numels):
-            if tensor is not None:
+            if tensor is None:
+                flat[start : start + numel].zero_()
+            else:
                 flat[start : start + numel].copy_(tensor.reshape(-1))
+        flat[self.total_numel :].zero_()  # the padding (written once, not the whole buffer)
         return flat
 
     def unflatten_into(self, flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:

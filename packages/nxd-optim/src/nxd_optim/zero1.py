@@ -24,11 +24,11 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from nxd_layers import copy_tensor_model_parallel_attributes, get_grad_norm
 from nxd_optim._groups import GroupSpec
 from nxd_optim._mixed_precision import GradientStore
 from nxd_optim._zero1_base import Zero1Setup, as_param_groups
 from nxd_optim._zero1_comm import all_gather_flat, reduce_flat
+from nxd_optim._zero1_norm import GradSpan, global_grad_norm
 
 __all__ = ["NeuronZero1Optimizer", "as_param_groups"]
 
@@ -171,39 +171,31 @@ class NeuronZero1Optimizer(Zero1Setup):
             )
         return reduced
 
-    def _global_grad_norm(self, reduced: list[tuple[torch.Tensor, torch.Tensor | None]]):
-        """‖(1/n) Σ_k g^(k)‖ over the whole model, through ``nxd_layers.get_grad_norm``.
+    def _global_grad_norm(
+        self, reduced: list[tuple[torch.Tensor, torch.Tensor | None]]
+    ) -> torch.Tensor:
+        """‖(1/n) Σ_k g^(k)‖ over the whole model (see :mod:`nxd_optim._zero1_norm`).
 
-        Each holder stands for a slice of one parameter, carrying its tensor-parallel
-        attributes (TP-replicated slices count once). After an all-reduce every rank holds the
-        whole gradient: the norm is reduced over TP and PP only. After a reduce-scatter each
-        rank holds disjoint pieces: their norms are also summed over the sharding group (or
-        the DP x PP group joining it with the stages, one collective).
+        After an all-reduce every rank holds the whole gradient: every param is a span and
+        the norm is reduced over TP and PP only. After a reduce-scatter each rank holds
+        disjoint pieces: their norms are also summed over the sharding group (or the DP x PP
+        group joining it with the stages, one collective).
         """
         whole = all(full is not None for _, full in reduced)
-        holders = []
+        spans = []
         for bucket, (shard, full) in zip(self._buckets, reduced):
-            params = self._bucket_params(bucket)
-            if whole:
-                spans = [
-                    (full, index, start, numel)
-                    for index, (start, numel) in enumerate(
-                        zip(bucket.layout.offsets, bucket.layout.numels)
-                    )
-                ]
+            params, layout = self._bucket_params(bucket), bucket.layout
+            if full is not None and whole:
+                for param, start, numel in zip(params, layout.offsets, layout.numels):
+                    spans.append(GradSpan(full[start : start + numel], param))
             else:
-                spans = [
-                    (shard, piece.param_index, piece.shard_start, piece.numel)
-                    for piece in bucket.layout.pieces(self.sharding_rank)
-                ]
-            for source, index, start, numel in spans:
-                assert source is not None
-                holders.append(_holder(source[start : start + numel], params[index]))
-        if not holders:  # this shard is all padding: contribute zero, but join the collectives
-            zeros = reduced[0][0]
-            holders.append(_holder(zeros, None))
-        norm = get_grad_norm(
-            holders,
+                for piece in layout.pieces(self.sharding_rank):
+                    view = shard[piece.shard_start : piece.shard_start + piece.numel]
+                    spans.append(GradSpan(view, params[piece.param_index], piece.param_start))
+        if not spans:  # this shard is all padding: contribute zero, but join the collectives
+            spans.append(GradSpan(reduced[0][0], None))
+        norm = global_grad_norm(
+            spans,
             self.norm_type,
             tensor_parallel_group=self.grad_norm_group,
             pipeline_parallel_group=self._pipeline_group if whole else None,
@@ -245,17 +237,3 @@ class NeuronZero1Optimizer(Zero1Setup):
     def _store(self) -> GradientStore:
         assert self._grads is not None
         return self._grads
-
-
-def _holder(grad: torch.Tensor, param: torch.Tensor | None) -> torch.Tensor:
-    """A tensor whose ``.grad`` is ``grad`` and whose TP attributes are ``param``'s (or, for
-    ``None``, counted on every TP rank)."""
-    holder = grad.detach()  # a new tensor object over the same storage
-    holder.grad = grad
-    if param is None:
-        holder.tensor_model_parallel = True  # type: ignore[attr-defined]
-    else:
-        copy_tensor_model_parallel_attributes(holder, param)
-        if getattr(param, "shared", False):  # a tied copy whose gradient is counted elsewhere
-            holder.shared = True  # type: ignore[attr-defined]
-    return holder

@@ -1,0 +1,95 @@
+"""ZeRO-1's gradient norm: per-slice summaries combined by ``nxd_layers.get_grad_norm``.
+
+The norm of the whole model's gradient, ‖g‖_p = (Σ_e |g_e|^p)^(1/p) with nxd_layers' rules for
+tensor parallelism (replicated params counted once, K/V replicas divided out, ``shared`` copies
+left out) and the sum over the groups holding disjoint parts. A rank holds its gradient as
+slices of params in flat buckets: whole params after an all-reduce, pieces of its shard after
+a reduce-scatter.
+
+Every slice s of param i is summarised by one number x_s with |x_s|^p = Σ_{e∈s} |g_e|^p / r_e
+(r_e: how many TP replicas hold element e, only where the param has per-row counts; a uniform
+count stays an attribute), computed by one fused norm kernel over all slices, and handed to
+``get_grad_norm`` as a one-element gradient carrying param i's attributes. get_grad_norm then
+applies the rules to |x_s|^p exactly as to the slice: the result is the same norm, but the
+per-element work is one read of each gradient instead of |g|, |g|^p and a sum.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.distributed import ProcessGroup
+
+from nxd_layers import copy_tensor_model_parallel_attributes, get_grad_norm
+
+__all__ = ["GradSpan", "global_grad_norm"]
+
+
+@dataclass(frozen=True)
+class GradSpan:
+    """Elements ``[start, start + grad.numel())`` of vec(param)'s gradient, as a 1-D view."""
+
+    grad: torch.Tensor
+    param: torch.Tensor | None  # None: padding only (counts on every TP rank, adds nothing)
+    start: int = 0
+
+
+def _row_replicas(span: GradSpan) -> torch.Tensor | None:
+    """Per-element replica counts of the span, for a param with per-row counts."""
+    replicas = getattr(span.param, "tensor_parallel_replicas", None)
+    if not isinstance(replicas, torch.Tensor) or span.param is None:
+        return None
+    row = span.param.numel() // replicas.numel()
+    index = torch.arange(span.start, span.start + span.grad.numel(), device=span.grad.device)
+    return replicas.to(span.grad.device, torch.float32)[index // row]
+
+
+def _summary(x: torch.Tensor, param: torch.Tensor | None, replicas_folded: bool) -> torch.Tensor:
+    holder = x.reshape(1)
+    summary = holder.detach().clone()
+    summary.grad = holder
+    if param is None:
+        summary.tensor_model_parallel = True  # type: ignore[attr-defined]
+        return summary
+    copy_tensor_model_parallel_attributes(summary, param)
+    if replicas_folded:
+        summary.tensor_parallel_replicas = 1  # type: ignore[attr-defined]
+    if getattr(param, "shared", False):  # a tied copy whose gradient is counted elsewhere
+        summary.shared = True  # type: ignore[attr-defined]
+    return summary
+
+
+def _summaries(spans: Sequence[GradSpan], p: float) -> list[torch.Tensor]:
+    weights = [None if p == math.inf else _row_replicas(s) for s in spans]
+    plain = [i for i, w in enumerate(weights) if w is None]
+    out: list[torch.Tensor | None] = [None] * len(spans)
+    if plain:  # one fused kernel, fp32 accumulation whatever the gradients' dtype
+        norms = torch._foreach_norm([spans[i].grad for i in plain], p, dtype=torch.float32)
+        for i, norm in zip(plain, norms):
+            out[i] = _summary(norm, spans[i].param, replicas_folded=False)
+    for i, w in enumerate(weights):
+        if w is not None:  # per-row replica counts: fold 1/r_e into the summary
+            powered = (spans[i].grad.float().abs().pow(p) / w).sum()
+            out[i] = _summary(powered.pow(1.0 / p), spans[i].param, replicas_folded=True)
+    return [summary for summary in out if summary is not None]
+
+
+def global_grad_norm(
+    spans: Sequence[GradSpan],
+    norm_type: float,
+    *,
+    tensor_parallel_group: ProcessGroup | None,
+    pipeline_parallel_group: ProcessGroup | None,
+    data_parallel_group: ProcessGroup | None,
+) -> torch.Tensor:
+    """‖g‖_p over ``spans`` on every rank of the given groups (see the module docstring)."""
+    return get_grad_norm(
+        _summaries(spans, float(norm_type)),
+        norm_type,
+        tensor_parallel_group=tensor_parallel_group,
+        pipeline_parallel_group=pipeline_parallel_group,
+        data_parallel_group=data_parallel_group,
+    )
