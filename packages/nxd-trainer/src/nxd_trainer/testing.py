@@ -5,8 +5,9 @@ first ``(B, T, H)``:
 
 * :class:`Embed`: token embedding (``ParallelEmbedding``, vocabulary-sharded, under TP), then
   dropout; with sequence parallelism the output is this rank's ``T / tp`` positions;
-* :class:`Block` (pre-norm): ``x + Dropout(O · CoreAttention(Q, K, V)(LN(x)))``, then
-  ``x + Dropout(W2 · gelu(W1 · LN(x)))``; Q/K/V/W1 column-parallel, O/W2 row-parallel;
+* :class:`Block` (pre-norm): ``x + Dropout(SelfAttention(LN(x)))``, then
+  ``x + Dropout(W2 · gelu(W1 · LN(x)))``; :class:`SelfAttention` is ``O · CoreAttention(Q, K,
+  V)``, Q/K/V/W1 column-parallel, O/W2 row-parallel;
   :class:`CoreAttention` is ``Dropout(softmax(QK^T / sqrt(d) + causal)) V``, its dropout drawn
   from the TP-distinct RNG stream (``nxd_state.get_rng_tracker().fork()``), as in Megatron;
 * :class:`Head`: final norm, vocabulary-parallel LM head and ``parallel_cross_entropy``; the
@@ -22,6 +23,7 @@ pipelining, ``Block`` is the transformer layer and ``Embed`` / ``Head`` are leav
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +31,15 @@ from torch import nn
 
 import nxd_state
 
-__all__ = ["Block", "CoreAttention", "Embed", "Head", "TinyLM", "deterministic_init"]
+__all__ = [
+    "Block",
+    "CoreAttention",
+    "Embed",
+    "Head",
+    "SelfAttention",
+    "TinyLM",
+    "deterministic_init",
+]
 
 
 def _tp_size() -> int:
@@ -80,20 +90,39 @@ class CoreAttention(nn.Module):
         return _dropout(probs, self.p, self.training, self.tp) @ v
 
 
-class Block(nn.Module):
-    """x + Dropout(Attn(LN(x))), then x + Dropout(MLP(LN(x)))."""
+class SelfAttention(nn.Module):
+    """O · CoreAttention(Q x, K x, V x): heads split over TP ranks (Q/K/V column-parallel,
+    O row-parallel); the number of local heads is read from the shapes, so padded heads work."""
 
     def __init__(self, hidden: int, heads: int, tp: bool, sp: bool, dropout: float) -> None:
         super().__init__()
         if hidden % heads:
             raise ValueError(f"hidden ({hidden}) must be divisible by heads ({heads})")
-        self.head_dim, self.p, self.sequence_parallel = hidden // heads, dropout, sp
-        self.ln_1 = nn.LayerNorm(hidden)
+        self.head_dim = hidden // heads
         self.q_proj = _linear(hidden, hidden, tp, sp, "column")
         self.k_proj = _linear(hidden, hidden, tp, sp, "column")
         self.v_proj = _linear(hidden, hidden, tp, sp, "column")
-        self.attention = CoreAttention(dropout, tp)
+        self.core = CoreAttention(dropout, tp)
         self.o_proj = _linear(hidden, hidden, tp, sp, "row")
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        q = self.q_proj(h)
+        b, t = q.shape[0], q.shape[1]  # t: the whole sequence (gathered under SP)
+        q = q.view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, nh_local, T, hs)
+        k = self.k_proj(h).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(h).view(b, t, -1, self.head_dim).transpose(1, 2)
+        y = self.core(q, k, v).transpose(1, 2).reshape(b, t, -1)  # (B, T, H_local)
+        return self.o_proj(y)
+
+
+class Block(nn.Module):
+    """x + Dropout(Attn(LN(x))), then x + Dropout(MLP(LN(x)))."""
+
+    def __init__(self, hidden: int, heads: int, tp: bool, sp: bool, dropout: float) -> None:
+        super().__init__()
+        self.p, self.sequence_parallel = dropout, sp
+        self.ln_1 = nn.LayerNorm(hidden)
+        self.attn = SelfAttention(hidden, heads, tp, sp, dropout)
         self.ln_2 = nn.LayerNorm(hidden)
         self.fc = _linear(hidden, 4 * hidden, tp, sp, "column")
         self.out = _linear(4 * hidden, hidden, tp, sp, "row")
@@ -104,14 +133,7 @@ class Block(nn.Module):
                 mark_sequence_parallel_parameter(param)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.ln_1(x)
-        q = self.q_proj(h)
-        b, t = q.shape[0], q.shape[1]  # t: the whole sequence (gathered under SP)
-        q = q.view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, nh_local, T, hs)
-        k = self.k_proj(h).view(b, t, -1, self.head_dim).transpose(1, 2)
-        v = self.v_proj(h).view(b, t, -1, self.head_dim).transpose(1, 2)
-        y = self.attention(q, k, v).transpose(1, 2).reshape(b, t, -1)  # (B, T, H_local)
-        x = x + _dropout(self.o_proj(y), self.p, self.training, self.sequence_parallel)
+        x = x + _dropout(self.attn(self.ln_1(x)), self.p, self.training, self.sequence_parallel)
         m = self.out(F.gelu(self.fc(self.ln_2(x))))
         return x + _dropout(m, self.p, self.training, self.sequence_parallel)
 
@@ -147,7 +169,8 @@ class Head(nn.Module):
             from nxd_layers import parallel_cross_entropy
 
             return parallel_cross_entropy(logits.contiguous(), targets.contiguous()).mean()
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        flat = logits.reshape(-1, logits.shape[-1]).float()  # fp32 loss, as the parallel one
+        return F.cross_entropy(flat, targets.reshape(-1))
 
 
 def _linear(n_in: int, n_out: int, tp: bool, sp: bool, kind: str) -> nn.Module:
@@ -183,6 +206,8 @@ class TinyLM(nn.Module):
         self.embed = Embed(vocab, hidden, tp, sp, dropout)
         self.blocks = nn.ModuleList(Block(hidden, heads, tp, sp, dropout) for _ in range(layers))
         self.head = Head(vocab, hidden, tp, sp)
+        # What NxD's pad_model reads from a Hugging Face-style model.
+        self.config = SimpleNamespace(num_attention_heads=heads)
         for key, (_, module) in enumerate(self.named_modules()):
             module.init_key = key  # type: ignore[assignment]  # deterministic_init's seed
 

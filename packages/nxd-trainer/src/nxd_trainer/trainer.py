@@ -9,7 +9,7 @@ The model is built in this order (each step explained where it happens):
    materialised, or the eager model is moved, onto this rank's device;
 3. sequence parallelism is checked against the model's layers;
 4. ``pad_model`` pads attention heads to a multiple of TP (a TP collective, so after the
-   waves), before LoRA so that adapters get the padded shapes;
+   waves), before LoRA so that adapters get the padded shapes (NxD pads after LoRA);
 5. LoRA (``nxd_lora.LoRAModel``) wraps the model and freezes the base;
 6. activation checkpointing patches the chosen modules' forwards (names unchanged);
 7. :class:`~nxd_trainer.NxDModel` wraps the result.
@@ -177,7 +177,9 @@ def _check_sequence_parallel(config: NxDConfig, original: nn.Module) -> None:
 
 
 def _pad(config: NxDConfig, model: nn.Module, info: ModelInfo) -> None:
-    from nxd_layers import pad_model
+    """NxD's ``pad_model`` on the attention modules (classes named ``*Attention*`` holding TP
+    linears); a model without such classes is padded throughout, as NxD does."""
+    from nxd_layers import ColumnParallelLinear, RowParallelLinear, pad_model
 
     heads = getattr(getattr(model, "config", None), "num_attention_heads", None)
     if not isinstance(heads, int):
@@ -185,7 +187,13 @@ def _pad(config: NxDConfig, model: nn.Module, info: ModelInfo) -> None:
             f"pad_model=True needs a Hugging Face-style model with config.num_attention_heads; "
             f"{info.class_name} has none"
         )
-    pad_model(model, config.tensor_parallel_size, heads)
+    parallel = (ColumnParallelLinear, RowParallelLinear)
+    attention = {
+        type(m)
+        for m in model.modules()
+        if "Attention" in type(m).__name__ and any(isinstance(c, parallel) for c in m.children())
+    }
+    pad_model(model, config.tensor_parallel_size, heads, wrapped_classes=tuple(attention))
 
 
 def _checkpoint_classes(config: NxDConfig, original: nn.Module, info: ModelInfo) -> tuple:
