@@ -1,4 +1,5 @@
-"""Forkserver preloads for the rank processes, and the ``slow`` marker (more kill rounds)."""
+"""Forkserver preloads for the rank processes, and the ``slow`` marker: long variants (many
+SIGKILL rounds) that run only when selected with ``-m slow``."""
 
 from __future__ import annotations
 
@@ -10,6 +11,13 @@ add_preload("torch._dynamo", "nxd_optim", "nxd_pipeline.testing", "nxd_ckpt", "n
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line(
-        "markers", "slow: long variants (many SIGKILL rounds); run with -m slow"
-    )
+    config.addinivalue_line("markers", "slow: long variants; selected with -m slow")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if "slow" in (config.getoption("-m") or ""):
+        return
+    skip = pytest.mark.skip(reason="slow variant: run with -m slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
