@@ -64,10 +64,12 @@ def sleep_in_rank(seconds: float) -> None:
 
 
 def test_timeout_reports_every_waiting_rank_stack() -> None:
+    # 10 s: long enough for both ranks to start and reach the sleep on a loaded 2-core machine
+    # (3 s was not, with other suites running), so the dumped stacks show where they wait.
     with pytest.raises(DistributedTimeoutError) as info:
-        run_distributed(sleep_in_rank, 2, 60.0, timeout=3)
+        run_distributed(sleep_in_rank, 2, 120.0, timeout=10)
     message = str(info.value)
-    assert "ranks [0, 1] did not finish within 3s" in message
+    assert "ranks [0, 1] did not finish within 10s" in message
     assert "--- rank 0 ---" in message
     assert "--- rank 1 ---" in message
     assert "sleep_in_rank" in message  # the Python frames of the stuck ranks
