@@ -1,26 +1,32 @@
-"""NxDPPModel: NxD's pipeline-parallel model wrapper.
+"""NxDPPModel: NxD's pipeline-parallel wrapper.
 
 ``NxDPPModel(module, ...)`` captures the model's graph, cuts it into ``p·v`` stages, keeps only
 this rank's stages (materialising their parameters if the model was built on the meta device),
-and runs a schedule in ``run_train`` / ``run_eval``. After a training step the gradients of
-parameters shared by several stages (tied embeddings) are summed over the pipeline group and,
-unless ZeRO-1 takes over, averaged over the data-parallel group.
+and runs a schedule in ``run_train`` / ``run_eval``. With ``manual_pp_partition=True`` the model
+is a list of layers instead, split into stages without any capture (:mod:`nxd_pipeline._manual`).
+After a training step the gradients of parameters shared by several pipeline ranks (tied
+embeddings) are summed over the pipeline group and, unless ZeRO-1 takes over, averaged over the
+data-parallel group.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from types import ModuleType
 from typing import Any
 
 import torch
 from torch import fx, nn
 
+from nxd_pipeline._inputs import signature, split_manual, split_traced
+from nxd_pipeline._loss import LossSpec, check_loss_spec, select_loss
+from nxd_pipeline._manual import assign_stages, build_manual_stages
 from nxd_pipeline._materialize import materialize_local_parameters
 from nxd_pipeline._partition import auto_pipeline_cuts, build_stage_module, partition_graph
 from nxd_pipeline._runtime import StepRunner
 from nxd_pipeline._schedules import build_schedule, stage_to_rank
+from nxd_pipeline._shared import shared_weights, sync_shared_weights
 from nxd_pipeline._timeline import Timeline
 from nxd_pipeline._trace import capture_graph
 from nxd_state import collectives, get_parallel_state
@@ -29,38 +35,17 @@ __all__ = ["NxDPPModel"]
 
 logger = logging.getLogger(__name__)
 
-
-def _select_loss(output: Any, spec: tuple[bool, ...] | dict[str, bool] | None) -> torch.Tensor:
-    """The loss in ``output`` per NxD's ``output_loss_value_spec``."""
-    if spec is None:
-        if isinstance(output, torch.Tensor):
-            loss = output
-        elif hasattr(output, "keys") and "loss" in output:
-            loss = output["loss"]
-        elif isinstance(output, (tuple, list)):
-            loss = output[0]
-        else:
-            raise TypeError(
-                f"cannot find the loss in a {type(output).__name__} output: pass "
-                f"output_loss_value_spec, e.g. (True, False) or {{'loss': True}}"
-            )
-    elif isinstance(spec, dict):
-        keys = [k for k, flag in spec.items() if flag]
-        if len(keys) != 1:
-            raise ValueError(f"output_loss_value_spec {spec} must mark exactly one key True")
-        loss = output[keys[0]]
-    else:
-        index = [i for i, flag in enumerate(spec) if flag]
-        if len(index) != 1:
-            raise ValueError(f"output_loss_value_spec {spec} must mark exactly one entry True")
-        loss = output[index[0]]
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise TypeError(f"the selected loss must be a scalar tensor, got {loss!r:.80}")
-    return loss
+PartitionFn = Callable[[Sequence[nn.Module], int], dict[nn.Module, int]]
 
 
 class NxDPPModel(nn.Module):
     """Pipeline-parallel wrapper with NxD's signature (see the package README).
+
+    ``module`` is a model to capture and cut at ``pipeline_cuts``, or, with
+    ``manual_pp_partition=True``, a list of layers (NxD's manual mode: stages from
+    ``manual_pp_stage_partition_fn``, loss from ``manual_pp_loss_fn``, inputs passed as
+    ``run_train(inputs=..., labels=...)``). ``return_loss_on_cpu`` (NxD's default True) returns
+    the loss on the CPU.
 
     Beyond NxD's arguments: ``virtual_pipeline_size`` (model chunks per rank, interleaving),
     ``schedule`` (``"1f1b"`` default, ``"gpipe"``, ``"interleaved_1f1b"`` (default when
@@ -72,10 +57,10 @@ class NxDPPModel(nn.Module):
 
     def __init__(
         self,
-        module: nn.Module,
+        module: nn.Module | Sequence[nn.Module],
         transformer_layer_cls: type | None = None,
         num_microbatches: int = 1,
-        output_loss_value_spec: dict[str, bool] | tuple[bool, ...] | None = None,
+        output_loss_value_spec: LossSpec = None,
         return_mb_loss: bool = False,
         broadcast_and_average_loss: bool = False,
         pipeline_cuts: list[str] | None = None,
@@ -88,6 +73,10 @@ class NxDPPModel(nn.Module):
         trace_file_path: str | None = None,
         use_zero1_optimizer: bool = False,
         auto_partition: bool | None = False,
+        return_loss_on_cpu: bool | None = True,
+        manual_pp_partition: bool | None = False,
+        manual_pp_stage_partition_fn: PartitionFn | None = None,
+        manual_pp_loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
         *,
         virtual_pipeline_size: int = 1,
         schedule: str | None = None,
@@ -106,21 +95,112 @@ class NxDPPModel(nn.Module):
             raise ValueError(
                 f"auto_partition=True chooses the cuts itself; got pipeline_cuts={pipeline_cuts}"
             )
+        check_loss_spec(output_loss_value_spec)
+        manual = bool(manual_pp_partition)
+        if manual and (pipeline_cuts or auto_partition):
+            raise ValueError(
+                "manual_pp_partition=True splits the layer list itself: drop pipeline_cuts and "
+                "auto_partition (use manual_pp_stage_partition_fn to choose the stages)"
+            )
+        if manual != isinstance(module, (list, tuple)):
+            raise TypeError(
+                "manual_pp_partition=True takes the model as a list of layers"
+                if manual
+                else f"a {type(module).__name__} of layers needs manual_pp_partition=True"
+            )
+        if not manual and (manual_pp_loss_fn or manual_pp_stage_partition_fn):
+            logger.warning("manual_pp_* arguments are ignored without manual_pp_partition=True")
         state = get_parallel_state()
         self.parallel_state = state
         p, v = state.pipeline_parallel_size, virtual_pipeline_size
-        num_stages = p * v
         self.num_microbatches = num_microbatches
         self.output_loss_value_spec = output_loss_value_spec
         self.return_mb_loss = return_mb_loss
         self.broadcast_and_average_loss = broadcast_and_average_loss
         self.use_zero1_optimizer = use_zero1_optimizer
+        self.return_loss_on_cpu = bool(return_loss_on_cpu)
+        self.manual_pp_partition = manual
+        self.manual_pp_loss_fn = manual_pp_loss_fn
         self.virtual_pipeline_size = v
         name = schedule if schedule is not None else ("interleaved_1f1b" if v > 1 else "1f1b")
         if async_sends is None:  # unbatched crossing sends can deadlock a stream-ordered backend
             backend = torch.distributed.get_backend(state.pipeline_parallel_group)
             async_sends = backend == "gloo"
         self.schedule = build_schedule(name, p, num_microbatches, v, asynchronous_sends=async_sends)
+        rank = state.pipeline_parallel_rank
+        local = [s for s in range(p * v) if stage_to_rank(s, p) == rank]
+        # Tied weights held by several pipeline ranks: (local name or None, shape, dtype).
+        self._shared: list[tuple[str | None, tuple[int, ...], torch.dtype]] = []
+        self.input_names: list[str] = []
+        self._fixed_inputs: dict[str, Any] = {}
+        self._output_spec: Any = None
+        self.pipeline_cuts: list[str] = []
+        if manual:
+            target = self._build_manual(
+                list(module),  # type: ignore[arg-type]
+                local,
+                manual_pp_stage_partition_fn,
+                param_init_fn,
+                device,
+            )
+        else:
+            assert isinstance(module, nn.Module)
+            target = self._build_traced(
+                module,
+                local,
+                transformer_layer_cls=transformer_layer_cls,
+                pipeline_cuts=pipeline_cuts,
+                input_names=input_names,
+                leaf_module_cls=leaf_module_cls,
+                autowrap_functions=autowrap_functions,
+                autowrap_modules=autowrap_modules,
+                tracer_cls=tracer_cls,
+                param_init_fn=param_init_fn,
+                trace_file_path=trace_file_path,
+                auto_partition=bool(auto_partition),
+                device=device,
+            )
+        self._runner = StepRunner(
+            schedule=self.schedule,
+            pipeline_rank=rank,
+            pipeline_ranks=state.pipeline_parallel_ranks,
+            group=state.pipeline_parallel_group,
+            stages={int(s): m for s, m in self.stages.items()},
+            select_loss=self._loss_of,
+            device=target,
+            async_sends=async_sends,
+        )
+        self.timeline: Timeline | None = None
+        logger.info(
+            "NxDPPModel: pp rank %d of %d holds stages %s (%d parameters), schedule %s",
+            rank,
+            p,
+            local,
+            sum(t.numel() for _, t in self.local_named_parameters()),
+            self.schedule.name,
+        )
+
+    # Building the local stages -----------------------------------------------------------
+    def _build_traced(
+        self,
+        module: nn.Module,
+        local: list[int],
+        *,
+        transformer_layer_cls: type | None,
+        pipeline_cuts: list[str] | None,
+        input_names: list[str] | None,
+        leaf_module_cls: list[type] | None,
+        autowrap_functions: tuple[Callable[..., Any], ...] | None,
+        autowrap_modules: tuple[ModuleType, ...] | None,
+        tracer_cls: str | type[fx.Tracer] | None,
+        param_init_fn: Callable[[nn.Module], None] | None,
+        trace_file_path: str | None,
+        auto_partition: bool,
+        device: torch.device | str | None,
+    ) -> torch.device:
+        """Capture, cut and keep the local stages; returns the device they run on."""
+        p, v = self.parallel_state.pipeline_parallel_size, self.virtual_pipeline_size
+        num_stages = p * v
         if transformer_layer_cls is None and tracer_cls == "hf":
             transformer_layer_cls = _hf_layer_class(module)
         leaves = list(leaf_module_cls or [])
@@ -152,8 +232,6 @@ class NxDPPModel(nn.Module):
         self.input_names = captured.input_names
         self._fixed_inputs = captured.fixed_inputs
         self._output_spec = captured.output_spec
-        rank = state.pipeline_parallel_rank
-        local = [s for s in range(num_stages) if stage_to_rank(s, p) == rank]
         target = torch.device(device) if device is not None else _model_device(module)
         materialize_local_parameters(
             module,
@@ -165,67 +243,65 @@ class NxDPPModel(nn.Module):
         self.stages = nn.ModuleDict(
             {str(s): build_stage_module(plan, module, s, target) for s in local}
         )
-        # Tied weights held by several pipeline ranks: (local name or None, shape, dtype).
-        self._shared: list[tuple[str | None, tuple[int, ...], torch.dtype]] = []
         for group in plan.shared_parameters():
             if len({stage_to_rank(s, p) for s in group}) > 1:
                 first = plan.stage_parameters[min(group)][group[min(group)]]
                 mine = next((group[s] for s in local if s in group), None)
                 self._shared.append((mine, tuple(first.shape), first.dtype))
-        self._runner = StepRunner(
-            schedule=self.schedule,
-            pipeline_rank=rank,
-            pipeline_ranks=state.pipeline_parallel_ranks,
-            group=state.pipeline_parallel_group,
-            stages={int(s): m for s, m in self.stages.items()},
-            select_loss=self._loss_of,
-            device=target,
-            async_sends=async_sends,
-        )
-        self.timeline: Timeline | None = None
-        logger.info(
-            "NxDPPModel: pp rank %d of %d holds stages %s (%d parameters), schedule %s",
-            rank,
-            p,
+        return target
+
+    def _build_manual(
+        self,
+        layers: list[nn.Module],
+        local: list[int],
+        partition_fn: PartitionFn | None,
+        param_init_fn: Callable[[nn.Module], None] | None,
+        device: torch.device | str | None,
+    ) -> torch.device:
+        """NxD's manual mode: stages from the layer list; returns the device they run on."""
+        state = self.parallel_state
+        p, rank = state.pipeline_parallel_size, state.pipeline_parallel_rank
+        stage_of = assign_stages(layers, p * self.virtual_pipeline_size, partition_fn)
+        self.input_names = ["inputs", "labels"]
+        target = torch.device(device) if device is not None else _model_device(*layers)
+        stages = build_manual_stages(
+            layers,
+            stage_of,
             local,
-            sum(t.numel() for _, t in self.local_named_parameters()),
-            self.schedule.name,
+            target,
+            param_init_fn,
+            self.manual_pp_loss_fn,
+            self.output_loss_value_spec,
         )
+        self.stages = nn.ModuleDict({str(s): stage for s, stage in stages.items()})
+        shared = shared_weights(layers, stage_of, p, rank)  # after materialising: final objects
+        sync_shared_weights(shared, p, rank, state.pipeline_parallel_group, target)
+        names = {id(param): name for name, param in self.local_named_parameters()}
+        for weight in shared:
+            local_name = names[id(weight.local)] if weight.local is not None else None
+            self._shared.append((local_name, weight.shape, weight.dtype))
+        logger.info(
+            "manual partition: layers per stage %s; weights shared across pipeline ranks: %s",
+            [stage_of.count(s) for s in range(max(stage_of) + 1)],
+            [weight.group for weight in shared],
+        )
+        return target
 
     # Loss and inputs --------------------------------------------------------------------
     def _loss_of(self, output: Any) -> torch.Tensor:
+        if self.manual_pp_partition:  # the last manual stage computed the loss itself
+            return select_loss(output, True)
         if self._output_spec is not None:
             output = torch.utils._pytree.tree_unflatten(list(output), self._output_spec)
-        return _select_loss(output, self.output_loss_value_spec)
+        return select_loss(output, self.output_loss_value_spec)
 
     def _split(self, kwargs: dict[str, Any]) -> tuple[list[dict[str, Any]], Hashable]:
-        missing = [n for n in self.input_names if n not in kwargs]
-        unknown = [n for n in kwargs if n not in self.input_names]
-        if missing or unknown:
-            raise ValueError(
-                f"run_train/run_eval take the traced inputs {self.input_names}; missing "
-                f"{missing}, unexpected {unknown}"
-            )
         m = self.num_microbatches
-        chunks: dict[str, list[Any]] = {}
-        for name, value in kwargs.items():
-            if isinstance(value, torch.Tensor):
-                if value.dim() == 0 or value.shape[0] % m != 0:
-                    raise ValueError(
-                        f"input {name!r} of shape {tuple(value.shape)}: batch size must be "
-                        f"divisible by num_microbatches={m}"
-                    )
-                chunks[name] = list(value.chunk(m, dim=0))
-            else:
-                chunks[name] = [value] * m
-        microbatches = [
-            {**self._fixed_inputs, **{n: chunks[n][i] for n in chunks}} for i in range(m)
-        ]
-        signature = tuple(
-            (n, tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (n, repr(v))
-            for n, v in sorted(microbatches[0].items())
-        )
-        return microbatches, signature
+        if self.manual_pp_partition:
+            microbatches = split_manual(kwargs, m)
+        else:
+            microbatches = split_traced(kwargs, self.input_names, self._fixed_inputs, m)
+        return microbatches, signature(microbatches[0])
 
     # NxD API ------------------------------------------------------------------------------
     def run_train(self, **kwargs: Any) -> torch.Tensor | list[torch.Tensor] | None:
@@ -233,11 +309,11 @@ class NxDPPModel(nn.Module):
 
         The mean microbatch loss on the last stage (None elsewhere); ``return_mb_loss``: the
         list of microbatch losses; ``broadcast_and_average_loss``: the mean loss on every rank,
-        averaged over data parallel ranks too.
+        averaged over data parallel ranks too. ``return_loss_on_cpu``: the mean on the CPU.
         """
         self.train()
-        microbatches, signature = self._split(kwargs)
-        losses, self.timeline = self._runner.run(microbatches, train=True, signature=signature)
+        microbatches, key = self._split(kwargs)
+        losses, self.timeline = self._runner.run(microbatches, train=True, signature=key)
         self._reduce_gradients()
         return self._finish_loss(losses)
 
@@ -245,25 +321,31 @@ class NxDPPModel(nn.Module):
     def run_eval(self, **kwargs: Any) -> torch.Tensor | list[torch.Tensor] | None:
         """Forward only, under the schedule's forward order; returns the loss as run_train."""
         self.eval()
-        microbatches, signature = self._split(kwargs)
-        losses, self.timeline = self._runner.run(microbatches, train=False, signature=signature)
+        microbatches, key = self._split(kwargs)
+        losses, self.timeline = self._runner.run(microbatches, train=False, signature=key)
         return self._finish_loss(losses)
 
     def _finish_loss(self, losses: list[torch.Tensor]) -> torch.Tensor | list[torch.Tensor] | None:
         state = self.parallel_state
-        if self.return_mb_loss:
+        if self.return_mb_loss:  # as NxD: the per-microbatch losses stay where they are
             return losses if losses else None
         loss = torch.stack(losses).mean() if losses else None
-        if not self.broadcast_and_average_loss:
-            return loss
-        buffer = torch.zeros((), device=self._runner.device)
-        if loss is not None:
-            buffer.copy_(loss)
-        collectives.all_reduce(buffer, group=state.pipeline_parallel_group)  # one holder
-        collectives.all_reduce(buffer, group=state.data_parallel_group)
-        return buffer / state.data_parallel_size
+        if self.broadcast_and_average_loss:
+            buffer = torch.zeros((), device=self._runner.device)
+            if loss is not None:
+                buffer.copy_(loss)
+            collectives.all_reduce(buffer, group=state.pipeline_parallel_group)  # one holder
+            collectives.all_reduce(buffer, group=state.data_parallel_group)
+            loss = buffer / state.data_parallel_size
+        if loss is not None and self.return_loss_on_cpu:
+            loss = loss.cpu()
+        return loss
 
     def _reduce_gradients(self) -> None:
+        """Sum the gradients of weights shared across pipeline ranks; average over DP.
+
+        The DP average is skipped with ``use_zero1_optimizer=True`` (the optimizer reduces).
+        """
         state = self.parallel_state
         local = dict(self.local_named_parameters())
         for name, shape, dtype in self._shared:  # tied weights: sum the stages' contributions
@@ -317,8 +399,9 @@ class NxDPPModel(nn.Module):
         )
 
 
-def _model_device(module: nn.Module) -> torch.device:
-    param = next(module.parameters(), None)
+def _model_device(*modules: nn.Module) -> torch.device:
+    """Where the first parameter is; CPU for a parameterless or meta model."""
+    param = next((p for module in modules for p in module.parameters()), None)
     if param is None or param.device.type == "meta":
         return torch.device("cpu")
     return param.device

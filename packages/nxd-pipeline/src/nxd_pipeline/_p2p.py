@@ -4,7 +4,8 @@ A receiver must allocate buffers of the right shape and dtype. The first time a 
 its activations for a given input signature, a fixed-size int64 header travels first:
 ``[n, (dtype, requires_grad, ndim, d0..d5) x n]``; both ends cache it, so later steps send
 the tensors alone. Gradients need no header: their shapes are those of the activations the
-receiver itself produced.
+receiver itself produced. A tensor with no elements is never sent: its shape (in the header or
+known to the receiver) is all there is to it.
 
 Two modes. *Non-blocking* (gloo): sends start and stay in flight until the end of the step,
 so a rank never waits for a peer to take its data; receives are posted where the schedule
@@ -139,13 +140,20 @@ def exchange(
         if transfer.send:
             assert transfer.tensors is not None
             for tensor in transfer.tensors:
-                ops.append(
-                    collectives.P2POp("send", tensor.detach().contiguous(), transfer.peer, group)
-                )
+                if tensor.numel():
+                    ops.append(
+                        collectives.P2POp(
+                            "send", tensor.detach().contiguous(), transfer.peer, group
+                        )
+                    )
         else:
             metas = transfer.metas if transfer.metas is not None else cache[transfer.key]
             transfer.tensors = [torch.empty(m.shape, dtype=m.dtype, device=device) for m in metas]
-            ops += [collectives.P2POp("recv", t, transfer.peer, group) for t in transfer.tensors]
+            ops += [
+                collectives.P2POp("recv", t, transfer.peer, group)
+                for t in transfer.tensors
+                if t.numel()
+            ]
     collectives.batch_send_recv(ops)
     for transfer in transfers:
         if not transfer.send and transfer.metas is None:
@@ -205,7 +213,7 @@ def exchange_nonblocking(
         if not transfer.send:
             continue
         assert transfer.tensors is not None
-        tensors = [t.detach().contiguous() for t in transfer.tensors]
+        tensors = [t.detach().contiguous() for t in transfer.tensors if t.numel()]
         if transfer.metas is None and transfer.key not in cache:
             cache[transfer.key] = TensorMeta.of(transfer.tensors)
             tensors.insert(0, _encode(transfer.tensors, transfer.key).to(device))
@@ -221,6 +229,6 @@ def exchange_nonblocking(
             cache[transfer.key] = _decode(header.cpu())
         metas = transfer.metas if transfer.metas is not None else cache[transfer.key]
         tensors = [torch.empty(m.shape, dtype=m.dtype, device=device) for m in metas]
-        works = [collectives.irecv(t, transfer.peer, group) for t in tensors]
+        works = [collectives.irecv(t, transfer.peer, group) for t in tensors if t.numel()]
         out.append(PendingReceive(tensors, works, None if transfer.metas is not None else metas))
     return out

@@ -1,0 +1,157 @@
+"""Weights used by layers on several pipeline ranks, in the manual partition mode.
+
+A weight ``W`` used by layers on stages held by different ranks exists once per rank. Each
+copy starts from the lowest holding rank's value, and after every step each copy's gradient
+becomes ``sum_r dL/dW_r`` (all-reduce over the pipeline group; ranks without a copy add zeros),
+so every copy takes the same optimizer step as the single tied weight of one process would.
+Two layer parameters are one weight when they are the same ``Parameter`` object or when
+:func:`mark_weight_sharing` put them in one group (NxD's API, for copies that are separate
+tensors, e.g. after moving to a device).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from nxd_state import collectives
+
+__all__ = ["SharedWeight", "mark_weight_sharing", "shared_weights", "sync_shared_weights"]
+
+WEIGHT_SHARING_ATTR = "weight_sharing"
+"""Attribute (NxD's name) a marked layer carries: ``{group name: parameter path}``."""
+
+
+def mark_weight_sharing(
+    layer_and_weight_path: Sequence[tuple[nn.Module, str]], sharing_group_name: str = "default"
+) -> None:
+    """Mark weights of several layers as one (NxD's ``PipelineStageModule.mark_weight_sharing``).
+
+    ``[(layers[0], "weight"), (layers[-1], "weight")]``: the layers may end up on different
+    pipeline ranks; the weight starts from the lowest rank's value and its gradient is the sum
+    of every use. Call before building ``NxDPPModel``.
+    """
+    shape = None
+    for layer, path in layer_and_weight_path:
+        weight = operator.attrgetter(path)(layer)
+        if not isinstance(weight, torch.Tensor):
+            raise TypeError(
+                f"mark_weight_sharing: {type(layer).__name__}.{path} is a "
+                f"{type(weight).__name__}, not a tensor"
+            )
+        if shape is not None and tuple(weight.shape) != shape:
+            raise ValueError(
+                f"mark_weight_sharing group {sharing_group_name!r}: {type(layer).__name__}.{path} "
+                f"has shape {tuple(weight.shape)}, the group's first weight {shape}"
+            )
+        shape = tuple(weight.shape)
+        marks = layer.__dict__.setdefault(WEIGHT_SHARING_ATTR, {})
+        if sharing_group_name in marks:
+            raise RuntimeError(
+                f"weight sharing group {sharing_group_name!r} is already marked on this "
+                f"{type(layer).__name__} (as {marks[sharing_group_name]!r})"
+            )
+        marks[sharing_group_name] = path
+
+
+@dataclass(frozen=True)
+class SharedWeight:
+    """A weight used by layers on several pipeline ranks."""
+
+    group: str
+    """NxD's sharing group name, or ``"tied:<layer>.<path>"`` for a shared ``Parameter``."""
+    stages: tuple[int, ...]
+    """Stages holding it."""
+    local: nn.Parameter | None
+    """This rank's copy (None if no local stage uses it)."""
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def shared_weights(
+    layers: Sequence[nn.Module], stage_of: Sequence[int], p: int, rank: int
+) -> list[SharedWeight]:
+    """Weights shared across pipeline ranks, in the same order on every rank.
+
+    Layer parameters are grouped when they are the same object or marked with one group name;
+    groups whose layers all sit on one rank need nothing (autograd sums the uses).
+    """
+    slots: dict[tuple[int, str], nn.Parameter] = {}
+    for i, layer in enumerate(layers):
+        for path, param in layer.named_parameters(remove_duplicate=False):
+            slots[(i, path)] = param
+    parent = {slot: slot for slot in slots}
+
+    def root(slot: tuple[int, str]) -> tuple[int, str]:
+        while parent[slot] != slot:
+            slot = parent[slot]
+        return slot
+
+    def join(a: tuple[int, str], b: tuple[int, str]) -> None:
+        ra, rb = root(a), root(b)
+        parent[max(ra, rb)] = min(ra, rb)
+
+    first_use: dict[int, tuple[int, str]] = {}
+    for slot, param in slots.items():
+        join(first_use.setdefault(id(param), slot), slot)
+    names: dict[tuple[int, str], str] = {}
+    marked: dict[str, tuple[int, str]] = {}
+    for i, layer in enumerate(layers):
+        for group, path in getattr(layer, WEIGHT_SHARING_ATTR, {}).items():
+            if (i, path) not in slots:
+                raise ValueError(
+                    f"weight sharing group {group!r} marks {path!r} of layer {i} "
+                    f"({type(layer).__name__}), which is not one of its parameters"
+                )
+            join(marked.setdefault(group, (i, path)), (i, path))
+            names[(i, path)] = group
+    groups: dict[tuple[int, str], list[tuple[int, str]]] = {}
+    for slot in slots:
+        groups.setdefault(root(slot), []).append(slot)
+    out = []
+    for head, members in sorted(groups.items()):
+        stages = tuple(sorted({stage_of[i] for i, _ in members}))
+        if len({s % p for s in stages}) < 2:
+            continue
+        local = {id(slots[m]): slots[m] for m in members if stage_of[m[0]] % p == rank}
+        if len(local) > 1:
+            where = sorted(f"{i}.{path}" for i, path in members if stage_of[i] % p == rank)
+            raise ValueError(
+                f"{where} share a weight and sit on pipeline rank {rank}, but are different "
+                f"tensors: tie them on one rank (layer.weight = other_layer.weight)"
+            )
+        group = next((names[m] for m in members if m in names), f"tied:{head[0]}.{head[1]}")
+        param = slots[head]
+        out.append(
+            SharedWeight(
+                group=group,
+                stages=stages,
+                local=next(iter(local.values()), None),
+                shape=tuple(param.shape),
+                dtype=param.dtype,
+            )
+        )
+    return out
+
+
+def sync_shared_weights(
+    weights: Sequence[SharedWeight],
+    p: int,
+    rank: int,
+    group: ProcessGroup | None,
+    device: torch.device,
+) -> None:
+    """Give every rank's copy the value of the lowest stage's (NxD's initial sync)."""
+    for weight in weights:
+        value = torch.zeros(weight.shape, dtype=weight.dtype, device=device)
+        if weight.local is not None and weight.stages[0] % p == rank:
+            value.copy_(weight.local.detach())
+        collectives.all_reduce(value, group=group)  # only the lowest holder contributed
+        if weight.local is not None:
+            with torch.no_grad():
+                weight.local.copy_(value)
