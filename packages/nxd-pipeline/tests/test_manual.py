@@ -302,6 +302,10 @@ def _bad_inputs() -> int:
             lambda: NxDPPModel(_toy(4), manual_pp_partition=True, output_loss_value_spec=False),
             "marks no value True",
         ),
+        (
+            lambda: NxDPPModel(_toy(4), manual_pp_partition=True, _no_such_option=1),
+            r"unexpected keyword arguments \['_no_such_option'\]",
+        ),
     ]
     for call, pattern in checks:
         with pytest.raises((ValueError, TypeError), match=pattern):
@@ -317,8 +321,19 @@ def two_rank_checks() -> dict[str, int]:
         return lambda: out.__setitem__(name, run())
 
     checks = {
-        # NxD's own manual-PP test: 8 layers evenly on 2 stages, cross entropy on the last.
-        "nxd toy 1f1b": record("nxd toy 1f1b", lambda: _case(_toy(8), "toy 1f1b")),
+        # NxD's own manual-PP test, with its arguments: 8 layers evenly on 2 stages, cross
+        # entropy on the last (its XLA runtime knobs are accepted and do nothing here).
+        "nxd toy 1f1b": record(
+            "nxd toy 1f1b",
+            lambda: _case(
+                _toy(8),
+                "toy 1f1b",
+                manual_pp_stage_partition_fn=None,
+                return_loss_on_cpu=True,
+                _use_gloo_for_metadata_comm=False,
+                _all_reduce_send_recv=False,
+            ),
+        ),
         "nxd toy zb_h1": record(
             "nxd toy zb_h1", lambda: _case(_toy(8), "toy zb_h1", schedule="zb_h1", microbatches=4)
         ),

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-__all__ = ["materialize_local_parameters"]
+__all__ = ["materialize_local_parameters", "model_device"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,3 +75,11 @@ def materialize_local_parameters(
             f"param_init_fn must also set the buffers of the modules it is given"
         )
     logger.info("materialised %d local parameters on %s", len(replaced), device)
+
+
+def model_device(*modules: nn.Module) -> torch.device:
+    """Where the first parameter is; CPU for a parameterless or meta model."""
+    param = next((p for module in modules for p in module.parameters()), None)
+    if param is None or param.device.type == "meta":
+        return torch.device("cpu")
+    return param.device

@@ -19,16 +19,17 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from nxd_pipeline._arguments import check_arguments
 from nxd_pipeline._inputs import signature, split_manual, split_traced
-from nxd_pipeline._loss import LossSpec, check_loss_spec, select_loss
+from nxd_pipeline._loss import LossSpec, select_loss
 from nxd_pipeline._manual import assign_stages, build_manual_stages
-from nxd_pipeline._materialize import materialize_local_parameters
+from nxd_pipeline._materialize import materialize_local_parameters, model_device
 from nxd_pipeline._partition import auto_pipeline_cuts, build_stage_module, partition_graph
 from nxd_pipeline._runtime import StepRunner
 from nxd_pipeline._schedules import build_schedule, stage_to_rank
 from nxd_pipeline._shared import shared_weights, sync_shared_weights
 from nxd_pipeline._timeline import Timeline
-from nxd_pipeline._trace import capture_graph
+from nxd_pipeline._trace import capture_graph, hf_layer_class
 from nxd_state import collectives, get_parallel_state
 
 __all__ = ["NxDPPModel"]
@@ -52,7 +53,9 @@ class NxDPPModel(nn.Module):
     v > 1), ``"zb_h1"``), ``device`` (where local stages live; default: where the
     model's parameters are, or CPU for a meta model) and ``async_sends`` (non-blocking p2p:
     sends left in flight, receives waited for only where their data is used, instead of
-    synchronous batches; default: on for gloo only).
+    synchronous batches; default: on for gloo only). NxD's XLA runtime knobs
+    (``_all_reduce_send_recv``, ``fuse_microbatches``...) are
+    accepted and have no effect.
     """
 
     def __init__(
@@ -82,34 +85,22 @@ class NxDPPModel(nn.Module):
         schedule: str | None = None,
         device: torch.device | str | None = None,
         async_sends: bool | None = None,
+        **xla_runtime_options: Any,
     ) -> None:
         super().__init__()
-        if not isinstance(num_microbatches, int) or num_microbatches < 1:
-            raise ValueError(f"num_microbatches must be a positive int, got {num_microbatches!r}")
-        if return_mb_loss and broadcast_and_average_loss:
-            raise ValueError(
-                "return_mb_loss=True and broadcast_and_average_loss=True are exclusive: "
-                "broadcast_and_average_loss requires return_mb_loss=False"
-            )
-        if auto_partition and pipeline_cuts:
-            raise ValueError(
-                f"auto_partition=True chooses the cuts itself; got pipeline_cuts={pipeline_cuts}"
-            )
-        check_loss_spec(output_loss_value_spec)
+        check_arguments(
+            module,
+            num_microbatches=num_microbatches,
+            return_mb_loss=return_mb_loss,
+            broadcast_and_average_loss=broadcast_and_average_loss,
+            pipeline_cuts=pipeline_cuts,
+            auto_partition=bool(auto_partition),
+            output_loss_value_spec=output_loss_value_spec,
+            manual_pp_partition=bool(manual_pp_partition),
+            manual_options=(manual_pp_loss_fn, manual_pp_stage_partition_fn),
+            xla_runtime_options=xla_runtime_options,
+        )
         manual = bool(manual_pp_partition)
-        if manual and (pipeline_cuts or auto_partition):
-            raise ValueError(
-                "manual_pp_partition=True splits the layer list itself: drop pipeline_cuts and "
-                "auto_partition (use manual_pp_stage_partition_fn to choose the stages)"
-            )
-        if manual != isinstance(module, (list, tuple)):
-            raise TypeError(
-                "manual_pp_partition=True takes the model as a list of layers"
-                if manual
-                else f"a {type(module).__name__} of layers needs manual_pp_partition=True"
-            )
-        if not manual and (manual_pp_loss_fn or manual_pp_stage_partition_fn):
-            logger.warning("manual_pp_* arguments are ignored without manual_pp_partition=True")
         state = get_parallel_state()
         self.parallel_state = state
         p, v = state.pipeline_parallel_size, virtual_pipeline_size
@@ -202,7 +193,7 @@ class NxDPPModel(nn.Module):
         p, v = self.parallel_state.pipeline_parallel_size, self.virtual_pipeline_size
         num_stages = p * v
         if transformer_layer_cls is None and tracer_cls == "hf":
-            transformer_layer_cls = _hf_layer_class(module)
+            transformer_layer_cls = hf_layer_class(module)
         leaves = list(leaf_module_cls or [])
         if transformer_layer_cls is not None:
             leaves.append(transformer_layer_cls)
@@ -232,7 +223,7 @@ class NxDPPModel(nn.Module):
         self.input_names = captured.input_names
         self._fixed_inputs = captured.fixed_inputs
         self._output_spec = captured.output_spec
-        target = torch.device(device) if device is not None else _model_device(module)
+        target = torch.device(device) if device is not None else model_device(module)
         materialize_local_parameters(
             module,
             [plan.stage_parameters[s] for s in local],
@@ -263,7 +254,7 @@ class NxDPPModel(nn.Module):
         p, rank = state.pipeline_parallel_size, state.pipeline_parallel_rank
         stage_of = assign_stages(layers, p * self.virtual_pipeline_size, partition_fn)
         self.input_names = ["inputs", "labels"]
-        target = torch.device(device) if device is not None else _model_device(*layers)
+        target = torch.device(device) if device is not None else model_device(*layers)
         stages = build_manual_stages(
             layers,
             stage_of,
@@ -397,20 +388,3 @@ class NxDPPModel(nn.Module):
         raise RuntimeError(
             "NxDPPModel runs whole pipeline steps: call run_train(**inputs) or run_eval(**inputs)"
         )
-
-
-def _model_device(*modules: nn.Module) -> torch.device:
-    """Where the first parameter is; CPU for a parameterless or meta model."""
-    param = next((p for module in modules for p in module.parameters()), None)
-    if param is None or param.device.type == "meta":
-        return torch.device("cpu")
-    return param.device
-
-
-def _hf_layer_class(module: nn.Module) -> type | None:
-    """Hugging Face models name their layer class in ``_no_split_modules``."""
-    names = set(getattr(module, "_no_split_modules", None) or [])
-    for sub in module.modules():
-        if type(sub).__name__ in names:
-            return type(sub)
-    return None

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-__all__ = ["CapturedGraph", "PipelineTraceError", "capture_graph"]
+__all__ = ["CapturedGraph", "PipelineTraceError", "capture_graph", "hf_layer_class"]
 
 logger = logging.getLogger(__name__)
 
@@ -273,3 +273,12 @@ def capture_graph(
         )
     leaves = (*_nxd_leaf_classes(), *leaf_module_cls)
     return _trace_fx(module, input_names, base, leaves, autowrap_modules, autowrap_functions)
+
+
+def hf_layer_class(module: nn.Module) -> type | None:
+    """Hugging Face models name their layer class in ``_no_split_modules``."""
+    names = set(getattr(module, "_no_split_modules", None) or [])
+    for sub in module.modules():
+        if type(sub).__name__ in names:
+            return type(sub)
+    return None
