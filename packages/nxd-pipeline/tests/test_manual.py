@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -19,7 +20,7 @@ import torch
 from torch import nn
 
 import nxd_state
-from nxd_pipeline import NxDPPModel, PipelineStageModule, mark_weight_sharing
+from nxd_pipeline import NxDPPModel, PipelineStageModule, mark_weight_sharing, recv_from, send
 from nxd_pipeline.testing import Block, TinyGPT
 from nxd_state.testing import run_distributed, run_named_checks
 
@@ -393,11 +394,31 @@ def _gpt_spec_true() -> int:
     return count
 
 
+def _neighbour_transfers() -> int:
+    """NxD's ``pipeline.comm`` send / recv_from: to the next rank, then back to the previous
+    (even ranks send first, odd ranks receive first, so the blocking ring cannot deadlock)."""
+    rank = nxd_state.get_parallel_state().pipeline_parallel_rank
+    meta = SimpleNamespace(shape=(3,), dtype=torch.float32, requires_grad=True)
+    for forward in (True, False):
+        mine = torch.full((3,), float(rank if forward else 10 + rank))
+        if rank % 2 == 0:
+            send(mine, send_next=forward)
+            got = recv_from(meta, recv_prev=forward)
+        else:
+            got = recv_from(meta, recv_prev=forward)
+            send(mine, send_next=forward)
+        peer = (rank - 1) % 4 if forward else (rank + 1) % 4
+        torch.testing.assert_close(got, torch.full((3,), float(peer if forward else 10 + peer)))
+        assert got.requires_grad
+    return 2
+
+
 def four_rank_checks() -> dict[str, int]:
     nxd_state.initialize_model_parallel(pipeline_model_parallel_size=4)
     out = {
         "pp4 toy 1f1b": _case(_toy(8), "pp4 1f1b", microbatches=4),
         "pp4 tied zb_h1": _case(_toy(8, tie=True), "pp4 tied zb_h1", schedule="zb_h1"),
+        "send / recv_from": _neighbour_transfers(),
     }
     nxd_state.destroy_model_parallel()
     nxd_state.initialize_model_parallel(pipeline_model_parallel_size=2)  # DP = 2

@@ -11,6 +11,7 @@ from importlib.metadata import version as _version
 
 from nxd_pipeline._actions import Action, ActionKind
 from nxd_pipeline._backward import backward_full, backward_input, backward_weight
+from nxd_pipeline._comm import recv_from, send
 from nxd_pipeline._loss import select_loss
 from nxd_pipeline._manual import PipelineStageModule
 from nxd_pipeline._model import NxDPPModel
@@ -53,7 +54,9 @@ __all__ = [
     "format_grid",
     "mark_weight_sharing",
     "partition_graph",
+    "recv_from",
     "select_loss",
+    "send",
     "stage_to_rank",
     "validate_schedule",
 ]
