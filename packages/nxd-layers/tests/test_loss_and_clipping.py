@@ -2,7 +2,12 @@
 
 Cross entropy: the parallel loss is computed from per-shard max / sum-exp / target logit,
 reduced over ranks, where torch uses one log-softmax over the vocabulary: the same math in a
-different summation order, so fp32 with torch's defaults (rtol=1.3e-6, atol=1e-5).
+different summation order, so fp32 with torch's defaults (rtol=1.3e-6, atol=1e-5). Label
+smoothing eps is NxD's (Megatron's): eps / (V - 1) on every wrong class, i.e. with
+s = eps V / (V - 1) the loss (1 - s) nll - s mean_c log p_c, which is term for term
+``F.cross_entropy``'s formula with ``label_smoothing=s``: (1 - s) nll + s (-mean_c log p_c). So
+the reference is ``F.cross_entropy(label_smoothing=eps V / (V - 1))``, and where s > 1 (which
+torch refuses) that formula written out.
 
 Log-probabilities (``from_parallel_logits_to_logprobs``): the same per-shard reductions vs
 ``log_softmax(...).gather`` on the whole vocabulary, fp32 with torch's defaults.
@@ -46,6 +51,37 @@ NORM = {"rtol": 1e-5, "atol": 1e-6}  # see the module docstring
 B, S, V = 2, 8, 32
 
 
+def _nxd_s(eps: float) -> float:
+    """NxD's smoothing coefficient s = eps V / (V - 1) (its code's ``smoothing``)."""
+    return eps * V / (V - 1)
+
+
+def _nxd_smoothed_loss(logits: torch.Tensor, labels: torch.Tensor, eps: float) -> torch.Tensor:
+    """NxD's formula written out: (1 - s) nll - s mean_c log p_c (for s > 1 too)."""
+    log_p = logits.float().log_softmax(-1)
+    nll = -log_p.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    return (1 - _nxd_s(eps)) * nll - _nxd_s(eps) * log_p.mean(-1)
+
+
+def _ce_large_smoothing(tp: int, single: dist.ProcessGroup) -> None:
+    """eps = 0.99 > (V - 1) / V: s > 1, refused by torch's kernel; the formula, TP and one rank."""
+    rank, eps = nxd_state.get_tensor_model_parallel_rank(), 0.99
+    logits, labels = torch.randn(B, S, V), torch.randint(0, V, (B, S))
+    full = logits.clone().requires_grad_()
+    ref = _nxd_smoothed_loss(full, labels, eps)
+    ref.sum().backward()
+    shard = logits.chunk(tp, dim=-1)[rank].clone().requires_grad_()
+    loss = parallel_cross_entropy(shard, labels, eps)
+    loss.sum().backward()
+    torch.testing.assert_close(loss, ref, **FP32)
+    torch.testing.assert_close(shard.grad, full.grad.chunk(tp, dim=-1)[rank], **FP32)
+    whole = logits.clone().requires_grad_()
+    loss_tp1 = parallel_cross_entropy(whole, labels, eps, tensor_parallel_group=single)
+    loss_tp1.sum().backward()
+    torch.testing.assert_close(loss_tp1, ref, **FP32)
+    torch.testing.assert_close(whole.grad, full.grad, **FP32)
+
+
 def _ce_case(tp: int, smoothing: float, single: dist.ProcessGroup) -> dict[str, float]:
     rank = nxd_state.get_tensor_model_parallel_rank()
     torch.manual_seed(5)
@@ -55,8 +91,8 @@ def _ce_case(tp: int, smoothing: float, single: dist.ProcessGroup) -> dict[str, 
     labels[1, 0], labels[1, 1] = 0, V - 1  # the first and last shard's edges
     upstream = torch.rand(B, S)
     full = logits.clone().requires_grad_()
-    ref = F.cross_entropy(
-        full.reshape(-1, V), labels.reshape(-1), reduction="none", label_smoothing=smoothing
+    ref = F.cross_entropy(  # NxD's eps over V - 1 classes = torch's s over V (docstring)
+        full.reshape(-1, V), labels.reshape(-1), reduction="none", label_smoothing=_nxd_s(smoothing)
     ).reshape(B, S)
     (ref * upstream).sum().backward()
     shard = logits.chunk(tp, dim=-1)[rank].clone().requires_grad_()
@@ -72,7 +108,10 @@ def _ce_case(tp: int, smoothing: float, single: dist.ProcessGroup) -> dict[str, 
     assert traffic.bytes == (4 if smoothing else 3) * per_token
     assert counter.total(op="all_gather").calls == 0
     mean_ref = F.cross_entropy(
-        logits.reshape(-1, V), labels.reshape(-1), reduction="mean", label_smoothing=smoothing
+        logits.reshape(-1, V),
+        labels.reshape(-1),
+        reduction="mean",
+        label_smoothing=_nxd_s(smoothing),
     )
     mean = parallel_cross_entropy(shard, labels, smoothing, reduction="mean")
     torch.testing.assert_close(mean, mean_ref, **FP32)
@@ -109,12 +148,14 @@ def run_cross_entropy(tp: int) -> list[str]:
     singles = [dist.new_group([r]) for r in range(dist.get_world_size())]  # collective
     for smoothing in (0.0, 0.1):
         _ce_case(tp, smoothing, singles[dist.get_rank()])
+    _ce_large_smoothing(tp, singles[dist.get_rank()])
     _logprobs_case(tp)
     shard = torch.randn(B, S, V // tp)
     bad = []
     for kwargs in (
         {"labels": torch.zeros(B, S + 1, dtype=torch.long)},
         {"labels": torch.zeros(B, S, dtype=torch.long), "label_smoothing": 1.5},
+        {"labels": torch.zeros(B, S, dtype=torch.long), "label_smoothing": 1.0},
         {"labels": torch.zeros(B, S)},
     ):
         try:
@@ -281,8 +322,9 @@ def test_cross_entropy_and_clipping_match_torch(world: int) -> None:
         "labels shape (2, 9) must equal the logits shape without the vocabulary dim"
         in (messages[0])
     )
-    assert "label_smoothing must be in [0, 1], got 1.5" in messages[1]
-    assert "labels must be integer ids" in messages[2]
+    assert "label_smoothing must be in [0, 1) (NxD's range), got 1.5" in messages[1]
+    assert "label_smoothing must be in [0, 1) (NxD's range), got 1.0" in messages[2]
+    assert "labels must be integer ids" in messages[3]
     if world == 4:
         zero1 = out["zero1"]
         assert "zero1_optimizer_groups was given with zero1_optimizer=False" in zero1[0]

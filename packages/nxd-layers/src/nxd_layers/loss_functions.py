@@ -1,11 +1,16 @@
 """Cross entropy over vocabulary-sharded logits, never gathering the vocabulary.
 
-loss_t = log sum_c exp(z_tc) - z_t,y_t, with label smoothing eps:
-loss_t = (1 - eps) * (log Z_t - z_t,y_t) + eps * (log Z_t - mean_c z_tc),
-exactly ``F.cross_entropy(..., reduction="none", label_smoothing=eps)``. Each rank holds the
-columns ``[r V/p, (r+1) V/p)`` of z: the max, sum of exponentials, target logit and sum of
-logits are reduced over TP as scalars per token (3 or 4 all-reduces of ``b·s`` floats).
-Backward: dL/dz = softmax(z) - (1 - eps) onehot(y) - eps / V, local columns only.
+loss_t = log sum_c exp(z_tc) - z_t,y_t. Label smoothing eps follows NxD and Megatron: the
+mass eps goes to the V - 1 wrong classes (eps / (V - 1) each), which with s = eps V / (V - 1) is
+loss_t = (1 - s) * (log Z_t - z_t,y_t) - s * mean_c log p_tc
+       = (1 - s) * (log Z_t - z_t,y_t) + s * (log Z_t - mean_c z_tc),
+i.e. ``F.cross_entropy(..., label_smoothing=s)`` (which spreads its argument over all V classes).
+V and the mean are the whole vocabulary's, on every rank: NxD's and Megatron's code take them
+from the local shard when TP > 1 (Megatron-LM issue #737), a rank-dependent loss; here every TP
+degree gives NxD's TP=1 value. Each rank holds the columns ``[r V/p, (r+1) V/p)`` of z: the max,
+sum of exponentials, target logit and sum of logits are reduced over TP as scalars per token
+(3 or 4 all-reduces of ``b·s`` floats).
+Backward: dL/dz = softmax(z) - (1 - s) onehot(y) - s / V, local columns only.
 
 :func:`from_parallel_logits_to_logprobs` gives log p(y_{t+1} | z_t) = z_t,y - log Z_t from the
 same sharded logits (NxD's, for preference / RL losses), with dL/dz = (onehot(y) - softmax(z))
@@ -24,6 +29,16 @@ from nxd_layers._attributes import resolve_tensor_parallel_group
 from nxd_state import collectives
 
 __all__ = ["from_parallel_logits_to_logprobs", "parallel_cross_entropy"]
+
+
+def smoothing_coefficient(label_smoothing: float, vocab: int) -> float:
+    """s = eps V / (V - 1): NxD's eps (spread over the V - 1 wrong classes) as the coefficient
+    of the uniform target over all V classes (``F.cross_entropy``'s ``label_smoothing``)."""
+    if label_smoothing == 0:
+        return 0.0
+    if vocab < 2:
+        raise ValueError(f"label_smoothing needs a vocabulary of at least 2 classes, got {vocab}")
+    return label_smoothing * vocab / (vocab - 1)
 
 
 class _ParallelCrossEntropy(torch.autograd.Function):
@@ -56,26 +71,27 @@ class _ParallelCrossEntropy(torch.autograd.Function):
 
         log_z = sum_exp.log()
         loss = log_z - target
-        if label_smoothing > 0:
+        smoothing = smoothing_coefficient(label_smoothing, vocab)
+        if smoothing > 0:
             z_sum = z.sum(dim=-1)
             collectives.all_reduce(z_sum, group=group)
-            loss = (1.0 - label_smoothing) * loss + label_smoothing * (log_z - z_sum / vocab)
+            loss = (1.0 - smoothing) * loss + smoothing * (log_z - z_sum / vocab)
         loss = loss.masked_fill(ignored, 0.0)
 
         exp.div_(sum_exp.unsqueeze(-1))  # softmax, local columns
         ctx.save_for_backward(exp, local_labels, outside, ignored)
-        ctx.label_smoothing, ctx.vocab, ctx.dtype = label_smoothing, vocab, logits.dtype
+        ctx.smoothing, ctx.vocab, ctx.dtype = smoothing, vocab, logits.dtype
         return loss
 
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
         softmax, local_labels, outside, ignored = ctx.saved_tensors
         grad = softmax
-        eps = ctx.label_smoothing
-        onehot_scale = (~outside).to(grad.dtype) * (1.0 - eps)
+        smoothing = ctx.smoothing
+        onehot_scale = (~outside).to(grad.dtype) * (1.0 - smoothing)
         grad.scatter_add_(-1, local_labels.unsqueeze(-1), -onehot_scale.unsqueeze(-1))
-        if eps > 0:
-            grad.sub_(eps / ctx.vocab)
+        if smoothing > 0:
+            grad.sub_(smoothing / ctx.vocab)
         grad.mul_((grad_loss * (~ignored)).unsqueeze(-1))
         return grad.to(ctx.dtype), None, None, None, None
 
@@ -93,10 +109,13 @@ def parallel_cross_entropy(
 
     ``parallel_logits``: ``(..., V / tp)``, this rank's vocabulary columns;
     ``labels``: ``(...)``, unsharded global ids; ``ignore_index`` positions get loss 0 (and
-    are left out of the ``"mean"``, as in ``F.cross_entropy``). Returns float32.
+    are left out of the ``"mean"``, as in ``F.cross_entropy``). ``label_smoothing`` eps in
+    ``[0, 1)`` is NxD's (Megatron's): eps / (V - 1) on each wrong class, the loss of
+    ``F.cross_entropy(label_smoothing=eps V / (V - 1))`` (see the module docstring). Returns
+    float32.
     """
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1) (NxD's range), got {label_smoothing}")
     if reduction not in ("none", "mean", "sum"):
         raise ValueError(f"reduction must be 'none', 'mean' or 'sum', got {reduction!r}")
     if parallel_logits.shape[:-1] != labels.shape:
@@ -107,15 +126,17 @@ def parallel_cross_entropy(
     if labels.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"labels must be integer ids, got dtype {labels.dtype}")
     group = resolve_tensor_parallel_group(tensor_parallel_group)
-    if collectives.group_size(group) == 1:  # the whole vocabulary is here: torch's fused kernel
+    tp = collectives.group_size(group)
+    smoothing = smoothing_coefficient(label_smoothing, parallel_logits.shape[-1] * tp)
+    if tp == 1 and smoothing <= 1.0:  # the whole vocabulary is here: torch's fused kernel
         loss = F.cross_entropy(
             parallel_logits.float().reshape(-1, parallel_logits.shape[-1]),
             labels.reshape(-1),
             reduction="none",
             ignore_index=ignore_index,
-            label_smoothing=label_smoothing,
+            label_smoothing=smoothing,
         ).reshape(labels.shape)
-    else:
+    else:  # (also eps > (V - 1) / V on one rank: s > 1, which torch's kernel refuses)
         loss = _ParallelCrossEntropy.apply(
             parallel_logits, labels, float(label_smoothing), ignore_index, group
         )
