@@ -82,7 +82,7 @@ def test_norm_summaries_equal_nxd_layers_norm_of_the_params(norm_type: float) ->
     counts (fused QKV) and a ``shared`` tied copy (left out). fp32, summed in another order:
     rtol 1e-6."""
     from nxd_layers import get_grad_norm
-    from nxd_optim._zero1_norm import GradSpan, global_grad_norm
+    from nxd_optim._zero1_norm import GradSpan, _summaries, global_grad_norm
 
     gen = torch.Generator().manual_seed(0)
     params = [torch.zeros(6, 5), torch.zeros(7), torch.zeros(4, 3), torch.zeros(9), torch.zeros(5)]
@@ -107,5 +107,8 @@ def test_norm_summaries_equal_nxd_layers_norm_of_the_params(norm_type: float) ->
         data_parallel_group=None,
     )
     torch.testing.assert_close(norm, expected, rtol=1e-6, atol=0)
+    # 10 slices: those of one param combine (4 kinds of attributes); the 3 slices of the param
+    # with per-row counts stay apart
+    assert len(_summaries(spans, norm_type)) == 7
     without_shared = get_grad_norm([p for p in params if p is not params[3]], norm_type)
     torch.testing.assert_close(norm, without_shared, rtol=1e-6, atol=0)

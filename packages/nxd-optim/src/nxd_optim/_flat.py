@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -45,11 +46,11 @@ class FlatLayout:
     def for_tensors(cls, tensors: Sequence[torch.Tensor], num_shards: int) -> FlatLayout:
         return cls(shapes=tuple(t.shape for t in tensors), num_shards=num_shards)
 
-    @property
+    @cached_property
     def numels(self) -> tuple[int, ...]:
         return tuple(math.prod(shape) for shape in self.shapes)
 
-    @property
+    @cached_property
     def offsets(self) -> tuple[int, ...]:
         """Start of each tensor in the flat vector."""
         starts, total = [], 0

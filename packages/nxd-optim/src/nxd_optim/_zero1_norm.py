@@ -8,10 +8,12 @@ a reduce-scatter.
 
 Every slice s of param i is summarised by one number x_s with |x_s|^p = Σ_{e∈s} |g_e|^p / r_e
 (r_e: how many TP replicas hold element e, only where the param has per-row counts; a uniform
-count stays an attribute), computed by one fused norm kernel over all slices, and handed to
-``get_grad_norm`` as a one-element gradient carrying param i's attributes. get_grad_norm then
-applies the rules to |x_s|^p exactly as to the slice: the result is the same norm, but the
-per-element work is one read of each gradient instead of |g|, |g|^p and a sum.
+count stays an attribute), computed by one fused norm kernel over all slices. Slices of params
+whose attributes are all equal are interchangeable for the rules, so their summaries combine,
+(Σ_s |x_s|^p)^(1/p) (max for p = ∞), and reach ``get_grad_norm`` as one one-element gradient
+carrying those attributes. get_grad_norm applies its rules to the summaries exactly as to the
+slices: the result is the same norm, with one read of each gradient element instead of |g|,
+|g|^p and a sum, and a handful of summaries (one per kind of param) instead of one per param.
 """
 
 from __future__ import annotations
@@ -62,19 +64,39 @@ def _summary(x: torch.Tensor, param: torch.Tensor | None, replicas_folded: bool)
     return summary
 
 
+def _signature(param: torch.Tensor | None) -> tuple | None:
+    """The param's own attributes, when all are plain values: params with equal signatures
+    are interchangeable for get_grad_norm, which sees nothing else of them. None: keep apart."""
+    if param is None:
+        return ("padding",)
+    items = []
+    for name, value in sorted(vars(param).items()):
+        if value is not None and not isinstance(value, (bool, int, float, str)):
+            return None
+        items.append((name, value))
+    return tuple(items)
+
+
 def _summaries(spans: Sequence[GradSpan], p: float) -> list[torch.Tensor]:
+    """One summary per group of slices with equal signatures (Σ_s |x_s|^p is the group's
+    Σ_e |g_e|^p, max for p = ∞), one per slice with per-row replica counts."""
     weights = [None if p == math.inf else _row_replicas(s) for s in spans]
     plain = [i for i, w in enumerate(weights) if w is None]
-    out: list[torch.Tensor | None] = [None] * len(spans)
+    out = []
     if plain:  # one fused kernel, fp32 accumulation whatever the gradients' dtype
         norms = torch._foreach_norm([spans[i].grad for i in plain], p, dtype=torch.float32)
-        for i, norm in zip(plain, norms):
-            out[i] = _summary(norm, spans[i].param, replicas_folded=False)
-    for i, w in enumerate(weights):
+        groups: dict[object, list[int]] = {}
+        for k, i in enumerate(plain):
+            signature = _signature(spans[i].param)
+            groups.setdefault(signature if signature is not None else ("alone", i), []).append(k)
+        for members in groups.values():
+            combined = torch.linalg.vector_norm(torch.stack([norms[k] for k in members]), p)
+            out.append(_summary(combined, spans[plain[members[0]]].param, replicas_folded=False))
+    for span, w in zip(spans, weights):
         if w is not None:  # per-row replica counts: fold 1/r_e into the summary
-            powered = (spans[i].grad.float().abs().pow(p) / w).sum()
-            out[i] = _summary(powered.pow(1.0 / p), spans[i].param, replicas_folded=True)
-    return [summary for summary in out if summary is not None]
+            powered = (span.grad.float().abs().pow(p) / w).sum()
+            out.append(_summary(powered.pow(1.0 / p), span.param, replicas_folded=True))
+    return out
 
 
 def global_grad_norm(
