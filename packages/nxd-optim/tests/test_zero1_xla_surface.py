@@ -116,6 +116,13 @@ def _attributes() -> None:
         5: (5,),
     }
     assert opt.device == torch.device("cpu")
+    buckets = opt.dtype_buckets  # the public view of the shards, in base_optimizer's order
+    assert [(b.group_index, b.positions, b.dtype) for b in buckets] == [
+        (0, (0, 1), torch.float32),
+        (1, (0, 1, 2, 3), torch.float32),
+    ]
+    masters = [p for g in opt.base_optimizer.param_groups for p in g["params"]]
+    assert all(b.master is m for b, m in zip(buckets, masters, strict=True))
     # LR schedulers act on our param groups; the step hands them to base_optimizer
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     _local_step(model, opt, 0)

@@ -16,6 +16,8 @@
 
 from importlib.metadata import version as _version
 
+from nxd_optim._buckets import DtypeBucket
+from nxd_optim._flat import FlatLayout
 from nxd_optim.adamw_fp32 import AdamW_FP32OptimParams, AdamWFP32OptimParams
 from nxd_optim.config import OptimizerConfig
 from nxd_optim.wrapper import NxDOptimizer, build_optimizer
@@ -26,6 +28,8 @@ __version__ = _version("nxd-optim")
 __all__ = [
     "AdamWFP32OptimParams",
     "AdamW_FP32OptimParams",
+    "DtypeBucket",
+    "FlatLayout",
     "NeuronZero1Optimizer",
     "NxDOptimizer",
     "OptimizerConfig",

@@ -31,39 +31,13 @@ from nxd_optim._groups import (
     shard_norm_group,
 )
 from nxd_optim._mixed_precision import GradientStore, is_low_precision
+from nxd_optim._params import as_param_groups
 from nxd_optim._zero1_comm import GRAD_REDUCTIONS, resolve_grad_reduction
 
-__all__ = ["Zero1Setup", "as_param_groups"]
+__all__ = ["Zero1Setup"]
 
 logger = logging.getLogger(__name__)
 _MIB = 2**20
-
-
-def as_param_groups(params: Any, where: str) -> list[dict[str, Any]]:
-    """``params`` (tensors or param-group dicts) as a list of groups; empty input is an error."""
-    if isinstance(params, torch.Tensor):
-        raise TypeError(f"{where}: params must be an iterable of tensors or dicts, got a tensor")
-    items = list(params)
-    if not items:
-        raise ValueError(
-            f"{where} got an empty parameter list: pass model.parameters() or param groups "
-            f"with at least one parameter"
-        )
-    groups = [dict(item) if isinstance(item, dict) else None for item in items]
-    if all(group is None for group in groups):
-        return [{"params": items}]
-    if any(group is None for group in groups):
-        raise TypeError(f"{where}: params mixes tensors and param-group dicts")
-    for index, group in enumerate(groups):
-        assert group is not None
-        group["params"] = (
-            [group["params"]]
-            if isinstance(group["params"], torch.Tensor)
-            else (list(group["params"]))
-        )
-        if not group["params"]:
-            raise ValueError(f"{where}: param group {index} has an empty 'params' list")
-    return groups  # type: ignore[return-value]
 
 
 class Zero1Setup(Optimizer):
@@ -209,6 +183,13 @@ class Zero1Setup(Optimizer):
     @property
     def inner_optimizer(self) -> Optimizer:
         return self.base_optimizer
+
+    @property
+    def dtype_buckets(self) -> tuple[DtypeBucket, ...]:
+        """The flat buckets (group, positions in the group, dtype, layout, master shard), in
+        the order of ``base_optimizer``'s params: what a checkpointer needs of the shards."""
+        self._check_inited("dtype_buckets")
+        return tuple(self._buckets)
 
     @property
     def sharding_groups(self) -> Any:

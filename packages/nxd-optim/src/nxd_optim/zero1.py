@@ -26,7 +26,8 @@ from torch.optim import Optimizer
 
 from nxd_optim._groups import GroupSpec
 from nxd_optim._mixed_precision import GradientStore
-from nxd_optim._zero1_base import Zero1Setup, as_param_groups
+from nxd_optim._params import as_param_groups
+from nxd_optim._zero1_base import Zero1Setup
 from nxd_optim._zero1_comm import all_gather_flat, reduce_flat
 from nxd_optim._zero1_norm import GradSpan, global_grad_norm
 
