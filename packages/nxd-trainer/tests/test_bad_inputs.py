@@ -103,7 +103,12 @@ def _model_cases() -> dict[str, tuple[dict[str, Any], Callable[[], Any], type, s
             ValueError,
             "give pipeline_config['transformer_layer_cls']",
         ),
-        "pad_model without heads": ({"pad_model": True}, TinyLM, ValueError, "num_attention_heads"),
+        "pad_model without heads": (
+            {"pad_model": True},
+            lambda: torch.nn.Linear(4, 4),
+            ValueError,
+            "config.num_attention_heads",
+        ),
         "one rank fails": ({}, _fails_on_rank_one, Exception, ""),
     }
 

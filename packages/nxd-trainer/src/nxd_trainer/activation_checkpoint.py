@@ -5,7 +5,9 @@ f(x) to get the intermediate activations, trading one extra forward of f for the
 Recomputation must draw the same random numbers as the forward (dropout masks), from every
 stream: torch's checkpoint restores the default CPU/CUDA generators, and the stream context
 below restores the model-parallel streams of ``nxd_state.get_rng_tracker()`` (the masks of
-dropout inside tensor-parallel regions) to their state at the original forward.
+dropout inside tensor-parallel regions) to their state at the original forward. On XLA,
+torch's checkpoint cannot save the device generator: torch-xla's (reentrant) checkpoint is
+used instead, which does, with the tracker's streams swapped in the same way.
 
 Modules are patched in place (their ``forward`` becomes the checkpointed one): parameter and
 module names are unchanged, so state dicts and optimizers see the same model.
@@ -14,6 +16,7 @@ module names are unchanged, so state dicts and optimizers see the same model.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import types
 from collections.abc import Iterable, Iterator
@@ -62,10 +65,41 @@ def _tracker_contexts() -> tuple[Context, Context]:
     return forward(), recompute()
 
 
+def _xla_checkpoint(original: Any, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+    """torch-xla's checkpoint (reentrant: torch's cannot save XLA's generator, torch-xla's
+    does); the tracker's streams are swapped in for the replay here. Keyword arguments are
+    bound to the function, so no gradient flows into them (HF layers pass masks and rotary
+    tables that way, which need none)."""
+    needing_grad = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
+    if needing_grad:
+        raise ValueError(
+            f"activation checkpointing on XLA: keyword inputs {needing_grad} of "
+            f"{type(module).__name__} need gradients; pass them positionally"
+        )
+    xla_checkpoint = importlib.import_module("torch_xla.utils.checkpoint").checkpoint
+    tracker = nxd_state.get_rng_tracker()
+    saved: list[dict[str, torch.Tensor]] = []
+
+    def run(*inputs: Any) -> Any:
+        if not saved:  # the forward: remember where the streams were
+            saved.append(tracker.get_states())
+            return original(module, *inputs, **kwargs)
+        live = tracker.get_states()
+        tracker.set_states(saved[0])
+        try:
+            return original(module, *inputs, **kwargs)
+        finally:
+            tracker.set_states(live)
+
+    return xla_checkpoint(run, *args, use_reentrant=True, preserve_rng_state=True)
+
+
 def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     original = type(self).forward
     if not torch.is_grad_enabled():  # eval / no_grad: nothing is saved, nothing to recompute
         return original(self, *args, **kwargs)
+    if nxd_state.resolve_device_type() == "xla":
+        return _xla_checkpoint(original, self, args, kwargs)
     return checkpoint(
         original,
         self,
