@@ -46,10 +46,14 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
+@torch.no_grad()
 def _init(module: torch.nn.Module) -> None:
-    from nxd_trainer.testing import deterministic_init
-
-    deterministic_init(module)
+    """A param_init_fn that works on the local shard in place (no full-size temporaries)."""
+    for name, param in module.named_parameters(recurse=False):
+        if isinstance(module, torch.nn.LayerNorm):
+            param.fill_(1.0 if name == "weight" else 0.0)
+        else:
+            param.normal_(0.0, 0.02)
 
 
 def _model(**kwargs: Any) -> torch.nn.Module:
@@ -77,6 +81,11 @@ def memory_rank(tp: int, pp: int, meta: bool) -> dict[str, Any]:
         pipeline_config=pipeline,
         model_init_config=init,
     )
+    # Warm-up on a tiny model of the same shape family: lazy imports, tracing machinery and
+    # allocator pools are then in place, so the measurement sees the model being built.
+    tiny = {**MEMORY_MODEL, "vocab": 64, "hidden": 32, "heads": 4}
+    tiny_model = nxd.initialize_parallel_model(config, _model, **tiny)
+    del tiny_model
     before = _status_kib("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM (peak RSS) to the current RSS
     model = nxd.initialize_parallel_model(config, _model, **MEMORY_MODEL)
@@ -192,12 +201,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--parts", nargs="+", default=["memory", "step"])
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     add_preload("nxd_trainer", "nxd_optim", "nxd_pipeline", "torch._dynamo")
     full = _full_model_bytes()
     memory = []
-    for tp, pp in [(1, 1), (2, 1), (1, 2), (2, 2)]:
+    layouts = [(1, 1), (2, 1), (1, 2), (2, 2)] if "memory" in args.parts else []
+    for tp, pp in layouts:
         for meta in (True, False):
             ranks = run_distributed(memory_rank, tp * pp, tp, pp, meta, timeout=900)
             share = full / (tp * pp)
@@ -215,7 +226,7 @@ def main() -> None:
             logger.info("memory %s", json.dumps(entry))
             memory.append(entry)
     steps = {}
-    for name, pp in (("tp2", 1), ("pp2", 2)):
+    for name, pp in (("tp2", 1), ("pp2", 2)) if "step" in args.parts else ():
         ranks = run_distributed(step_rank, 2, pp, args.rounds, args.warmup, timeout=900)
         steps[name] = _ratios(ranks[0]["wrapped"], ranks[0]["by_hand"])
         logger.info("step %s %s", name, json.dumps(steps[name]))
@@ -226,10 +237,10 @@ def main() -> None:
         "memory": memory,
         "step_time": steps,
         "goals": {
-            "meta_init_peak_per_rank_vs_share_le_1.1": all(
-                m["ratio_to_share"] <= 1.1 for m in memory if m["init"] == "meta"
-            ),
-            "wrapped_step_vs_by_hand_le_1.02": all(s["median"] <= 1.02 for s in steps.values()),
+            "meta_init_peak_per_rank_vs_share_le_1.1": bool(memory)
+            and all(m["ratio_to_share"] <= 1.1 for m in memory if m["init"] == "meta"),
+            "wrapped_step_vs_by_hand_le_1.02": bool(steps)
+            and all(s["median"] <= 1.02 for s in steps.values()),
         },
     }
     RESULTS.parent.mkdir(exist_ok=True)
