@@ -189,6 +189,15 @@ def test_dict_round_trip_keeps_every_setting() -> None:
         ),
         ({"pipeline_config": {"use_model_wrapper": False}}, ValueError, "always wraps"),
         (
+            {
+                "pipeline_parallel_size": 2,
+                "pipeline_config": {"pipeline_cuts": ["blocks.1"]},
+                "lora_config": LoraConfig(enable_lora=True),
+            },
+            ValueError,
+            "lora_config with pipeline_parallel_size=2 is not supported yet",
+        ),
+        (
             {"pipeline_parallel_size": 2, "pad_model": True},
             ValueError,
             "pipeline_parallel_size=1 only",

@@ -143,6 +143,11 @@ class NxDConfig:
                 "sequence_parallel=True needs tensor_parallel_size > 1 (the sequence is split "
                 "over the tensor-parallel ranks), got tensor_parallel_size=1"
             )
+        if self.lora_enabled and pp > 1:
+            raise ValueError(
+                f"lora_config with pipeline_parallel_size={pp} is not supported yet: LoRA runs "
+                f"at pipeline_parallel_size=1 (any TP and DP)"
+            )
         if self.pad_model and pp > 1:
             raise ValueError(
                 f"pad_model=True is supported with pipeline_parallel_size=1 only (as in NxD), "

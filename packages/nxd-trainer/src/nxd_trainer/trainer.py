@@ -253,11 +253,6 @@ def initialize_parallel_model(
     if not callable(model_fn):
         raise TypeError(f"model_fn must be callable, got {type(model_fn).__name__}")
     _model_parallel_state(config)
-    if config.lora_enabled and config.pipeline_parallel_size > 1:
-        raise ValueError(
-            "lora_config with pipeline_parallel_size > 1 is not supported yet: LoRA runs at "
-            "pipeline_parallel_size=1 (any TP/DP)"
-        )
     local, original, info = build_in_waves(
         config.model_init_config.sequential_move_factor,
         lambda: _build_local(config, model_fn, model_args, model_kwargs),
