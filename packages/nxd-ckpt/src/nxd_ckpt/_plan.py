@@ -9,6 +9,7 @@ write nothing twice; ZeRO-1 shards are written by their owners.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,6 +107,16 @@ def _add_json(plan: RankPlan, category: str, value: Any, what: str) -> None:
         plan.add(_whole(category, path, tensor))
 
 
+def _model_config(model: Any) -> dict[str, Any] | None:
+    """A Hugging Face model's config as JSON-safe data (for export), else None."""
+    holders = (model, getattr(model, "module", None), getattr(model, "original_torch_module", None))
+    for holder in holders:
+        to_json = getattr(getattr(holder, "config", None), "to_json_string", None)
+        if callable(to_json):
+            return json.loads(to_json(use_diff=False))
+    return None
+
+
 def build_plan(
     ctx: RankContext,
     *,
@@ -119,10 +130,9 @@ def build_plan(
     plan = RankPlan(ctx)
     if model is not None:
         _add_model(plan, model)
-        config = getattr(model, "config", None)
-        to_dict = getattr(config, "to_dict", None)
-        if callable(to_dict):
-            plan.meta["hf_config"] = to_dict()
+        config = _model_config(model)
+        if config is not None:
+            plan.meta["hf_config"] = config
     if optimizer is not None:
         items, meta = optimizer_save_items(optimizer, model, ctx)
         for item in items:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -25,11 +26,23 @@ logger = logging.getLogger(__name__)
 class CheckpointReader:
     """An open tag: its index and lazily opened, verified data files."""
 
-    def __init__(self, tag_dir: Path, *, verify: bool = True) -> None:
+    def __init__(
+        self,
+        tag_dir: Path,
+        *,
+        verify: bool = True,
+        index: CheckpointIndex | None = None,
+        sources: dict[str, Any] | None = None,
+    ) -> None:
+        """``index``: an index built in memory for foreign files (a Hugging Face folder,
+        NxD's layout), whose files have no records and chunks no CRCs; by default
+        ``tag_dir/index.json``. ``sources``: readers (``read(chunk, box)``) standing in for
+        named files (NxD's pickled ``.pt`` files)."""
         self.tag_dir = Path(tag_dir)
-        self.index: CheckpointIndex = read_index(self.tag_dir)
+        self.index: CheckpointIndex = index if index is not None else read_index(self.tag_dir)
+        self._foreign = index is not None
         self.verify = verify
-        self._files: dict[str, FileReader] = {}
+        self._files: dict[str, Any] = dict(sources or {})
         self.bytes_read = 0
 
     def record(self, category: str, name: str) -> TensorRecord:
@@ -42,11 +55,11 @@ class CheckpointReader:
     def has(self, category: str, name: str) -> bool:
         return self.index.resolve(category, name) in self.index.category(category)
 
-    def _file(self, relative: str) -> FileReader:
+    def _file(self, relative: str) -> Any:
         reader = self._files.get(relative)
         if reader is None:
             record = self.index.files.get(relative)
-            if record is None:
+            if record is None and not self._foreign:
                 raise FormatError(f"{self.tag_dir}: the index names no file {relative!r}")
             reader = FileReader(self.tag_dir / relative, record, verify=self.verify)
             self._files[relative] = reader

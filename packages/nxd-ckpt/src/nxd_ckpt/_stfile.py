@@ -261,13 +261,17 @@ def _crc_of(tensor: torch.Tensor) -> int:
 class FileReader:
     """Reads boxes of the chunks stored in one data file, verifying sizes and CRCs."""
 
-    def __init__(self, path: Path, record: FileRecord, *, verify: bool = True) -> None:
+    def __init__(self, path: Path, record: FileRecord | None, *, verify: bool = True) -> None:
+        """``record`` None: a foreign safetensors file (Hugging Face), nothing to verify."""
         from safetensors import safe_open
 
         self.path = path
-        self.verify = verify
+        self.verify = verify and record is not None
         if not path.is_file():
             raise FormatError(f"checkpoint file {path} is missing (the index lists it)")
+        if record is None:
+            self._handle = safe_open(str(path), framework="pt", device="cpu")
+            return
         size = path.stat().st_size
         if size != record.size:
             raise FormatError(
@@ -284,20 +288,26 @@ class FileReader:
 
     def read(self, chunk: ChunkRecord, box: Box) -> torch.Tensor:
         """``box`` (in the chunk's own coordinates) of the stored chunk."""
+        if chunk.stored_offsets is not None:  # a box inside a bigger stored tensor
+            return self._handle.get_slice(chunk.key)[
+                box.shifted(tuple(chunk.stored_offsets)).slices()
+            ]
+        verify = self.verify and bool(chunk.crc32)
         if not chunk.shape:
             value = self._handle.get_tensor(chunk.key)
-            if self.verify and [_crc_of(value)] != chunk.crc32:
+            if verify and [_crc_of(value)] != chunk.crc32:
                 raise self._corrupt(chunk, 0)
             return value
+        if not verify:
+            return self._handle.get_slice(chunk.key)[box.slices()]
         rows = chunk.crc_rows
         first, last = box.offsets[0] // rows, -(-(box.offsets[0] + box.shape[0]) // rows)
         start, stop = first * rows, min(last * rows, chunk.shape[0])
         data = self._handle.get_slice(chunk.key)[start:stop]
-        if self.verify:
-            for index, block in enumerate(range(first, last)):
-                piece = data[index * rows : (index + 1) * rows]
-                if _crc_of(piece) != chunk.crc32[block]:
-                    raise self._corrupt(chunk, block)
+        for index, block in enumerate(range(first, last)):
+            piece = data[index * rows : (index + 1) * rows]
+            if _crc_of(piece) != chunk.crc32[block]:
+                raise self._corrupt(chunk, block)
         inner = (slice(box.offsets[0] - start, box.offsets[0] - start + box.shape[0]),)
         return data[inner + box.slices()[1:]]
 

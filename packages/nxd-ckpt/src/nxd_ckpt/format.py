@@ -73,6 +73,9 @@ class ChunkRecord:
     """Coordinates of the rank that wrote it."""
     pp_rank: int = 0
     dp_rank: int = 0
+    stored_offsets: list[int] | None = None
+    """Where the box starts inside the stored tensor, when that tensor holds more than this
+    box (foreign layouts such as NxD's per-rank files); None: the stored tensor is the box."""
 
 
 @dataclass

@@ -1,0 +1,278 @@
+"""★ Hugging Face folders: export a checkpoint to one, and load one into a sharded model.
+
+Export writes what ``transformers.AutoModelForCausalLM.from_pretrained`` reads:
+``model.safetensors`` (or ``model-0000k-of-0000n.safetensors`` shards of at most
+``max_shard_size`` and ``model.safetensors.index.json``), ``config.json`` and the tokenizer
+files when given. It streams: each global tensor is assembled from its chunks, written, and
+dropped, so host memory stays near the largest tensor. Names are the model's state-dict names
+(a Hugging Face model parallelised in place keeps its own); ``name_map`` renames or drops.
+
+Import builds an in-memory index of a Hugging Face folder (one whole-tensor chunk per
+tensor) and loads it like a checkpoint: each rank reads only the slices its shards need.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nxd_ckpt import _tags
+from nxd_ckpt._context import current_context
+from nxd_ckpt._load_model import load_model
+from nxd_ckpt._reader import CheckpointReader
+from nxd_ckpt._stfile import _ST_DTYPES, dtype_from_name, dtype_name, plan_file, write_planned
+from nxd_ckpt.format import INDEX_NAME, CheckpointIndex, ChunkRecord, TensorRecord
+
+__all__ = ["HF_INDEX_NAME", "HF_WEIGHTS_NAME", "export_hf", "hf_index", "load_hf_checkpoint"]
+
+logger = logging.getLogger(__name__)
+
+HF_WEIGHTS_NAME = "model.safetensors"
+HF_INDEX_NAME = "model.safetensors.index.json"
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "chat_template.jinja",
+)
+NameMap = Callable[[str], "str | None"]
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from an int or ``"5GB"``, ``"500MB"``, ``"2GiB"`` (Hugging Face's notation)."""
+    if isinstance(size, int):
+        if size <= 0:
+            raise ValueError(f"max_shard_size must be positive, got {size}")
+        return size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B)\s*", str(size), re.IGNORECASE)
+    if match is None:
+        raise ValueError(f"max_shard_size {size!r}: expected an int or e.g. '5GB', '500MB'")
+    value, unit = float(match.group(1)), match.group(2).upper()
+    base = 1024 if "I" in unit else 1000
+    return int(value * base ** ("KMGT".index(unit[0]) + 1))
+
+
+def checkpoint_tag_dir(checkpoint: str | os.PathLike[str], tag: str | None) -> Path:
+    """A tag folder (holding ``index.json``) given itself, or its checkpoint path and tag."""
+    path = Path(checkpoint)
+    if tag is None and (path / INDEX_NAME).is_file():
+        return path
+    return _tags.resolve_tag_dir(path, tag)[0]
+
+
+def _config_dict(config: Any) -> dict[str, Any] | None:
+    if config is None or isinstance(config, dict):
+        return config
+    to_json = getattr(config, "to_json_string", None)
+    if callable(to_json):
+        return json.loads(to_json(use_diff=False))
+    to_dict = getattr(config, "to_dict", None)
+    if callable(to_dict):
+        return to_dict()
+    raise TypeError(f"config must be a dict or a PretrainedConfig-like object, got {config!r}")
+
+
+def _copy_tokenizer(tokenizer: Any, out_dir: Path) -> list[str]:
+    if tokenizer is None:
+        return []
+    save = getattr(tokenizer, "save_pretrained", None)
+    if callable(save):
+        save(str(out_dir))
+        return ["(save_pretrained)"]
+    source = Path(tokenizer)
+    if not source.is_dir():
+        raise FileNotFoundError(f"tokenizer folder {source} does not exist")
+    copied = [name for name in TOKENIZER_FILES if (source / name).is_file()]
+    if not copied:
+        raise FileNotFoundError(f"{source} holds none of the tokenizer files {TOKENIZER_FILES}")
+    for name in copied:
+        shutil.copyfile(source / name, out_dir / name)
+    return copied
+
+
+def export_hf(
+    checkpoint: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    tag: str | None = None,
+    config: Any = None,
+    tokenizer: Any = None,
+    max_shard_size: int | str = "5GB",
+    dtype: torch.dtype | None = None,
+    name_map: NameMap | None = None,
+    progress: bool = True,
+) -> Path:
+    """Write the model of a checkpoint tag as a Hugging Face folder; returns ``out_dir``.
+
+    ``checkpoint``: a tag folder, or a checkpoint path with ``tag`` (None: newest complete).
+    ``config``: a dict or ``PretrainedConfig`` (default: the one saved with the model, if
+    it had one). ``tokenizer``: a folder to copy tokenizer files from, or an object with
+    ``save_pretrained``. ``dtype``: cast floating tensors (e.g. ``torch.bfloat16``).
+    ``name_map(name)``: the output name, or None to leave a tensor out. A LoRA adapter-only
+    checkpoint is written as a PEFT adapter folder instead (``adapter_model.safetensors``).
+    """
+    from tqdm.auto import tqdm
+
+    tag_dir = checkpoint_tag_dir(checkpoint, tag)
+    reader = CheckpointReader(tag_dir)
+    index = reader.index
+    if index.lora is not None and index.lora.get("mode") == "adapter":
+        from nxd_ckpt.lora import export_peft_adapter
+
+        return export_peft_adapter(reader, Path(out_dir), progress=progress)
+    tensors = index.category("model")
+    if not tensors:
+        raise ValueError(f"{tag_dir} holds no model tensors to export")
+    unknown = [n for n, r in tensors.items() if r.sharding.get("rank_local")]
+    if unknown:
+        raise ValueError(
+            f"{tag_dir}: tensors {unknown[:8]} were saved from a plain state dict without "
+            f"sharding attributes; they cannot be assembled into full tensors"
+        )
+    config_dict = _config_dict(config) if config is not None else index.hf_config
+    if config_dict is None:
+        raise ValueError(
+            f"{tag_dir} has no model config saved (the model had no .config): pass config= "
+            f"(a dict or transformers PretrainedConfig) to write config.json"
+        )
+    selected: list[tuple[str, str]] = []
+    for name in tensors:
+        out_name = name_map(name) if name_map is not None else name
+        if out_name is not None:
+            selected.append((out_name, name))
+    limit = parse_size(max_shard_size)
+    shards: list[list[tuple[str, str]]] = [[]]
+    size = 0
+    for out_name, name in selected:
+        record = tensors[name]
+        nbytes = _nbytes(record, dtype)
+        if shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append((out_name, name))
+        size += nbytes
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    total_bytes = sum(_nbytes(tensors[n], dtype) for _, n in selected)
+    bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="export", disable=not progress)
+    weight_map: dict[str, str] = {}
+    for number, shard in enumerate(shards, start=1):
+        filename = (
+            HF_WEIGHTS_NAME
+            if len(shards) == 1
+            else f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        )
+        items = [(o, _out_dtype(tensors[n], dtype), tuple(tensors[n].shape)) for o, n in shard]
+        plan = plan_file(items, {"format": "pt"})
+        stored = dict(shard)
+
+        def source(out_name: str, name: str) -> Callable[[], torch.Tensor]:
+            def read() -> torch.Tensor:
+                value = reader.read_full("model", name)
+                value = value.to(_out_dtype(tensors[name], dtype)).contiguous()
+                bar.update(value.numel() * value.element_size())
+                return value
+
+            return read
+
+        write_planned(out / filename, plan, [source(e.key, stored[e.key]) for e in plan.entries])
+        weight_map.update({out_name: filename for out_name, _ in shard})
+    bar.close()
+    if len(shards) > 1:
+        (out / HF_INDEX_NAME).write_text(
+            json.dumps(
+                {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}, indent=2
+            )
+        )
+    (out / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True))
+    copied = _copy_tokenizer(tokenizer, out)
+    logger.info(
+        "exported %s to %s: %d tensors in %d file(s), %d bytes, tokenizer %s",
+        tag_dir,
+        out,
+        len(selected),
+        len(shards),
+        total_bytes,
+        copied or "not given",
+    )
+    return out
+
+
+def _out_dtype(record: TensorRecord, dtype: torch.dtype | None) -> torch.dtype:
+    saved = dtype_from_name(record.dtype)
+    return dtype if dtype is not None and saved.is_floating_point else saved
+
+
+def _nbytes(record: TensorRecord, dtype: torch.dtype | None) -> int:
+    count = 1
+    for size in record.shape:
+        count *= size
+    return count * _out_dtype(record, dtype).itemsize
+
+
+_FROM_ST = {code: dtype for dtype, code in _ST_DTYPES.items()}
+
+
+def _weight_files(source: Path) -> tuple[Path, list[str]]:
+    """(folder, safetensors files relative to it) of a Hugging Face folder or one file."""
+    if source.is_file():
+        return source.parent, [source.name]
+    if (source / HF_INDEX_NAME).is_file():
+        weight_map = json.loads((source / HF_INDEX_NAME).read_text())["weight_map"]
+        return source, sorted(set(weight_map.values()))
+    if (source / HF_WEIGHTS_NAME).is_file():
+        return source, [HF_WEIGHTS_NAME]
+    raise FileNotFoundError(
+        f"{source} is neither a safetensors file nor a folder with {HF_WEIGHTS_NAME} or "
+        f"{HF_INDEX_NAME}"
+    )
+
+
+def hf_index(source: str | os.PathLike[str], name_map: NameMap | None = None):
+    """(folder, in-memory index) of the safetensors weights of ``source``."""
+    from safetensors import safe_open
+
+    folder, files = _weight_files(Path(source))
+    index = CheckpointIndex(tag="", save_id="", parallel={})
+    model: dict[str, TensorRecord] = {}
+    for relative in files:
+        with safe_open(str(folder / relative), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 - safe_open is not a dict
+                name = name_map(key) if name_map is not None else key
+                if name is None:
+                    continue
+                view = handle.get_slice(key)
+                shape = list(view.get_shape())
+                dtype = dtype_name(_FROM_ST[view.get_dtype()])
+                chunk = ChunkRecord(relative, key, [0] * len(shape), shape, [], 1)
+                model[name] = TensorRecord(shape, dtype, [chunk])
+    index.tensors["model"] = model
+    return folder, index
+
+
+def load_hf_checkpoint(
+    model: Any,
+    source: str | os.PathLike[str],
+    *,
+    strict: bool = True,
+    name_map: NameMap | None = None,
+) -> None:
+    """Load a Hugging Face folder (or one safetensors file) into ``model`` at any TP/PP/DP
+    layout; ``name_map(hf_name)`` gives the model's name (None: skip). Collective."""
+    folder, index = hf_index(source, name_map)
+    reader = CheckpointReader(folder, index=index)
+    load_model(model, reader, current_context(), strict)
+    logger.info("loaded %s (%d bytes read)", source, reader.bytes_read)

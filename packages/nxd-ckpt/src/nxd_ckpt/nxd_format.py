@@ -1,0 +1,387 @@
+"""★ Reading NxD's own checkpoints (``model/dp_rank_00_tp_rank_XX_pp_rank_YY.pt`` …).
+
+NxD pickles one state dict per (TP, PP) rank with ``torch.save`` and records no sharding:
+partition dims come from the *target* model's parameter attributes (or, for conversion
+without a model, from name rules). Files are read with ``torch.load(weights_only=True)``
+only; xser files (tensors as ``TensorReference(tid)`` plus ``<file>.tensors/tensor_<tid>.pt``)
+load with a stand-in class allowlisted under torch-xla's dotted name, so torch-xla is never
+imported. ``user_content.pt`` and ``scheduler.pt`` may hold arbitrary objects: they are read
+only with ``allow_pickle=True``.
+
+The files become an in-memory index (for each saved rank t of T, the blocks of its tensor
+under the target's sharding attributes), so loading reshards to any TP degree with the same
+code as this package's own format. Optimizer state (plain, or torch-xla ZeRO-1's
+``base_state`` sharded along dim 0 per parameter, unpadded with ``shape_info``) maps
+positions to parameter names through the target optimizer, at the saved pipeline degree.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nxd_ckpt import _jsonstate
+from nxd_ckpt._boxes import Box
+from nxd_ckpt._context import RankContext, current_context
+from nxd_ckpt._load_model import load_model
+from nxd_ckpt._optim_common import encode_scalar, resolve_optimizer
+from nxd_ckpt._optim_load import load_optimizer
+from nxd_ckpt._reader import CheckpointReader
+from nxd_ckpt._sharding import ShardSpec, spec_for_tensor
+from nxd_ckpt._stfile import dtype_name
+from nxd_ckpt.format import CheckpointIndex, ChunkRecord, TensorRecord
+
+__all__ = [
+    "LLAMA_RULES",
+    "convert_nxd_checkpoint",
+    "is_nxd_checkpoint",
+    "load_nxd_checkpoint",
+    "load_rules",
+    "torch_load_safe",
+]
+
+logger = logging.getLogger(__name__)
+
+_FILE = re.compile(r"^dp_rank_(\d+)_tp_rank_(\d+)_pp_rank_(\d+)\.pt$")
+_XSER_NAME = "torch_xla.utils.serialization.TensorReference"
+LLAMA_RULES: list[tuple[str, int]] = [
+    (r"(embed_tokens|lm_head|q_proj|k_proj|v_proj|gate_proj|up_proj|qkv_proj)\.(weight|bias)$", 0),
+    (r"(o_proj|down_proj)\.weight$", 1),
+]
+"""Partition dims of a Llama-family model by parameter name (others are replicated)."""
+
+
+class _TensorReference:
+    """Stands in for torch-xla's ``TensorReference``: only its tensor id is used."""
+
+    tid: int
+
+
+def _resolve_xser(value: Any, folder: Path) -> Any:
+    if isinstance(value, _TensorReference):
+        return torch_load_safe(folder / f"tensor_{value.tid}.pt")
+    if isinstance(value, dict):
+        return {k: _resolve_xser(v, folder) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_resolve_xser(v, folder) for v in value)
+    return value
+
+
+def torch_load_safe(path: str | os.PathLike[str]) -> Any:
+    """``torch.load(weights_only=True)``, resolving xser tensor references (no torch-xla)."""
+    path = Path(path)
+    with torch.serialization.safe_globals([(_TensorReference, _XSER_NAME)]):
+        try:
+            value = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # not a zip archive (legacy format): no mmap
+            value = torch.load(path, map_location="cpu", weights_only=True)
+    tensors = path.with_name(path.name + ".tensors")
+    return _resolve_xser(value, tensors) if tensors.is_dir() else value
+
+
+def _scan(folder: Path) -> dict[tuple[int, int, int], Path]:
+    """(dp, tp, pp) -> file of one of NxD's ``model`` / ``optim`` folders."""
+    found = {}
+    if not folder.is_dir():
+        return found
+    for path in folder.iterdir():
+        if "_ep_rank_" in path.name:
+            raise NotImplementedError(
+                f"{path}: expert-parallel NxD checkpoints are not supported (nxd has no EP)"
+            )
+        match = _FILE.match(path.name)
+        if match:
+            dp, tp, pp = (int(g) for g in match.groups())
+            found[(dp, tp, pp)] = path
+    return found
+
+
+def is_nxd_checkpoint(tag_dir: str | os.PathLike[str]) -> bool:
+    return bool(_scan(Path(tag_dir) / "model") or _scan(Path(tag_dir) / "optim"))
+
+
+class _TorchSource:
+    """Tensors of one (or several merged) torch-saved files, read lazily, sliced per box."""
+
+    def __init__(self, loader: Callable[[], dict[str, torch.Tensor]]) -> None:
+        self._loader = loader
+        self._tensors: dict[str, torch.Tensor] | None = None
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        if self._tensors is None:
+            self._tensors = self._loader()
+        return self._tensors
+
+    def read(self, chunk: ChunkRecord, box: Box) -> torch.Tensor:
+        tensor = self.tensors[chunk.key]
+        origin = tuple(chunk.stored_offsets or [0] * tensor.dim())
+        return tensor[box.shifted(origin).slices()]
+
+
+def _saved_spec(
+    target: torch.Tensor, module: Any, local_name: str, shape: tuple[int, ...], t: int, size: int
+) -> ShardSpec:
+    """How saved rank t of ``size``'s tensor of ``shape`` maps into the global tensor, under
+    the sharding attributes of the target parameter."""
+    probe = torch.empty(shape, device="meta")
+    for attribute in ("tensor_model_parallel", "partition_dim", "partition_stride"):
+        if hasattr(target, attribute):
+            setattr(probe, attribute, getattr(target, attribute))
+    if module is not None and int(getattr(module, "kv_size_multiplier", 1)) > 1:
+        raise NotImplementedError(
+            "NxD checkpoints of GQA layers with kv_size_multiplier > 1 are not converted yet "
+            "(NxD replicates K/V block-wise and regroups heads per rank)"
+        )
+    return spec_for_tensor(probe, tp_rank=t, tp_size=size, module=module, local_name=local_name)
+
+
+def _chunks(spec: ShardSpec, relative: str, key: str, t: int, p: int) -> list[ChunkRecord]:
+    if spec.tp_replicated and t != 0:
+        return []
+    return [
+        ChunkRecord(
+            relative,
+            key,
+            list(b.global_offsets),
+            list(b.local.shape),
+            [],
+            1,
+            t,
+            p,
+            0,
+            list(b.local.offsets),
+        )
+        for b in spec.blocks
+        if b.primary
+    ]
+
+
+def _model_index(tag_dir: Path, model: Any, ctx: RankContext):
+    from nxd_ckpt._model_tensors import _stages, model_tensors
+
+    files = {(tp, pp): path for (dp, tp, pp), path in _scan(tag_dir / "model").items() if dp == 0}
+    if not files:
+        raise FileNotFoundError(f"{tag_dir}/model holds no dp_rank_00_tp_rank_XX_pp_rank_YY.pt")
+    size = max(tp for tp, _ in files) + 1
+    sources = {
+        f"model/{p.name}": _TorchSource(lambda p=p: torch_load_safe(p)) for p in files.values()
+    }
+    targets, _ = model_tensors(model, ctx)
+    by_name = {local.name: local for local in targets}
+    modules = {n: m for stage in _stages(model) for n, m in stage.named_modules()}
+    records: dict[str, TensorRecord] = {}
+    for (t, p), path in sorted(files.items()):
+        relative = f"model/{path.name}"
+        for name, tensor in sources[relative].tensors.items():
+            shape = tuple(tensor.shape)
+            local = by_name.get(name)
+            if local is None:  # not on this rank: known by name (for the collective key check)
+                records.setdefault(name, TensorRecord(list(shape), dtype_name(tensor.dtype)))
+                continue
+            prefix, _, leaf = name.rpartition(".")
+            spec = _saved_spec(local.tensor, modules.get(prefix), leaf, shape, t, size)
+            record = records.get(name)
+            if record is None or not record.chunks:
+                record = TensorRecord(list(spec.global_shape), dtype_name(tensor.dtype))
+                records[name] = record
+            record.chunks += _chunks(spec, relative, name, t, p)
+    index = CheckpointIndex(
+        tag=tag_dir.name, save_id="nxd", parallel={"tensor_parallel_size": size}
+    )
+    index.tensors["model"] = records
+    return index, sources, size, modules
+
+
+def _optimizer_index(
+    tag_dir: Path, optimizer: Any, model: Any, ctx: RankContext, size: int, modules: dict
+):
+    """Optimizer state of an NxD tag as global tensors named ``<param>/<key>``."""
+    files = _scan(tag_dir / "optim")
+    if not files:
+        raise FileNotFoundError(f"{tag_dir}/optim holds no NxD optimizer files")
+    pp_saved = max(pp for _, _, pp in files) + 1
+    if pp_saved != ctx.pp_size:
+        raise ValueError(
+            f"{tag_dir}: NxD optimizer state indexes parameters by position, so it loads at the "
+            f"saved pipeline degree {pp_saved} only (this run has {ctx.pp_size})"
+        )
+    view = resolve_optimizer(optimizer, model, ctx)
+    groups = view.optimizer.param_groups if view.kind == "zero1" else view.inner.param_groups
+    params = [view.model_param.get(id(p), p) for g in groups for p in g["params"]]
+    names = [view.name_of(p) for p in params]
+    targets = dict(zip(names, params))
+    zero1 = any(dp > 0 for dp, _, _ in files)
+    sources: dict[str, _TorchSource] = {}
+    records: dict[str, TensorRecord] = {}
+    meta: dict[str, Any] = {"param_groups": [], "scalars": {}, "by_position": False}
+    for t in range(size):
+        ranks = sorted(dp for dp, tp, pp in files if tp == t and pp == ctx.pp_rank)
+        states = [torch_load_safe(files[(dp, t, ctx.pp_rank)]) for dp in ranks]
+        if not states:
+            continue
+        flat = _optimizer_tensors(states, zero1)
+        relative = f"optim/tp{t:02d}"
+        sources[relative] = _TorchSource(lambda flat=flat: flat)
+        for key, tensor in flat.items():
+            position, _, state_key = key.partition("/")
+            if int(position) >= len(names):
+                raise ValueError(
+                    f"{tag_dir}: optimizer state for parameter {position}, but the "
+                    f"optimizer holds {len(names)}"
+                )
+            name = names[int(position)]
+            if tensor.dim() == 0:  # step
+                meta["scalars"].setdefault(name, {})[state_key] = encode_scalar(tensor, key)
+                continue
+            prefix, _, leaf = name.rpartition(".")
+            spec = _saved_spec(
+                targets[name], modules.get(prefix), leaf, tuple(tensor.shape), t, size
+            )
+            full = f"{name}/{state_key}"
+            record = records.setdefault(
+                full, TensorRecord(list(spec.global_shape), dtype_name(tensor.dtype))
+            )
+            record.chunks += _chunks(spec, relative, key, t, ctx.pp_rank)
+        if t == 0:
+            position = 0
+            for group in states[0]["param_groups"]:
+                count = len(group["params"])
+                hyper = {k: v for k, v in group.items() if k != "params"}
+                meta["param_groups"].append(
+                    {
+                        "hyper": _jsonstate.encode(hyper, {}, "param_groups", "hyper-parameters"),
+                        "params": names[position : position + count],
+                    }
+                )
+                position += count
+    return records, meta, sources
+
+
+def _optimizer_tensors(states: list[dict[str, Any]], zero1: bool) -> dict[str, torch.Tensor]:
+    """``"<position>/<key>"`` -> the TP-local tensor (ZeRO-1 shards joined and unpadded)."""
+    out: dict[str, torch.Tensor] = {}
+    if not zero1:
+        for position, entry in states[0]["state"].items():
+            for key, value in entry.items():
+                out[f"{position}/{key}"] = torch.as_tensor(value)
+        return out
+    shapes = states[0]["shape_info"]
+    for position, entry in states[0]["base_state"].items():
+        shape = tuple(shapes[position])
+        for key, value in entry.items():
+            if key == "step" or torch.as_tensor(value).dim() == 0:
+                out[f"{position}/{key}"] = torch.as_tensor(value)
+                continue
+            pieces = [state["base_state"][position][key] for state in states]
+            joined = torch.cat([piece.reshape(piece.shape[0], *shape[1:]) for piece in pieces])
+            out[f"{position}/{key}"] = joined[: shape[0]] if shape else joined.reshape(())
+    return out
+
+
+def _pickled(tag_dir: Path, name: str, allow_pickle: bool) -> Any:
+    path = tag_dir / name
+    if not path.exists():
+        return None
+    if not allow_pickle:
+        raise PermissionError(
+            f"{path} is a pickle that may run code when loaded; pass allow_pickle=True only for "
+            f"a checkpoint you trust"
+        )
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def load_nxd_checkpoint(
+    tag_dir: str | os.PathLike[str],
+    *,
+    model: Any = None,
+    optimizer: Any = None,
+    scheduler: Any = None,
+    strict: bool = True,
+    allow_pickle: bool = False,
+) -> Any:
+    """Load an NxD-layout tag into ``model`` / ``optimizer`` (any TP degree; the saved PP
+    degree for the optimizer); returns the user content (only with ``allow_pickle``)."""
+    tag_dir = Path(tag_dir)
+    ctx = current_context()
+    if model is None:
+        raise ValueError("loading an NxD checkpoint needs model= (partition dims come from it)")
+    index, sources, size, modules = _model_index(tag_dir, model, ctx)
+    if optimizer is not None:
+        records, meta, optimizer_sources = _optimizer_index(
+            tag_dir, optimizer, model, ctx, size, modules
+        )
+        index.tensors["optimizer"] = records
+        index.optimizer = meta
+        sources.update(optimizer_sources)
+    reader = CheckpointReader(tag_dir, index=index, sources=sources)
+    load_model(model, reader, ctx, strict)
+    if optimizer is not None:
+        load_optimizer(optimizer, model, reader, ctx, strict)
+    if scheduler is not None:
+        state = _pickled(tag_dir, "scheduler.pt", allow_pickle)
+        if state is None:
+            raise FileNotFoundError(f"{tag_dir}/scheduler.pt does not exist")
+        scheduler.load_state_dict(state)
+    content = _pickled(tag_dir, "user_content.pt", allow_pickle) if allow_pickle else None
+    if not allow_pickle and (tag_dir / "user_content.pt").exists():
+        logger.warning("%s/user_content.pt not read: it is a pickle (allow_pickle=True)", tag_dir)
+    return content
+
+
+def load_rules(rules: str | os.PathLike[str] | list[tuple[str, int]] | None):
+    """Name rules: ``"llama"``, a JSON file of ``[regex, dim]`` pairs, or the list itself."""
+    import json
+
+    if rules is None or rules == "llama":
+        return LLAMA_RULES
+    if isinstance(rules, list):
+        return rules
+    return [(pattern, int(dim)) for pattern, dim in json.loads(Path(rules).read_text())]
+
+
+def _rule_dim(name: str, rules: list[tuple[str, int]]) -> int | None:
+    """The partition dim of ``name`` by the first matching rule (None: replicated)."""
+    return next((dim for pattern, dim in rules if re.search(pattern, name)), None)
+
+
+def convert_nxd_checkpoint(
+    source: str | os.PathLike[str],
+    destination: str | os.PathLike[str],
+    *,
+    tag: str | None = None,
+    out_tag: str | None = None,
+    rules: list[tuple[str, int]] | None = None,
+    allow_pickle: bool = False,
+) -> Path:
+    """Convert the model of an NxD-layout tag into this format (global tensors, loadable at
+    any degrees), partition dims from name ``rules`` (default: Llama's). One process."""
+    from nxd_ckpt import _tags
+    from nxd_ckpt.checkpoint import save_checkpoint
+
+    root = Path(source)
+    tag_dir = root if is_nxd_checkpoint(root) else _tags.resolve_tag_dir(root, tag)[0]
+    files = {(tp, pp): p for (dp, tp, pp), p in _scan(tag_dir / "model").items() if dp == 0}
+    if not files:
+        raise FileNotFoundError(f"{tag_dir} is not an NxD checkpoint (no model/*.pt files)")
+    size = max(tp for tp, _ in files) + 1
+    rules = load_rules(rules)
+    full: dict[str, torch.Tensor] = {}
+    for pp in sorted({pp for _, pp in files}):
+        shards = [torch_load_safe(files[(t, pp)]) for t in range(size)]
+        for name in shards[0]:
+            dim = _rule_dim(name, rules)
+            parts = [shard[name] for shard in shards]
+            full[name] = parts[0] if dim is None else torch.cat(parts, dim=dim)
+    content = _pickled(tag_dir, "user_content.pt", allow_pickle) if allow_pickle else None
+    out = Path(destination)
+    name = out_tag if out_tag is not None else tag_dir.name
+    save_checkpoint(out, name, model=full, user_content=content)
+    logger.info("converted %s (TP=%d) to %s/%s: %d tensors", tag_dir, size, out, name, len(full))
+    return out / name
