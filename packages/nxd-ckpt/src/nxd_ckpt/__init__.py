@@ -7,7 +7,12 @@
   byte ranges it needs. No pickle: loading never executes code. ``done`` marks a complete tag;
   a crash at any moment of a save never damages an earlier one. ``async_save`` writes in the
   background from a host copy.
-* :mod:`nxd_ckpt.format`: the on-disk format (index dataclasses, format version).
+* :func:`export_hf` / :func:`load_hf_checkpoint`: Hugging Face folders out and in.
+* :func:`load_nxd_checkpoint` / :func:`convert_nxd_checkpoint`: NxD's own pickled layout,
+  read with ``torch.load(weights_only=True)`` only.
+* :mod:`nxd_ckpt.legacy`: NxD's ``parallel_layers.save`` / ``load``.
+* :mod:`nxd_ckpt.format`: the on-disk format (index dataclasses, format version); the
+  ``nxd-ckpt`` command (:mod:`nxd_ckpt.cli`): ``info``, ``export-hf``, ``convert-nxd``.
 """
 
 from importlib.metadata import version as _version
@@ -19,6 +24,8 @@ from nxd_ckpt.checkpoint import (
     save_checkpoint,
 )
 from nxd_ckpt.format import FORMAT_VERSION, CheckpointIndex, FormatError, read_index
+from nxd_ckpt.hf import export_hf, load_hf_checkpoint
+from nxd_ckpt.nxd_format import convert_nxd_checkpoint, is_nxd_checkpoint, load_nxd_checkpoint
 
 __version__ = _version("nxd-ckpt")
 
@@ -27,9 +34,14 @@ __all__ = [
     "CheckpointIndex",
     "FormatError",
     "__version__",
+    "convert_nxd_checkpoint",
+    "export_hf",
     "finalize_checkpoint",
     "has_checkpoint",
+    "is_nxd_checkpoint",
     "load_checkpoint",
+    "load_hf_checkpoint",
+    "load_nxd_checkpoint",
     "read_index",
     "save_checkpoint",
 ]
