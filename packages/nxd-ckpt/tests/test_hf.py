@@ -32,13 +32,12 @@ from torch import nn
 
 from nxd_ckpt import load_checkpoint, save_checkpoint
 from nxd_ckpt.hf import HF_INDEX_NAME, export_hf, load_hf_checkpoint
+from nxd_ckpt.testing import tensor_parallel_llama
 from nxd_state.testing import add_preload, run_distributed
 
 add_preload("transformers.models.llama.modeling_llama")
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}  # see the module docstring
-COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-ROW = ("o_proj", "down_proj")
 VOCAB = 96
 
 
@@ -63,37 +62,6 @@ def llama_dir(tmp_path: Path) -> Path:
 
 def _batch() -> torch.Tensor:
     return torch.randint(0, VOCAB, (4, 8), generator=torch.Generator().manual_seed(3))
-
-
-def tensor_parallel_llama(path: str) -> nn.Module:
-    """The HF model with its projections swapped for nxd's parallel layers, sliced from the
-    loaded weights (HF's attention reshapes with -1 heads, so local heads just work)."""
-    from transformers import LlamaForCausalLM
-
-    import nxd_state
-    from nxd_layers import ColumnParallelLinear, RowParallelLinear, shard_for_rank
-
-    state = nxd_state.get_parallel_state()
-    rank, tp = state.tensor_parallel_rank, state.tensor_parallel_size
-    model = LlamaForCausalLM.from_pretrained(path)
-    for name, module in list(model.named_modules()):
-        leaf = name.rpartition(".")[2]
-        if leaf not in COLUMN + ROW:
-            continue
-        if leaf in COLUMN:
-            layer = ColumnParallelLinear(
-                module.in_features, module.out_features, bias=False, gather_output=False
-            )
-            weight = shard_for_rank(module.weight.detach(), 0, rank, tp)
-        else:
-            layer = RowParallelLinear(
-                module.in_features, module.out_features, bias=False, input_is_parallel=True
-            )
-            weight = shard_for_rank(module.weight.detach(), 1, rank, tp)
-        with torch.no_grad():
-            layer.weight.copy_(weight)
-        model.set_submodule(name, layer)
-    return model
 
 
 def train_pipelined(base: str, ckpt: str) -> float:

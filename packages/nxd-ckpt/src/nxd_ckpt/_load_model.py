@@ -77,7 +77,7 @@ def load_model(
     slot: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
 ) -> None:
     """Fill ``model``'s tensors from the tag (checks are collective, reads under ``slot``)."""
-    tensors, aliases = model_tensors(model, ctx)
+    tensors, aliases = model_tensors(model, ctx, for_load=True)
     index = reader.index
     stored = index.category("model")
     requested, missing, mismatched, used = [], [], [], set()

@@ -49,10 +49,19 @@ def named_parameters(model: Any) -> list[tuple[str, torch.Tensor]]:
     return list(model.named_parameters())
 
 
-def model_tensors(model: Any, ctx: RankContext) -> tuple[list[LocalTensor], dict[str, str]]:
-    """Every tensor of ``model`` on this rank (state-dict names) and the aliases of tied ones."""
+def model_tensors(
+    model: Any, ctx: RankContext, *, for_load: bool = False
+) -> tuple[list[LocalTensor], dict[str, str]]:
+    """Every tensor of ``model`` on this rank (state-dict names) and the aliases of tied ones.
+
+    A LoRA model contributes what its save mode stores (:mod:`nxd_ckpt.lora`); ``for_load``:
+    the tensors to fill (the base weights, not merged copies, for the merged mode)."""
     if isinstance(model, Mapping):
         return _dict_tensors(model, ctx), {}
+    from nxd_ckpt.lora import is_lora_model, lora_tensors
+
+    if is_lora_model(model):
+        return lora_tensors(model, ctx, for_load=for_load), {}
     if not isinstance(model, nn.Module):
         raise TypeError(
             f"model must be a torch.nn.Module (NxDPPModel included) or a dict of tensors, "

@@ -133,6 +133,10 @@ def build_plan(
         config = _model_config(model)
         if config is not None:
             plan.meta["hf_config"] = config
+        from nxd_ckpt.lora import is_lora_model, lora_meta
+
+        if is_lora_model(model) and ctx.rank == 0:
+            plan.meta["lora"] = lora_meta(model)
     if optimizer is not None:
         items, meta = optimizer_save_items(optimizer, model, ctx)
         for item in items:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Degrees", "build", "full_state", "train_step"]
+__all__ = ["Degrees", "build", "full_state", "tensor_parallel_llama", "train_step"]
 
 GLOBAL_BATCH = 8
 SEQUENCE = 8
@@ -135,3 +135,39 @@ def full_state(model: Any) -> dict[str, torch.Tensor]:
         else model.named_parameters()
     )
     return {name: full_tensor(param).clone() for name, param in named}
+
+
+_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+_ROW = ("o_proj", "down_proj")
+
+
+def tensor_parallel_llama(path: str) -> Any:
+    """A Hugging Face Llama from ``path`` with its projections swapped for nxd's column/row
+    parallel layers holding this TP rank's slices (HF's attention reshapes with -1 heads,
+    so local heads just work). Needs transformers."""
+    from transformers import LlamaForCausalLM
+
+    import nxd_state
+    from nxd_layers import ColumnParallelLinear, RowParallelLinear, shard_for_rank
+
+    state = nxd_state.get_parallel_state()
+    rank, tp = state.tensor_parallel_rank, state.tensor_parallel_size
+    model = LlamaForCausalLM.from_pretrained(path)
+    for name, module in list(model.named_modules()):
+        leaf = name.rpartition(".")[2]
+        if leaf not in _COLUMN + _ROW:
+            continue
+        if leaf in _COLUMN:
+            layer = ColumnParallelLinear(
+                module.in_features, module.out_features, bias=False, gather_output=False
+            )
+            weight = shard_for_rank(module.weight.detach(), 0, rank, tp)
+        else:
+            layer = RowParallelLinear(
+                module.in_features, module.out_features, bias=False, input_is_parallel=True
+            )
+            weight = shard_for_rank(module.weight.detach(), 1, rank, tp)
+        with torch.no_grad():
+            layer.weight.copy_(weight)
+        model.set_submodule(name, layer)
+    return model

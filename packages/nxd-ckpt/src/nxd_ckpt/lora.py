@@ -1,0 +1,156 @@
+"""LoRA models in checkpoints: NxD's three save modes, PEFT export, ``load_lora_from_ckpt``.
+
+For an ``nxd_lora.LoRAModel`` the config's save mode picks what ``save_checkpoint`` stores
+(sharded like any model tensor, so it reshards):
+
+* ``adapter`` (``save_lora_base=False``): the adapter (``lora_A``/``lora_B``, trained biases,
+  ``modules_to_save``), under the unwrapped model's names;
+* ``base_and_adapter`` (``save_lora_base=True``): the base model too;
+* ``merged`` (``merge_lora=True``): the base with ``W + s·BA`` and no adapter.
+
+The index keeps the mode, the LoRA config fields NxD saves with an adapter, the PEFT
+``adapter_config.json`` and each adapter tensor's PEFT key, so :func:`export_peft_adapter`
+writes a folder ``peft.PeftModel.from_pretrained`` loads. :func:`load_lora_from_ckpt` is
+NxD's ``load_lora_from_ckpt`` / ``lora_save_dir`` / ``lora_load_tag`` for such tags (and
+falls back to nxd_lora's loader for folders that nxd_lora wrote).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from nxd_ckpt._context import RankContext, current_context
+from nxd_ckpt._model_tensors import LocalTensor
+from nxd_ckpt._sharding import spec_for_tensor
+
+__all__ = ["export_peft_adapter", "is_lora_model", "load_lora_from_ckpt", "lora_tensors"]
+
+logger = logging.getLogger(__name__)
+
+
+def is_lora_model(model: Any) -> bool:
+    from nxd_lora import LoRAModel
+
+    return isinstance(model, LoRAModel)
+
+
+def _mode(model: Any) -> str:
+    config = model.lora_config
+    return "adapter" if config.merge_sharded_lora else config.save_mode
+
+
+def lora_tensors(model: Any, ctx: RankContext, *, for_load: bool = False) -> list[LocalTensor]:
+    """The tensors the save mode stores, under the unwrapped model's names; for ``merged``
+    the merged weights (when saving) with the base parameters' sharding."""
+    mode = _mode(model)
+    modules = dict(model.module.named_modules())
+    params = dict(model.module.named_parameters())
+    out = []
+    for wrapped, tensor in model.module.state_dict(keep_vars=True).items():
+        adapter = model.is_adapter_key(wrapped) or (
+            wrapped in params and model.is_trainable_name(wrapped)
+        )
+        if (mode == "adapter" and not adapter) or (
+            mode == "merged" and model.is_adapter_key(wrapped)
+        ):
+            continue
+        prefix, _, leaf = wrapped.rpartition(".")
+        spec = spec_for_tensor(
+            tensor,
+            tp_rank=ctx.tp_rank,
+            tp_size=ctx.tp_size,
+            module=modules.get(prefix),
+            local_name=leaf,
+        )
+        out.append(LocalTensor(model.original_name(wrapped), tensor, spec))
+    if mode == "merged" and not for_load and not model.is_lora_merged:
+        by_name = {local.name: local for local in out}
+        for lora_name, layer in model.lora_layers().items():
+            for param_name, weight in layer.merged_base_weights().items():
+                by_name[f"{lora_name}.{param_name}"].tensor = weight
+    return out
+
+
+def lora_meta(model: Any) -> dict[str, Any]:
+    """Mode, NxD's saved config fields, PEFT config and PEFT key of each adapter tensor."""
+    from nxd_lora import peft_adapter_config
+    from nxd_lora.adapter import PEFT_PREFIX
+
+    mode = _mode(model)
+    meta: dict[str, Any] = {"mode": mode, "config": model.lora_config.selected_fields_to_save()}
+    if mode == "merged":
+        return meta
+    peft_names: dict[str, str] = {}
+    exportable = True
+    for lora_name, layer in model.lora_layers().items():
+        own = [f"{lora_name}.{p}" for p in layer.adapter_parameters()]
+        if layer.peft_tensor_names(lora_name) != own:  # e.g. a fused QKV split into q/k/v
+            exportable = False
+        peft_names.update({name: PEFT_PREFIX + name for name in own})
+    for wrapped, _ in model.module.named_parameters():
+        if not model.is_adapter_key(wrapped) and model.is_trainable_name(wrapped):
+            peft_names[model.original_name(wrapped)] = PEFT_PREFIX + wrapped
+    meta["peft_names"] = peft_names if exportable else None
+    meta["peft_config"] = json.loads(json.dumps(peft_adapter_config(model), default=str))
+    return meta
+
+
+def export_peft_adapter(reader: Any, out_dir: Path, *, progress: bool = True) -> Path:
+    """Write an adapter-only tag as a PEFT folder (``adapter_model.safetensors`` +
+    ``adapter_config.json``), tensor by tensor."""
+    from nxd_ckpt._stfile import dtype_from_name, plan_file, write_planned
+    from nxd_lora import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME
+
+    meta = reader.index.lora
+    names = meta.get("peft_names")
+    if names is None:
+        raise NotImplementedError(
+            f"{reader.tag_dir}: this adapter has layers PEFT stores differently (a fused QKV "
+            f"projection): export it with nxd_lora.save_peft_adapter from the model instead"
+        )
+    records = reader.index.category("model")
+    items = [
+        (names[name], dtype_from_name(records[name].dtype), tuple(records[name].shape))
+        for name in records
+    ]
+    plan = plan_file(items, {"format": "pt"})
+    by_key = {names[name]: name for name in records}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    sources = [
+        (lambda name=by_key[e.key]: reader.read_full("model", name).contiguous())
+        for e in plan.entries
+    ]
+    write_planned(out_dir / ADAPTER_WEIGHTS_NAME, plan, sources)
+    (out_dir / ADAPTER_CONFIG_NAME).write_text(json.dumps(meta["peft_config"], indent=2))
+    logger.info("exported the LoRA adapter of %s to %s (PEFT)", reader.tag_dir, out_dir)
+    return out_dir
+
+
+def load_lora_from_ckpt(model: Any, *, strict: bool = True) -> None:
+    """NxD's ``load_lora_from_ckpt``: load ``lora_save_dir``/``lora_load_tag`` of the model's
+    LoRA config into ``model`` (an ``nxd_lora.LoRAModel``), adopting the saved LoRA config.
+    A tag written by ``save_checkpoint`` is read at any TP/PP/DP layout; a folder written by
+    ``nxd_lora.save_lora`` goes to nxd_lora's loader. Collective."""
+    from nxd_ckpt._load_model import load_model
+    from nxd_ckpt._reader import CheckpointReader
+    from nxd_ckpt.format import INDEX_NAME
+    from nxd_lora import load_lora_checkpoint_into
+
+    config = model.lora_config
+    root = Path(config.lora_save_dir)
+    folder = root / config.lora_load_tag if config.lora_load_tag else root
+    if not (folder / INDEX_NAME).is_file():
+        load_lora_checkpoint_into(model)
+        return
+    reader = CheckpointReader(folder)
+    saved = reader.index.lora
+    if saved is None:
+        raise ValueError(f"{folder} is a checkpoint of a model without LoRA (no LoRA metadata)")
+    model.lora_config = config.with_saved_fields(saved["config"])
+    if saved["mode"] != "merged":
+        model.inject_adapter()
+    load_model(model, reader, current_context(), strict)
+    logger.info("loaded LoRA checkpoint %s (%s)", folder, saved["mode"])
