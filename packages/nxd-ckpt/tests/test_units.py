@@ -1,0 +1,219 @@
+"""The pieces without processes: box arithmetic, shard specs, the safetensors writer/reader,
+JSON encoding, tag bookkeeping and the ``nxd-ckpt`` command."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from nxd_ckpt import FormatError, save_checkpoint
+from nxd_ckpt._boxes import Box, flat_range_boxes, linear_index
+from nxd_ckpt._jsonstate import decode, encode
+from nxd_ckpt._sharding import spec_for_tensor
+from nxd_ckpt._stfile import FileReader, plan_file, write_planned
+from nxd_ckpt._tags import apply_num_kept, list_tags
+from nxd_ckpt.cli import main as cli
+from nxd_ckpt.format import ChunkRecord, FileRecord
+
+
+@pytest.mark.parametrize("shape", [(7,), (3, 5), (2, 3, 4), ()])
+def test_flat_ranges_are_contiguous_boxes_covering_the_range(shape: tuple[int, ...]) -> None:
+    total = math.prod(shape)
+    rng = random.Random(0)
+    data = torch.arange(total).reshape(shape)
+    for _ in range(50):
+        start = rng.randrange(0, total + 1)
+        end = rng.randrange(start, total + 1)
+        boxes = flat_range_boxes(shape, start, end)
+        assert len(boxes) <= 2 * max(len(shape), 1) - 1
+        covered = []
+        for box in boxes:  # in flat order, each contiguous: its elements are consecutive
+            values = data[box.slices()].reshape(-1)
+            first = linear_index(shape, box.offsets)
+            assert values.tolist() == list(range(first, first + box.numel))
+            covered += values.tolist()
+        assert covered == list(range(start, end))
+
+
+def test_box_intersection() -> None:
+    a, b = Box((0, 2), (4, 4)), Box((3, 0), (5, 3))
+    assert a.intersect(b) == Box((3, 2), (1, 1))
+    assert a.intersect(Box((4, 0), (1, 1))) is None
+    assert Box.whole((4, 6)).contains(a)
+
+
+@pytest.mark.parametrize(("dim", "stride", "tp"), [(0, 1, 4), (1, 1, 2), (0, 2, 2), (1, 3, 2)])
+def test_partition_specs_rebuild_the_global_tensor(dim: int, stride: int, tp: int) -> None:
+    from nxd_layers import set_tensor_model_parallel_attributes, shard_for_rank
+
+    full = torch.randn(12, 18)
+    rebuilt = torch.full_like(full, float("nan"))
+    for rank in range(tp):
+        shard = shard_for_rank(full, dim, rank, tp, stride)
+        set_tensor_model_parallel_attributes(shard, True, dim, stride)
+        spec = spec_for_tensor(shard, tp_rank=rank, tp_size=tp)
+        assert spec.global_shape == tuple(full.shape)
+        for block in spec.blocks:
+            rebuilt[block.global_box.slices()] = shard[block.local.slices()]
+    assert torch.equal(rebuilt, full)
+
+
+class _FakeGQA(nn.Module):
+    """The attributes nxd-ckpt reads from a GQA QKV layer, with a chosen replication order."""
+
+    def __init__(self, order: str, tp: int) -> None:
+        super().__init__()
+        self.output_sizes, self.kv_size_multiplier, self.fuse_qkv = [16, 4], 4, True
+        self.tensor_parallel_size, self.kv_heads, self.head_dim = tp, 2, 2
+        self.order = order
+
+    def _replicate(self, master: torch.Tensor) -> torch.Tensor:
+        heads = master.reshape(2, 2, -1)
+        if self.order == "interleave":  # [k0, k0, ..., k1, k1, ...]
+            return heads.repeat_interleave(4, dim=0).reshape(-1, master.shape[1])
+        return master.repeat(4, 1)  # NxD's [k0, k1, k0, k1, ...]
+
+
+@pytest.mark.parametrize("order", ["interleave", "repeat"])
+def test_gqa_spec_maps_replicas_onto_the_unreplicated_projection(order: str) -> None:
+    tp = 8
+    module = _FakeGQA(order, tp)
+    q, k = torch.randn(16, 3), torch.randn(4, 3)
+    replicated = module._replicate(k)
+    rebuilt_q, rebuilt_k = torch.zeros(16, 3), torch.zeros(4, 3)
+    primaries = 0
+    for rank in range(tp):
+        local = torch.cat(
+            [q.chunk(tp)[rank], replicated.chunk(tp)[rank], replicated.chunk(tp)[rank]]
+        )
+        local.tensor_model_parallel = True
+        spec = spec_for_tensor(
+            local, tp_rank=rank, tp_size=tp, module=module, local_name="weight_qkv"
+        )
+        assert spec.global_shape == (24, 3)
+        for block in spec.blocks:
+            rows = block.global_box
+            value = local[block.local.slices()]
+            if rows.offsets[0] < 16:
+                rebuilt_q[rows.slices()] = value
+            elif rows.offsets[0] < 20:  # K rows; every replica must equal the original rows
+                k_rows = slice(rows.offsets[0] - 16, rows.offsets[0] - 16 + rows.shape[0])
+                assert torch.equal(value, k[k_rows])
+                rebuilt_k[k_rows] = value
+                primaries += rows.numel if block.primary else 0
+    assert torch.equal(rebuilt_q, q)
+    assert torch.equal(rebuilt_k, k)
+    assert primaries == k.numel()  # each K element written by exactly one rank
+
+
+def _write(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[FileRecord, dict]:
+    plan = plan_file([(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()], {"format": "pt"})
+    digest = write_planned(path, plan, [tensors[e.key] for e in plan.entries])
+    record = FileRecord(digest.size, digest.crc32, digest.header_crc32, 0)
+    chunks = {
+        e.key: ChunkRecord(
+            path.name,
+            e.key,
+            [0] * len(e.shape),
+            list(e.shape),
+            digest.block_crcs[e.key],
+            e.crc_rows,
+        )
+        for e in plan.entries
+    }
+    return record, chunks
+
+
+def test_written_files_are_safetensors_and_partial_reads_verify(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from safetensors.torch import load_file
+
+    from nxd_ckpt import _stfile
+
+    monkeypatch.setattr(_stfile, "CRC_BLOCK_BYTES", 64)  # many CRC blocks in a small tensor
+    tensors = {
+        "a": torch.randn(40, 8),
+        "b": torch.arange(10, dtype=torch.int16),
+        "c": torch.randn(3, 5).to(torch.bfloat16),
+        "d": torch.tensor(3.5, dtype=torch.float64),
+        "e": torch.tensor([True, False]),
+    }
+    path = tmp_path / "x.safetensors"
+    record, chunks = _write(path, tensors)
+    loaded = load_file(str(path))
+    for key, value in tensors.items():
+        assert torch.equal(loaded[key], value)
+    assert len(chunks["a"].crc32) == 20  # 2 rows of 32 bytes per 64-byte block
+    reader = FileReader(path, record)
+    box = Box((13, 2), (9, 3))
+    assert torch.equal(reader.read(chunks["a"], box), tensors["a"][box.slices()])
+    assert torch.equal(reader.read(chunks["d"], Box((), ())), tensors["d"])
+    raw = bytearray(path.read_bytes())
+    header_length = int.from_bytes(raw[:8], "little")
+    begin = json.loads(raw[8 : 8 + header_length])["a"]["data_offsets"][0]
+    raw[8 + header_length + begin + 5 * 32 + 4] ^= 0x01  # one bit of row 5 of "a"
+    path.write_bytes(bytes(raw))
+    reader = FileReader(path, record)
+    far = Box((20, 0), (4, 8))  # rows 20-23: other CRC blocks, still readable
+    assert torch.equal(reader.read(chunks["a"], far), tensors["a"][far.slices()])
+    with pytest.raises(FormatError, match=r"checksum mismatch in tensor 'a' \(rows 4..5\)"):
+        reader.read(chunks["a"], Box((5, 7), (1, 1)))
+
+
+def test_json_state_round_trip_and_refusals() -> None:
+    value = {"a": [1, 2.5, float("nan")], 3: ("x", None, True), "t": torch.ones(2), "d": torch.int8}
+    tensors: dict[str, torch.Tensor] = {}
+    encoded = json.loads(json.dumps(encode(value, tensors, "v", "test")))
+    decoded = decode(encoded, tensors)
+    assert decoded["a"][:2] == [1, 2.5]
+    assert math.isnan(decoded["a"][2])
+    assert decoded[3] == ("x", None, True)
+    assert decoded["d"] is torch.int8
+    assert torch.equal(decoded["t"], torch.ones(2))
+    with pytest.raises(TypeError, match=r"key \(1, 2\) at 'v'"):
+        encode({(1, 2): 3}, {}, "v", "test")
+
+
+def test_num_kept_removes_stale_incomplete_tags_but_keeps_newer_ones(tmp_path: Path) -> None:
+    model = nn.Linear(2, 2)
+    (tmp_path / "old-broken").mkdir()  # an interrupted deletion: start marker, no done
+    (tmp_path / "old-broken" / "checkpoint").write_text("1")
+    for tag in ("a", "b", "c"):
+        save_checkpoint(tmp_path, tag, model=model)
+    (tmp_path / "new-broken").mkdir()  # an interrupted save, newer than every complete tag
+    (tmp_path / "new-broken" / "checkpoint").write_text("1")
+    removed = apply_num_kept(tmp_path, 2)
+    assert sorted(removed) == ["a", "old-broken"]
+    assert [(t.name, t.complete) for t in list_tags(tmp_path)] == [
+        ("b", True),
+        ("c", True),
+        ("new-broken", False),
+    ]
+
+
+def test_cli_info_and_export(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    save_checkpoint(tmp_path / "ckpt", "step1", model=model, user_content={"step": 1})
+    assert cli(["info", str(tmp_path / "ckpt"), "--tensors", "--verify"]) == 0
+    text = capsys.readouterr().out
+    assert "step1" in text
+    assert "TP=1 PP=1 DP=1" in text
+    assert "0.weight float32[8, 4]" in text
+    assert "all checksums match" in text
+    assert cli(["info", str(tmp_path / "ckpt"), "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["newest_complete"][0]["categories"]["model"]["tensors"] == 4
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "custom"}))
+    out = tmp_path / "hf"
+    assert cli(["export-hf", str(tmp_path / "ckpt"), str(out), "--config", str(config)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert cli(["info", str(tmp_path / "missing")]) == 1
+    assert "does not exist" in capsys.readouterr().err
