@@ -9,8 +9,6 @@ Both derive from :class:`BaseParallelLinear`, NxD's common base (as does the GQA
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,75 +24,47 @@ from nxd_layers._attributes import (
     set_tensor_model_parallel_attributes,
     tensor_parallel_rank_and_size,
 )
-from nxd_layers._init import (
-    InitMethod,
-    default_linear_init,
-    init_master,
-    is_meta,
-    sharded_parameter,
+from nxd_layers._init import InitMethod, default_linear_init, is_meta, sharded_parameter
+from nxd_layers._linear_common import (
+    bias_init,
+    check_input,
+    check_reduce_dtype,
+    check_sizes,
+    padded_master,
+    sharded_weight,
 )
+from nxd_layers.utils import get_padding_length
 
 __all__ = ["BaseParallelLinear", "ColumnParallelLinear", "RowParallelLinear", "check_input"]
 
 
-def check_input(
-    module: nn.Module, x: torch.Tensor, features: int, needs_3d: bool, sequence_dimension: int
+def _pad_size(name: str, what: str, size: int, tp: int, stride: int, pad: bool) -> int:
+    """Zeros appended to ``size`` (NxD's ``pad``), or an error if it must be padded and is not."""
+    pad_size = get_padding_length(size, tp) if pad else 0
+    if (size + pad_size) % (tp * stride) != 0:
+        hint = "" if pad or stride > 1 else "; pass pad=True to pad it with zeros"
+        raise ValueError(
+            f"{name}: {what}({size + pad_size}) is not divisible by "
+            f"tensor_parallel_size({tp}) x stride({stride}){hint}"
+        )
+    return pad_size
+
+
+def _pad_state_dict_entry(
+    owner: BaseParallelLinear, model_state_dict: dict[str, torch.Tensor], prefix: str, dim: int
 ) -> None:
-    """Raise early, naming the layer and the expected shape, on an input it cannot take."""
-    name = type(module).__name__
-    if needs_3d and x.dim() != 3:
+    """Zero-pad the full tensor ``model_state_dict[prefix]`` along ``dim`` to the padded size."""
+    full = model_state_dict[prefix]
+    if not owner.pad_size or full.dim() <= dim:
+        return
+    unpadded = getattr(owner, "output_size" if dim == 0 else "input_size") - owner.pad_size
+    if full.shape[dim] != unpadded:
         raise ValueError(
-            f"{name} with sequence_parallel_enabled=True needs a 3-D input "
-            f"(sequence dim {sequence_dimension}, features last), got shape {tuple(x.shape)}"
+            f"{type(owner).__name__}.preshard_hook: {prefix} has size {full.shape[dim]} along "
+            f"dim {dim}, expected the unpadded {unpadded}"
         )
-    if x.dim() == 0 or x.shape[-1] != features:
-        raise ValueError(
-            f"{name} expects the last dim of its input to be {features}, got shape {tuple(x.shape)}"
-        )
-
-
-def _check_sizes(name: str, **sizes: int) -> None:
-    for key, value in sizes.items():
-        if not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name}: {key} must be a positive int, got {value!r}")
-
-
-def _bias_init(fan_in: int) -> InitMethod:
-    """b ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)), as ``torch.nn.Linear``."""
-    bound = 1.0 / math.sqrt(fan_in)
-    return lambda bias: nn.init.uniform_(bias, -bound, bound)
-
-
-def _sharded_weight(
-    full_shape: tuple[int, int],
-    partition_dim: int,
-    rank: int,
-    tp: int,
-    stride: int,
-    dtype: torch.dtype,
-    device: torch.device | str | None,
-    init_method: InitMethod,
-) -> tuple[nn.Parameter, torch.Tensor | None]:
-    """This rank's slice of W (``full_shape`` = (out, in)) along ``partition_dim``, tagged.
-
-    W is built whole from the seed and sliced (none on the meta device), so every TP degree
-    holds the same model; the master is returned for ``keep_master_weight``.
-    """
-    master = None if is_meta(device) else init_master(full_shape, init_method)
-    shard_shape = list(full_shape)
-    shard_shape[partition_dim] = divide(full_shape[partition_dim], tp)
-    weight = sharded_parameter(
-        master,
-        tuple(shard_shape),
-        partition_dim=partition_dim,
-        rank=rank,
-        world_size=tp,
-        stride=stride,
-        dtype=dtype,
-        device=device,
-    )
-    set_tensor_model_parallel_attributes(weight, True, partition_dim, stride)
-    return weight, master
+    widths = [0, 0] * (full.dim() - 1 - dim) + [0, owner.pad_size]
+    model_state_dict[prefix] = F.pad(full, widths)
 
 
 class BaseParallelLinear(ParallelModuleMixin, nn.Module):
@@ -102,10 +72,13 @@ class BaseParallelLinear(ParallelModuleMixin, nn.Module):
 
     Holds the TP group (``tensor_parallel_group``, shared by deep copies) and NxD's
     initialisation hooks: ``arg_init_method`` (the ``init_method`` argument, None for
-    ``torch.nn.Linear``'s default) applied by :meth:`_init_weight`.
+    ``torch.nn.Linear``'s default) applied by :meth:`_init_weight`. ``pad`` / ``pad_size``:
+    NxD's zero padding of the sharded dimension to a multiple of the TP degree.
     """
 
     arg_init_method: InitMethod | None = None
+    pad: bool = False
+    pad_size: int = 0
 
     def _init_weight(self, weight: torch.Tensor) -> None:
         """W <- init_method(W), or U(-1/sqrt(fan_in), 1/sqrt(fan_in)) as ``torch.nn.Linear``."""
@@ -123,7 +96,14 @@ class ColumnParallelLinear(BaseParallelLinear):
     back in W's order. With ``sequence_parallel_enabled`` the 3-D input is this rank's
     sequence shard and is all-gathered along ``sequence_dimension`` first. ``skip_bias_add``
     returns ``(Y without bias, bias)`` for fusing the add later.
-    ``tensor_model_parallel_group`` is NxD's name for ``tensor_parallel_group``.
+
+    NxD's ``pad``: ``output_size`` is padded with zero rows of W (and zero bias) to a multiple
+    of TP (``output_size`` becomes the padded size, ``pad_size`` the zeros); a gathered output
+    is narrowed back to the unpadded width, an ungathered one keeps the zero features (feed it
+    to a ``RowParallelLinear(pad=True, input_is_parallel=True)``). ``preshard_hook`` pads a
+    full, unpadded checkpoint tensor. ``reduce_dtype``: the backward all-reduce (reduce-scatter
+    under SP) of the input gradient is done in this dtype. ``tensor_model_parallel_group`` is
+    NxD's name for ``tensor_parallel_group``.
     """
 
     def __init__(
@@ -143,20 +123,21 @@ class ColumnParallelLinear(BaseParallelLinear):
         tensor_parallel_group: ProcessGroup | None = None,
         *,
         tensor_model_parallel_group: ProcessGroup | None = None,
+        pad: bool = False,
+        reduce_dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
-        _check_sizes(type(self).__name__, input_size=input_size, output_size=output_size)
+        name = type(self).__name__
+        check_sizes(name, input_size=input_size, output_size=output_size)
+        self.reduce_dtype = check_reduce_dtype(name, reduce_dtype)
         self.tensor_parallel_group = pick_tensor_parallel_group(
-            tensor_parallel_group, tensor_model_parallel_group, type(self).__name__
+            tensor_parallel_group, tensor_model_parallel_group, name
         )
         rank, tp = tensor_parallel_rank_and_size(self.tensor_parallel_group)
-        if output_size % (tp * stride) != 0:
-            raise ValueError(
-                f"ColumnParallelLinear: output_size({output_size}) is not divisible by "
-                f"tensor_parallel_size({tp}) x stride({stride})"
-            )
-        self.input_size, self.output_size = input_size, output_size
-        self.output_size_per_partition = divide(output_size, tp)
+        self.pad = pad
+        self.pad_size = _pad_size(name, "output_size", output_size, tp, stride, pad)
+        self.input_size, self.output_size = input_size, output_size + self.pad_size
+        self.output_size_per_partition = divide(self.output_size, tp)
         self.tensor_parallel_size = tp
         self.gather_output = gather_output
         self.sequence_parallel_enabled = sequence_parallel_enabled
@@ -166,16 +147,26 @@ class ColumnParallelLinear(BaseParallelLinear):
         self.arg_init_method = init_method
 
         meta = is_meta(device)
-        self.weight, master = _sharded_weight(
-            (output_size, input_size), 0, rank, tp, stride, dtype, device, self._init_weight
+        self.weight, master = sharded_weight(
+            (output_size, input_size),
+            0,
+            rank,
+            tp,
+            stride,
+            dtype,
+            device,
+            self._init_weight,
+            self.pad_size,
         )
         self.master_weight = master if keep_master_weight else None
         if bias:
-            master_bias = None if meta else init_master((output_size,), _bias_init(input_size))
+            master_bias = None
+            if not meta:
+                master_bias = padded_master((output_size,), bias_init(input_size), 0, self.pad_size)
             sharded = not gather_output  # NxD: a gathered output gets the full, replicated bias
             self.bias = sharded_parameter(
                 master_bias,
-                (self.output_size_per_partition if sharded else output_size,),
+                (self.output_size_per_partition if sharded else self.output_size,),
                 partition_dim=0 if sharded else None,
                 rank=rank,
                 world_size=tp,
@@ -196,28 +187,37 @@ class ColumnParallelLinear(BaseParallelLinear):
         group = self.tensor_parallel_group
         if self.sequence_parallel_enabled:
             x = mappings.gather_from_sequence_parallel_region(
-                x, self.sequence_dimension, process_group=group
+                x, self.sequence_dimension, process_group=group, dtype=self.reduce_dtype
             )
         else:
-            x = mappings.copy_to_tensor_model_parallel_region(x, group)
+            x = mappings.copy_to_tensor_model_parallel_region(x, group, dtype=self.reduce_dtype)
         local_bias = None if self.skip_bias_add or self.gather_output else self.bias
         y = F.linear(x, self.weight, local_bias)
-        if self.gather_output:
-            y = mappings.gather_from_tensor_model_parallel_region(y, group)
-            if self.stride > 1:  # rank-major [Y_0 | Y_1 | ...] back to W's feature order
-                shards = list(y.chunk(self.tensor_parallel_size, dim=-1))
-                y = merge_shards(shards, y.dim() - 1, self.stride)
-            if self.bias is not None and not self.skip_bias_add:
-                y = y + self.bias
+        if not self.gather_output:
+            return (y, self.bias) if self.skip_bias_add else y
+        y = mappings.gather_from_tensor_model_parallel_region(y, group)
+        if self.stride > 1:  # rank-major [Y_0 | Y_1 | ...] back to W's feature order
+            shards = list(y.chunk(self.tensor_parallel_size, dim=-1))
+            y = merge_shards(shards, y.dim() - 1, self.stride)
+        if self.pad_size:  # the zero features go; the bias keeps NxD's padded shape
+            y = y.narrow(-1, 0, self.output_size - self.pad_size)
+        bias = self.bias
+        if bias is not None and self.pad_size:
+            bias = bias.narrow(0, 0, self.output_size - self.pad_size)
         if self.skip_bias_add:
             return y, self.bias
-        return y
+        return y + bias if bias is not None else y
+
+    def preshard_hook(self, model_state_dict: dict[str, torch.Tensor], prefix: str) -> None:
+        """Zero-pad the full, unpadded ``model_state_dict[prefix]`` (weight or bias) along
+        dim 0 to the padded ``output_size``, before it is sliced (NxD's loading hook)."""
+        _pad_state_dict_entry(self, model_state_dict, prefix, 0)
 
     def extra_repr(self) -> str:
         return (
             f"input_size={self.input_size}, output_size={self.output_size} "
-            f"(per partition {self.output_size_per_partition}), bias={self.bias is not None}, "
-            f"gather_output={self.gather_output}, "
+            f"(per partition {self.output_size_per_partition}, pad {self.pad_size}), "
+            f"bias={self.bias is not None}, gather_output={self.gather_output}, "
             f"sequence_parallel_enabled={self.sequence_parallel_enabled}"
         )
 
@@ -231,7 +231,15 @@ class RowParallelLinear(BaseParallelLinear):
     ``sequence_parallel_enabled`` the partial sums are reduce-scattered along
     ``sequence_dimension`` instead of all-reduced (the bias is then marked sequence-parallel:
     its gradient must be summed over TP with ``allreduce_sequence_parallel_gradients``).
-    ``tensor_model_parallel_group`` is NxD's name for ``tensor_parallel_group``.
+
+    NxD's ``pad``: ``input_size`` is padded with zero columns of W to a multiple of TP (an
+    unsplit input is zero-padded before it is split; a split one must have the padded width).
+    ``reduce_dtype``: the forward all-reduce / reduce-scatter of the partial sums happens in
+    this dtype (the result is cast back), and under SP the backward all-gather of the
+    gradient too. ``reduce_output=False`` (NxD's): no reduction, each rank returns its partial
+    sum X_r A_r with the bias added (sum the partials yourself, then add b once: pass
+    ``bias=False`` or ``skip_bias_add``). ``tensor_model_parallel_group`` is NxD's name for
+    ``tensor_parallel_group``.
     """
 
     def __init__(
@@ -251,40 +259,53 @@ class RowParallelLinear(BaseParallelLinear):
         tensor_parallel_group: ProcessGroup | None = None,
         *,
         tensor_model_parallel_group: ProcessGroup | None = None,
+        pad: bool = False,
+        reduce_dtype: torch.dtype = torch.float32,
+        reduce_output: bool = True,
     ) -> None:
         super().__init__()
-        _check_sizes(type(self).__name__, input_size=input_size, output_size=output_size)
+        name = type(self).__name__
+        check_sizes(name, input_size=input_size, output_size=output_size)
+        self.reduce_dtype = check_reduce_dtype(name, reduce_dtype)
         if sequence_parallel_enabled and not input_is_parallel:
             raise ValueError(
                 "RowParallelLinear: sequence_parallel_enabled=True requires "
                 "input_is_parallel=True (the input must come from a column-parallel layer)"
             )
         self.tensor_parallel_group = pick_tensor_parallel_group(
-            tensor_parallel_group, tensor_model_parallel_group, type(self).__name__
+            tensor_parallel_group, tensor_model_parallel_group, name
         )
         rank, tp = tensor_parallel_rank_and_size(self.tensor_parallel_group)
-        if input_size % (tp * stride) != 0:
-            raise ValueError(
-                f"RowParallelLinear: input_size({input_size}) is not divisible by "
-                f"tensor_parallel_size({tp}) x stride({stride})"
-            )
-        self.input_size, self.output_size = input_size, output_size
-        self.input_size_per_partition = divide(input_size, tp)
+        self.pad = pad
+        self.pad_size = _pad_size(name, "input_size", input_size, tp, stride, pad)
+        self.input_size, self.output_size = input_size + self.pad_size, output_size
+        self.input_size_per_partition = divide(self.input_size, tp)
         self.tensor_parallel_size = tp
         self.input_is_parallel = input_is_parallel
         self.sequence_parallel_enabled = sequence_parallel_enabled
         self.sequence_dimension = sequence_dimension
         self.skip_bias_add = skip_bias_add
+        self.reduce_output = reduce_output
         self.stride = stride
         self.arg_init_method = init_method
 
         meta = is_meta(device)
-        self.weight, master = _sharded_weight(
-            (output_size, input_size), 1, rank, tp, stride, dtype, device, self._init_weight
+        self.weight, master = sharded_weight(
+            (output_size, input_size),
+            1,
+            rank,
+            tp,
+            stride,
+            dtype,
+            device,
+            self._init_weight,
+            self.pad_size,
         )
         self.master_weight = master if keep_master_weight else None
         if bias:
-            master_bias = None if meta else init_master((output_size,), _bias_init(input_size))
+            master_bias = None
+            if not meta:
+                master_bias = padded_master((output_size,), bias_init(input_size), 0, 0)
             self.bias = sharded_parameter(
                 master_bias,
                 (output_size,),
@@ -301,26 +322,45 @@ class RowParallelLinear(BaseParallelLinear):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
-        expected = self.input_size_per_partition if self.input_is_parallel else self.input_size
+        if self.input_is_parallel:
+            expected = self.input_size_per_partition
+        else:
+            expected = self.input_size - self.pad_size
         check_input(self, x, expected, self.sequence_parallel_enabled, self.sequence_dimension)
         group = self.tensor_parallel_group
         if not self.input_is_parallel:
+            if self.pad_size:
+                x = F.pad(x, (0, self.pad_size))
             x = mappings.scatter_to_tensor_model_parallel_region(x, group)
-        partial = F.linear(x, self.weight)
-        if self.sequence_parallel_enabled:
-            y = mappings.reduce_scatter_to_sequence_parallel_region(
-                partial, self.sequence_dimension, process_group=group
-            )
-        else:
-            y = mappings.reduce_from_tensor_model_parallel_region(partial, group)
+        y = F.linear(x, self.weight)
+        if self.reduce_output:
+            y = self._reduce(y)
         if self.skip_bias_add:
             return y, self.bias
         return y + self.bias if self.bias is not None else y
 
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """Sum of the partials over TP (reduce-scattered under SP), in ``reduce_dtype``."""
+        group, dtype = self.tensor_parallel_group, partial.dtype
+        summand = partial.to(self.reduce_dtype)
+        if self.sequence_parallel_enabled:
+            y = mappings.reduce_scatter_to_sequence_parallel_region(
+                summand, self.sequence_dimension, process_group=group, dtype=self.reduce_dtype
+            )
+        else:
+            y = mappings.reduce_from_tensor_model_parallel_region(summand, group)
+        return y.to(dtype)
+
+    def preshard_hook(self, model_state_dict: dict[str, torch.Tensor], prefix: str) -> None:
+        """Zero-pad the full, unpadded weight ``model_state_dict[prefix]`` along dim 1 to the
+        padded ``input_size`` before it is sliced (NxD's loading hook; a bias is left as is)."""
+        _pad_state_dict_entry(self, model_state_dict, prefix, 1)
+
     def extra_repr(self) -> str:
         return (
-            f"input_size={self.input_size} (per partition {self.input_size_per_partition}), "
-            f"output_size={self.output_size}, bias={self.bias is not None}, "
-            f"input_is_parallel={self.input_is_parallel}, "
-            f"sequence_parallel_enabled={self.sequence_parallel_enabled}"
+            f"input_size={self.input_size} (per partition {self.input_size_per_partition}, "
+            f"pad {self.pad_size}), output_size={self.output_size}, "
+            f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}, "
+            f"sequence_parallel_enabled={self.sequence_parallel_enabled}, "
+            f"reduce_output={self.reduce_output}"
         )

@@ -71,15 +71,26 @@ def _all_reduce_copy(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return collectives.all_reduce(x.contiguous().clone(), group=group)
 
 
+def _in_dtype(
+    fn: Any, grad: torch.Tensor, dtype: torch.dtype | None, *args: Any, **kwargs: Any
+) -> torch.Tensor:
+    """``fn(grad, ...)`` computed on ``grad`` cast to ``dtype`` (None: as is), cast back."""
+    if dtype is None or dtype == grad.dtype:
+        return fn(grad, *args, **kwargs)
+    return fn(grad.to(dtype), *args, **kwargs).to(grad.dtype)
+
+
 class _CopyToTensorParallel(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-        ctx.group = group
+    def forward(
+        ctx: Any, x: torch.Tensor, group: ProcessGroup, dtype: torch.dtype | None
+    ) -> torch.Tensor:
+        ctx.group, ctx.dtype = group, dtype
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _all_reduce_copy(grad, ctx.group), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _in_dtype(_all_reduce_copy, grad, ctx.dtype, ctx.group), None, None
 
 
 class _ReduceFromTensorParallel(torch.autograd.Function):
@@ -128,18 +139,26 @@ class _ScatterToSequenceParallel(torch.autograd.Function):
 class _GatherFromSequenceParallel(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, dim: int, group: ProcessGroup, to_model_parallel: bool
+        ctx: Any,
+        x: torch.Tensor,
+        dim: int,
+        group: ProcessGroup,
+        to_model_parallel: bool,
+        dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
         ctx.dim, ctx.group, ctx.to_model_parallel = dim, group, to_model_parallel
+        ctx.dtype = dtype
         return collectives.all_gather(x, group=group, dim=dim)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
         if ctx.to_model_parallel:  # every rank holds a partial gradient: sum, keep my shard
-            out = collectives.reduce_scatter(grad.contiguous(), group=ctx.group, dim=ctx.dim)
+            out = _in_dtype(
+                collectives.reduce_scatter, grad.contiguous(), ctx.dtype, ctx.group, dim=ctx.dim
+            )
         else:  # every rank holds the same full gradient: keep my shard
             out = split_along_dim(grad, ctx.dim, ctx.group)
-        return out, None, None, None
+        return out, None, None, None, None
 
 
 class _ReduceScatterToSequenceParallel(torch.autograd.Function):
@@ -178,11 +197,15 @@ def _check_dim(x: torch.Tensor, dim: object, name: str, what: str = "sequence_di
 
 
 def copy_to_tensor_model_parallel_region(
-    input_: torch.Tensor, process_group: ProcessGroup | None = None
+    input_: torch.Tensor,
+    process_group: ProcessGroup | None = None,
+    *,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Y = X; dL/dX = sum over TP of dL/dY (the input of a column-parallel region)."""
+    """Y = X; dL/dX = sum over TP of dL/dY (the input of a column-parallel region), the sum
+    taken in ``dtype`` when given (nxd's keyword; NxD's layers call it ``reduce_dtype``)."""
     resolved = _group_if_parallel(process_group)
-    return input_ if resolved is None else _CopyToTensorParallel.apply(input_, resolved)
+    return input_ if resolved is None else _CopyToTensorParallel.apply(input_, resolved, dtype)
 
 
 def reduce_from_tensor_model_parallel_region(
@@ -232,17 +255,20 @@ def gather_from_sequence_parallel_region(
     sequence_dimension: int = 0,
     to_model_parallel: bool = True,
     process_group: ProcessGroup | None = None,
+    *,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Y = [X_0; ...; X_{n-1}] along the sequence dim.
 
     Backward: reduce-scatter (the consumer is a TP region whose ranks each produce a partial
-    gradient), or with ``to_model_parallel=False`` a split (every rank's gradient is whole).
+    gradient; in ``dtype`` when given, nxd's keyword), or with ``to_model_parallel=False`` a
+    split (every rank's gradient is whole).
     """
     dim = _check_dim(input_, sequence_dimension, "gather_from_sequence_parallel_region")
     resolved = _group_if_parallel(process_group)
     if resolved is None:
         return input_
-    return _GatherFromSequenceParallel.apply(input_, dim, resolved, to_model_parallel)
+    return _GatherFromSequenceParallel.apply(input_, dim, resolved, to_model_parallel, dtype)
 
 
 def reduce_scatter_to_sequence_parallel_region(

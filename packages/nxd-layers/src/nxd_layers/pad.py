@@ -82,6 +82,11 @@ def _pad_layer(module: nn.Module, n_heads: int, n_padded: int, head_aligned: boo
     name = type(module).__name__
     if module.stride != 1:
         raise ValueError(f"pad_model cannot pad {name} with stride {module.stride}")
+    if module.pad_size:
+        raise ValueError(
+            f"pad_model cannot pad {name} built with pad=True ({module.pad_size} zero "
+            "features already); build it without pad"
+        )
     column = isinstance(module, ColumnParallelLinear)
     size = module.output_size if column else module.input_size
     local = size // tp

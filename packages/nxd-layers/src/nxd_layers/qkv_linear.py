@@ -26,7 +26,8 @@ from nxd_layers._attributes import (
     tensor_parallel_rank_and_size,
 )
 from nxd_layers._init import InitMethod, init_master, is_meta, sharded_parameter
-from nxd_layers.linear import BaseParallelLinear, check_input
+from nxd_layers._linear_common import check_input, check_reduce_dtype
+from nxd_layers.linear import BaseParallelLinear
 from nxd_state import collectives
 
 __all__ = ["GQAQKVColumnParallelLinear", "get_kv_size_multiplier", "neuronx_gqa_rank_map"]
@@ -77,7 +78,9 @@ class GQAQKVColumnParallelLinear(BaseParallelLinear):
     into ``master_weight_qkv`` (``master_bias_qkv``) and the separate ones are None.
     NxD replicates KV heads block-wise (``[k0, k1, k0, k1]``) and reorders Q heads in its
     checkpoints; :func:`neuronx_gqa_rank_map` maps its TP ranks to this layout's.
-    ``tensor_model_parallel_group`` is NxD's name for ``tensor_parallel_group``.
+    ``reduce_dtype`` (NxD's): the backward all-reduce (reduce-scatter under SP) of the input
+    gradient happens in this dtype. ``tensor_model_parallel_group`` is NxD's name for
+    ``tensor_parallel_group``.
     """
 
     def __init__(
@@ -98,8 +101,10 @@ class GQAQKVColumnParallelLinear(BaseParallelLinear):
         sequence_dimension: int = 0,
         keep_master_weight: bool = False,
         tensor_model_parallel_group: ProcessGroup | None = None,
+        reduce_dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
+        self.reduce_dtype = check_reduce_dtype(type(self).__name__, reduce_dtype)
         if not isinstance(input_size, int) or input_size <= 0:
             raise ValueError(f"input_size must be a positive int, got {input_size!r}")
         if len(output_sizes) != 2 or min(output_sizes) <= 0:
@@ -215,10 +220,10 @@ class GQAQKVColumnParallelLinear(BaseParallelLinear):
         group = self.tensor_parallel_group
         if self.sequence_parallel_enabled:
             x = mappings.gather_from_sequence_parallel_region(
-                x, self.sequence_dimension, process_group=group
+                x, self.sequence_dimension, process_group=group, dtype=self.reduce_dtype
             )
         else:
-            x = mappings.copy_to_tensor_model_parallel_region(x, group)
+            x = mappings.copy_to_tensor_model_parallel_region(x, group, dtype=self.reduce_dtype)
         weights, biases = self._parts("weight"), self._parts("bias")
         outputs = []
         for i, (weight, bias) in enumerate(zip(weights, biases)):
