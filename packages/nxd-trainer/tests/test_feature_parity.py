@@ -1,6 +1,7 @@
 """Config features through the sample at TP=2, each equal to its one-process recipe and golden
-curve: LoRA (``lora_config``), padded attention heads (``pad_model``, 3 heads on 2 ranks) and
-bf16 parameters with fp32 master weights (ZeRO-1's default mixed precision).
+curve: LoRA (``lora_config``), padded attention heads (``pad_model="head_aligned"``, 3 heads on
+2 ranks; ``pad_model=True``, NxD's per-shard layout, is checked for its layout) and bf16
+parameters with fp32 master weights (ZeRO-1's default mixed precision).
 """
 
 from __future__ import annotations
@@ -117,13 +118,22 @@ def run_feature(kind: str) -> dict[str, Any]:
     model_kwargs: dict[str, Any] = {"tensor_parallel": True}
     if kind == "lora":
         config["lora_config"] = LoraConfig(**LORA)
-    elif kind == "pad":
-        config["pad_model"] = True
+    elif kind in ("pad", "pad nxd layout"):
+        config["pad_model"] = "head_aligned" if kind == "pad" else True
         model_kwargs.update(PAD_MODEL)
     else:
         model_fn = _bf16_model
     nxd_config = nxd.neuronx_distributed_config(**config)
     model = nxd.initialize_parallel_model(nxd_config, model_fn, **model_kwargs)
+    state = nxd_state.get_parallel_state()
+    if kind == "pad nxd layout":  # NxD's: each rank's own rows of Q, then zeros
+        unpadded = R.get_model(tensor_parallel=True, **PAD_MODEL)
+        mine = unpadded.blocks[0].attn.q_proj.weight
+        padded = model.local_module().blocks[0].attn.q_proj.weight
+        assert padded.shape[0] == 16  # 4 heads of 8 over 2 ranks
+        assert torch.equal(padded[: mine.shape[0]], mine.detach())
+        assert torch.count_nonzero(padded[mine.shape[0] :]) == 0
+        return {}
     if kind == "lora":
         _fill_adapters(model.local_module())
         trainable = {n for n, p in model.named_parameters() if p.requires_grad}
@@ -142,7 +152,6 @@ def run_feature(kind: str) -> dict[str, Any]:
         losses.append(float(model.run_train(ids, ids)))
         optimizer.step()
         optimizer.zero_grad()
-    state = nxd_state.get_parallel_state()
     return {
         "losses": losses,
         "shards": R.local_shards(model),
@@ -152,7 +161,7 @@ def run_feature(kind: str) -> dict[str, Any]:
 
 
 def two_rank_features() -> dict[str, Any]:
-    return {kind: run_feature(kind) for kind in ("lora", "pad", "bf16")}
+    return {kind: run_feature(kind) for kind in ("lora", "pad", "pad nxd layout", "bf16")}
 
 
 def _check_padded(results: list[dict[str, Any]], expected: dict[str, torch.Tensor]) -> None:

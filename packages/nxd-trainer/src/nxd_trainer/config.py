@@ -91,8 +91,12 @@ class NxDConfig:
     """``"full"`` (recompute every transformer layer), module classes (recompute those), or
     None (off)."""
 
-    pad_model: bool = False
-    """Pad attention heads of a Hugging Face model up to a multiple of TP (PP = 1 only)."""
+    pad_model: bool | str = False
+    """Pad attention heads up to a multiple of TP (PP = 1 only; the model needs
+    ``config.num_attention_heads``). ``True``: NxD's layout (each rank zero-pads its own
+    shard, so a head split across ranks is changed, as in NxD); ``"head_aligned"`` (nxd): the
+    full weights get whole zero heads at the end and are re-sharded, so the padded model
+    computes what the original did."""
 
     sequence_parallel: bool = False
     """Sequence parallelism: the model's TP layers run with ``sequence_parallel_enabled`` and
@@ -120,7 +124,10 @@ class NxDConfig:
                 f"expert_parallel_size={self.expert_parallel_size!r}: nxd has no expert "
                 f"parallelism; only 1 is supported"
             )
-        check_bool("config", "pad_model", self.pad_model)
+        if not (isinstance(self.pad_model, bool) or self.pad_model == "head_aligned"):
+            raise ValueError(
+                f"pad_model must be True, False or 'head_aligned', got {self.pad_model!r}"
+            )
         check_bool("config", "sequence_parallel", self.sequence_parallel)
         _check_activation_checkpoint(self.activation_checkpoint_config)
         if self.lora_config is not None:
@@ -259,7 +266,7 @@ def neuronx_distributed_config(
     pipeline_config: dict[str, Any] | None = None,
     optimizer_config: dict[str, Any] | None = None,
     activation_checkpoint_config: Any = None,
-    pad_model: bool = False,
+    pad_model: bool | str = False,
     sequence_parallel: bool = False,
     model_init_config: dict[str, Any] | None = None,
     lora_config: Any = None,

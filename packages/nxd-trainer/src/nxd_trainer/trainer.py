@@ -193,7 +193,8 @@ def _pad(config: NxDConfig, model: nn.Module, info: ModelInfo) -> None:
         for m in model.modules()
         if "Attention" in type(m).__name__ and any(isinstance(c, parallel) for c in m.children())
     }
-    pad_model(model, config.tensor_parallel_size, heads, wrapped_classes=tuple(attention))
+    layout = {"head_aligned": True} if config.pad_model == "head_aligned" else {}
+    pad_model(model, config.tensor_parallel_size, heads, wrapped_classes=tuple(attention), **layout)
 
 
 def _checkpoint_classes(config: NxDConfig, original: nn.Module, info: ModelInfo) -> tuple:
