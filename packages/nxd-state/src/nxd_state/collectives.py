@@ -21,14 +21,24 @@ benchmarks can compare traffic with theory. Two byte counts are kept per call:
 
 from __future__ import annotations
 
-import contextlib
-import weakref
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
+
+from nxd_state._traffic import (
+    CollectiveCounter,
+    OpStats,
+    count_collectives,
+    group_name,
+    group_rank,
+    group_size,
+    nbytes,
+    record,
+    register_group_name,
+)
 
 __all__ = [
     "CollectiveCounter",
@@ -54,98 +64,6 @@ __all__ = [
 ]
 
 Group = ProcessGroup | None
-
-# Names given to groups by whoever built them ("tp", "dp", ...), for the counter's keys.
-_GROUP_NAMES: weakref.WeakKeyDictionary[ProcessGroup, str] = weakref.WeakKeyDictionary()
-
-
-def register_group_name(group: ProcessGroup, name: str) -> None:
-    """Name ``group`` in traffic reports (``ParallelState`` names its groups tp/dp/pp/mp)."""
-    _GROUP_NAMES[group] = name
-
-
-def group_name(group: Group) -> str:
-    """The registered name of ``group``, else ``ranks[...]``."""
-    resolved = group if group is not None else dist.GroupMember.WORLD
-    if resolved in _GROUP_NAMES:
-        return _GROUP_NAMES[resolved]
-    if resolved is dist.GroupMember.WORLD:
-        return "world"
-    return f"ranks{dist.get_process_group_ranks(resolved)}"
-
-
-def group_size(group: Group = None) -> int:
-    return dist.get_world_size(group)
-
-
-def group_rank(group: Group = None) -> int:
-    return dist.get_rank(group)
-
-
-# Traffic counting ------------------------------------------------------------------------
-@dataclass
-class OpStats:
-    """Totals for one (op, group) pair."""
-
-    calls: int = 0
-    bytes: int = 0
-    wire_bytes: float = 0.0
-
-
-@dataclass
-class CollectiveCounter:
-    """Calls and bytes per ``(op, group name)``; filled while :func:`count_collectives` runs."""
-
-    stats: dict[tuple[str, str], OpStats] = field(default_factory=dict)
-
-    def record(self, op: str, group: Group, payload: int, wire: float) -> None:
-        entry = self.stats.setdefault((op, group_name(group)), OpStats())
-        entry.calls += 1
-        entry.bytes += payload
-        entry.wire_bytes += wire
-
-    def total(self, *, op: str | None = None, group: str | None = None) -> OpStats:
-        """Sum over the entries matching ``op`` and/or ``group`` name."""
-        out = OpStats()
-        for (entry_op, entry_group), entry in self.stats.items():
-            if (op is None or op == entry_op) and (group is None or group == entry_group):
-                out.calls += entry.calls
-                out.bytes += entry.bytes
-                out.wire_bytes += entry.wire_bytes
-        return out
-
-    def as_dict(self) -> dict[str, dict[str, float]]:
-        """JSON-ready ``{"op@group": {"calls", "bytes", "wire_bytes"}}``."""
-        return {
-            f"{op}@{grp}": vars(stats).copy() for (op, grp), stats in sorted(self.stats.items())
-        }
-
-    def reset(self) -> None:
-        self.stats.clear()
-
-
-_COUNTERS: list[CollectiveCounter] = []
-
-
-@contextlib.contextmanager
-def count_collectives(counter: CollectiveCounter | None = None) -> Iterator[CollectiveCounter]:
-    """Count every collective issued inside the block (nested counters all see them)."""
-    counter = counter if counter is not None else CollectiveCounter()
-    _COUNTERS.append(counter)
-    try:
-        yield counter
-    finally:
-        _COUNTERS.remove(counter)
-
-
-def _record(op: str, group: Group, payload: int, wire: float) -> None:
-    for counter in _COUNTERS:
-        counter.record(op, group, payload, wire)
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
 
 # Backends found to lack a native op (detected on first use): the op is emulated instead.
 _NO_NATIVE_REDUCE_SCATTER: set[str] = set()  # gloo before torch 2.6
@@ -173,7 +91,7 @@ def all_reduce(
     n = group_size(group)
     if n == 1:
         return tensor
-    _record("all_reduce", group, _nbytes(tensor), 2 * (n - 1) / n * _nbytes(tensor))
+    record("all_reduce", group, nbytes(tensor), 2 * (n - 1) / n * nbytes(tensor))
     dist.all_reduce(tensor, op=op, group=group)
     return tensor
 
@@ -183,7 +101,7 @@ def all_gather(tensor: torch.Tensor, group: Group = None, dim: int = 0) -> torch
     n = group_size(group)
     if n == 1:
         return tensor
-    _record("all_gather", group, _nbytes(tensor), (n - 1) * _nbytes(tensor))
+    record("all_gather", group, nbytes(tensor), (n - 1) * nbytes(tensor))
     dim = dim % tensor.dim()
     moved = tensor.movedim(dim, 0).contiguous()
     out = torch.empty(
@@ -209,7 +127,7 @@ def reduce_scatter(
             f"reduce_scatter: size {tensor.shape[dim]} of dim {dim} is not divisible by the "
             f"group size {n}"
         )
-    payload = _nbytes(tensor)
+    payload = nbytes(tensor)
     moved = tensor.movedim(dim, 0).contiguous()
     backend = _backend_name(group)
     if backend not in _NO_NATIVE_REDUCE_SCATTER:
@@ -223,10 +141,10 @@ def reduce_scatter(
                 raise
             _NO_NATIVE_REDUCE_SCATTER.add(backend)
         else:
-            _record("reduce_scatter", group, payload, (n - 1) / n * payload)
+            record("reduce_scatter", group, payload, (n - 1) / n * payload)
             return out.movedim(0, dim)
     # Emulation: an all-reduce (what goes on the wire, and what is counted) and a slice.
-    _record("reduce_scatter", group, payload, 2 * (n - 1) / n * payload)
+    record("reduce_scatter", group, payload, 2 * (n - 1) / n * payload)
     reduced = moved.clone()
     dist.all_reduce(reduced, op=op, group=group)
     return reduced.chunk(n, dim=0)[group_rank(group)].contiguous().movedim(0, dim)
@@ -246,7 +164,7 @@ def all_to_all(
             f"all_to_all: size {tensor.shape[scatter_dim]} of scatter dim {scatter_dim} is not "
             f"divisible by the group size {n}"
         )
-    payload = _nbytes(tensor)
+    payload = nbytes(tensor)
     # (n, *chunk): row j is what this rank sends to group rank j, and receives from it.
     send = torch.stack(tensor.chunk(n, dim=scatter_dim))
     received = torch.empty_like(send)
@@ -259,9 +177,9 @@ def all_to_all(
                 raise
             _NO_NATIVE_ALL_TO_ALL.add(backend)
         else:
-            _record("all_to_all", group, payload, (n - 1) / n * payload)
+            record("all_to_all", group, payload, (n - 1) / n * payload)
             return torch.cat(received.unbind(0), dim=gather_dim)
-    _record("all_to_all", group, payload, (n - 1) / n * payload)
+    record("all_to_all", group, payload, (n - 1) / n * payload)
     _all_to_all_pairwise(received, send, group)
     return torch.cat(received.unbind(0), dim=gather_dim)
 
@@ -286,21 +204,21 @@ def broadcast(tensor: torch.Tensor, src: int, group: Group = None) -> torch.Tens
     n = group_size(group)
     if n == 1:
         return tensor
-    wire = _nbytes(tensor) if dist.get_rank() == src else 0
-    _record("broadcast", group, _nbytes(tensor), wire)
+    wire = nbytes(tensor) if dist.get_rank() == src else 0
+    record("broadcast", group, nbytes(tensor), wire)
     dist.broadcast(tensor, src=src, group=group)
     return tensor
 
 
 def send(tensor: torch.Tensor, dst: int, group: Group = None) -> None:
     """Blocking send to global rank ``dst``."""
-    _record("send", group, _nbytes(tensor), _nbytes(tensor))
+    record("send", group, nbytes(tensor), nbytes(tensor))
     dist.send(tensor.contiguous(), dst=dst, group=group)
 
 
 def recv(tensor: torch.Tensor, src: int, group: Group = None) -> torch.Tensor:
     """Blocking receive from global rank ``src`` into ``tensor``; returns it."""
-    _record("recv", group, _nbytes(tensor), 0)
+    record("recv", group, nbytes(tensor), 0)
     dist.recv(tensor, src=src, group=group)
     return tensor
 
@@ -315,7 +233,7 @@ def isend(tensor: torch.Tensor, dst: int, group: Group = None) -> dist.Work:
     """
     if not tensor.is_contiguous():
         raise ValueError(f"isend needs a contiguous tensor (shape {tuple(tensor.shape)})")
-    _record("send", group, _nbytes(tensor), _nbytes(tensor))
+    record("send", group, nbytes(tensor), nbytes(tensor))
     work = dist.isend(tensor, dst=dst, group=group)
     assert work is not None
     return work
@@ -327,7 +245,7 @@ def irecv(tensor: torch.Tensor, src: int, group: Group = None) -> dist.Work:
     Receives posted on one link complete in posting order, matched to the peer's sends in
     theirs.
     """
-    _record("recv", group, _nbytes(tensor), 0)
+    record("recv", group, nbytes(tensor), 0)
     work = dist.irecv(tensor, src=src, group=group)
     assert work is not None
     return work
@@ -400,10 +318,10 @@ def batch_send_recv(ops: Sequence[P2POp]) -> None:
     p2p = []
     for op in ops:
         if op.kind == "send":
-            _record("send", op.group, _nbytes(op.tensor), _nbytes(op.tensor))
+            record("send", op.group, nbytes(op.tensor), nbytes(op.tensor))
             p2p.append(dist.P2POp(dist.isend, op.tensor, op.peer, op.group))
         elif op.kind == "recv":
-            _record("recv", op.group, _nbytes(op.tensor), 0)
+            record("recv", op.group, nbytes(op.tensor), 0)
             p2p.append(dist.P2POp(dist.irecv, op.tensor, op.peer, op.group))
         else:
             raise ValueError(f"P2POp.kind must be 'send' or 'recv', got {op.kind!r}")
