@@ -93,6 +93,7 @@ def test_norm_summaries_equal_nxd_layers_norm_of_the_params(norm_type: float) ->
     params[2].tensor_model_parallel = True
     params[2].tensor_parallel_replicas = torch.tensor([1.0, 2.0, 4.0, 2.0])  # per row
     params[3].shared = True
+    params[4].unrelated = {"not": "seen by get_grad_norm"}  # does not keep its slices apart
     expected = get_grad_norm(params, norm_type)
     spans = []
     for param, cuts in zip(params, ([0, 7, 19, 30], [0, 7], [0, 4, 5, 12], [0, 9], [0, 2, 5])):

@@ -49,53 +49,61 @@ def _row_replicas(span: GradSpan) -> torch.Tensor | None:
     return replicas.to(span.grad.device, torch.float32)[index // row]
 
 
-def _summary(x: torch.Tensor, param: torch.Tensor | None, replicas_folded: bool) -> torch.Tensor:
+def _attributes(param: torch.Tensor | None, replicas_folded: bool) -> dict[str, object]:
+    """What a summary of ``param``'s slices carries: its TP attributes (as nxd_layers copies
+    them) and ``shared``; everything get_grad_norm will see of it."""
+    if param is None:  # padding: counted on every TP rank, adds nothing
+        return {"tensor_model_parallel": True}
+    probe = torch.empty(0)
+    copy_tensor_model_parallel_attributes(probe, param)
+    attributes = dict(vars(probe))
+    if replicas_folded:
+        attributes["tensor_parallel_replicas"] = 1
+    if getattr(param, "shared", False):  # a tied copy whose gradient is counted elsewhere
+        attributes["shared"] = True
+    return attributes
+
+
+def _summary(x: torch.Tensor, attributes: dict[str, object]) -> torch.Tensor:
+    """A one-element tensor whose gradient is x, carrying ``attributes``."""
     holder = x.reshape(1)
     summary = holder.detach().clone()
     summary.grad = holder
-    if param is None:
-        summary.tensor_model_parallel = True  # type: ignore[attr-defined]
-        return summary
-    copy_tensor_model_parallel_attributes(summary, param)
-    if replicas_folded:
-        summary.tensor_parallel_replicas = 1  # type: ignore[attr-defined]
-    if getattr(param, "shared", False):  # a tied copy whose gradient is counted elsewhere
-        summary.shared = True  # type: ignore[attr-defined]
+    for name, value in attributes.items():
+        setattr(summary, name, value)
     return summary
 
 
-def _signature(param: torch.Tensor | None) -> tuple | None:
-    """The param's own attributes, when all are plain values: params with equal signatures
-    are interchangeable for get_grad_norm, which sees nothing else of them. None: keep apart."""
-    if param is None:
-        return ("padding",)
-    items = []
-    for name, value in sorted(vars(param).items()):
-        if value is not None and not isinstance(value, (bool, int, float, str)):
-            return None
-        items.append((name, value))
+def _signature(attributes: dict[str, object]) -> tuple | None:
+    """Hashable form of plain-valued attributes (None if any value is not plain: kept apart).
+    Slices with equal signatures look the same to get_grad_norm, so they may combine."""
+    items = sorted(attributes.items())
+    if any(v is not None and not isinstance(v, (bool, int, float, str)) for _, v in items):
+        return None
     return tuple(items)
 
 
 def _summaries(spans: Sequence[GradSpan], p: float) -> list[torch.Tensor]:
-    """One summary per group of slices with equal signatures (Σ_s |x_s|^p is the group's
+    """One summary per group of slices with equal attributes (Σ_s |x_s|^p is the group's
     Σ_e |g_e|^p, max for p = ∞), one per slice with per-row replica counts."""
     weights = [None if p == math.inf else _row_replicas(s) for s in spans]
     plain = [i for i, w in enumerate(weights) if w is None]
     out = []
     if plain:  # one fused kernel, fp32 accumulation whatever the gradients' dtype
         norms = torch._foreach_norm([spans[i].grad for i in plain], p, dtype=torch.float32)
-        groups: dict[object, list[int]] = {}
-        for k, i in enumerate(plain):
-            signature = _signature(spans[i].param)
-            groups.setdefault(signature if signature is not None else ("alone", i), []).append(k)
-        for members in groups.values():
-            combined = torch.linalg.vector_norm(torch.stack([norms[k] for k in members]), p)
-            out.append(_summary(combined, spans[plain[members[0]]].param, replicas_folded=False))
+        groups: dict[object, tuple[dict[str, object], list[torch.Tensor]]] = {}
+        for norm, i in zip(norms, plain):
+            attributes = _attributes(spans[i].param, replicas_folded=False)
+            signature = _signature(attributes)
+            key = ("alone", i) if signature is None else signature
+            groups.setdefault(key, (attributes, []))[1].append(norm)
+        for attributes, members in groups.values():
+            combined = torch.linalg.vector_norm(torch.stack(members), p)
+            out.append(_summary(combined, attributes))
     for span, w in zip(spans, weights):
         if w is not None:  # per-row replica counts: fold 1/r_e into the summary
             powered = (span.grad.float().abs().pow(p) / w).sum()
-            out.append(_summary(powered.pow(1.0 / p), span.param, replicas_folded=True))
+            out.append(_summary(powered.pow(1.0 / p), _attributes(span.param, True)))
     return out
 
 
