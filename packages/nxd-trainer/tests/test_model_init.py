@@ -202,6 +202,51 @@ def check_hf_passthrough() -> None:
     assert all(p.grad is not None for p in model.parameters())
 
 
+def check_hf_pipeline() -> None:
+    """A Hugging Face Llama at PP=2 through the trainer (torch.export capture, chosen for HF
+    models): loss and every local gradient equal one process (fp32; the pipeline sums two
+    micro-batch means: round-off only, rtol 1e-5 / atol 1e-6 as nxd-pipeline's own tests)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import nxd_state
+    import nxd_trainer as nxd
+
+    def get_model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        config = LlamaConfig(
+            vocab_size=64,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+        return LlamaForCausalLM(config)
+
+    nxd_state.destroy_model_parallel()
+    nxd_config = nxd.neuronx_distributed_config(
+        pipeline_parallel_size=2,
+        pipeline_config={
+            "num_microbatches": 2,
+            "input_names": ["input_ids", "labels"],
+            "pipeline_cuts": ["model.layers.0"],
+            "broadcast_and_average_loss": True,
+        },
+    )
+    model = nxd.initialize_parallel_model(nxd_config, get_model)
+    reference = get_model()
+    ids = R.batches()[0]
+    expected = reference(input_ids=ids, labels=ids, use_cache=False).loss
+    expected.backward()
+    loss = model.run_train(input_ids=ids, labels=ids)
+    tol = {"rtol": 1e-5, "atol": 1e-6}
+    torch.testing.assert_close(loss, expected.detach(), **tol)
+    grads = dict(reference.named_parameters(remove_duplicate=False))
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, grads[name].grad, **tol, msg=name)
+    assert model.config is not None  # the HF config passes through at PP > 1 too
+
+
 def two_rank_checks() -> dict[str, Any]:
     out: dict[str, Any] = {}
 
@@ -215,6 +260,7 @@ def two_rank_checks() -> dict[str, Any]:
             "api pp2": api_pp2,
             "api tp2": check_module_api_tp2,
             "hf": check_hf_passthrough,
+            "hf pp2": check_hf_pipeline,
         }
     )
     return out
