@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 import time
 import traceback
@@ -67,8 +68,15 @@ class SaveJob:
         return self.plan.ctx
 
     # Phases ------------------------------------------------------------------------------
+    def prepare(self) -> None:
+        """Rank 0 creates the tag and its start marker; every rank its data folder."""
+        if self.ctx.rank == 0:
+            _tags.begin_tag(self.tag_dir)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+
     def write(self) -> None:
         try:
+            self.prepare()
             with host_slot(self.num_workers, self.ctx.local_rank, f"rank {self.ctx.rank} save"):
                 write_rank(self.plan, self.tag_dir, self.data_dir, self.file_plan, self.staged)
         except BaseException as error:
@@ -197,4 +205,12 @@ def _wait_at_exit() -> None:
         logger.exception("the last asynchronous checkpoint save failed")
 
 
+def _forget_pending() -> None:
+    """A forked child does not own its parent's background save."""
+    global _PENDING, _LOCK
+    _PENDING, _LOCK = None, threading.Lock()
+
+
 atexit.register(_wait_at_exit)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pending)

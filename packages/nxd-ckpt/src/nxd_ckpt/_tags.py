@@ -99,12 +99,15 @@ def resolve_tag_dir(path: str | os.PathLike[str], tag: str | None) -> tuple[Path
 def begin_tag(folder: Path) -> None:
     """Create the tag folder and its start marker (kept if the tag exists)."""
     folder.mkdir(parents=True, exist_ok=True)
-    if not (folder / START_MARKER).exists():
-        write_text_atomic(folder / START_MARKER, "1")
+    if not (folder / START_MARKER).exists():  # informational: not worth an fsync
+        write_text_atomic(folder / START_MARKER, "1", durable=False)
 
 
 def mark_done(folder: Path) -> None:
-    write_text_atomic(folder / DONE_MARKER, "1")
+    """``done``, made durable by a folder fsync (its content is never read; the index it
+    vouches for was made durable before)."""
+    write_text_atomic(folder / DONE_MARKER, "1", durable=False)
+    fsync_dir(folder)
 
 
 def remove_tag(folder: Path) -> None:

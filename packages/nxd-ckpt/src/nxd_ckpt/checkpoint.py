@@ -58,9 +58,8 @@ def _check_save_args(path: Any, tag: Any, num_kept_ckpts: Any) -> tuple[Path, st
     root = Path(path)
     try:
         root.mkdir(parents=True, exist_ok=True)
-        probe = root / f".nxd-ckpt-probe-{os.getpid()}"
-        probe.write_text("")
-        probe.unlink()
+        if not os.access(root, os.W_OK | os.X_OK):
+            raise PermissionError(13, "no write permission")
     except OSError as error:
         raise PermissionError(
             f"checkpoint path {root} is not a writable folder: {error.strerror or error}"
@@ -115,9 +114,6 @@ def save_checkpoint(
         )
         zero1 = bool(plan.meta.get("optimizer", {}).get("zero1"))
         plan.meta["parallel"] = ctx.parallel_dict(zero1)
-        if ctx.rank == 0:
-            _tags.begin_tag(tag_dir)
-        data_dir.mkdir(parents=True, exist_ok=True)
     except BaseException as caught:
         error = caught
     agree(error, f"preparing checkpoint {tag_dir}")
@@ -145,10 +141,13 @@ def save_checkpoint(
     )
 
 
-def finalize_checkpoint() -> None:
-    """Wait for a pending async save and raise its error (collective); frees the host copy."""
+def finalize_checkpoint(*, release_host_memory: bool = True) -> None:
+    """Wait for a pending async save and raise its error (collective). The host buffer async
+    saves copy into is kept between saves (so the next copy does not page-fault), and freed
+    here unless ``release_host_memory=False``."""
     _saver.wait_pending()
-    _STAGING.release()
+    if release_host_memory:
+        _STAGING.release()
 
 
 def has_checkpoint(path: str | os.PathLike[str]) -> bool:
