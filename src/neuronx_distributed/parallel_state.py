@@ -1,4 +1,5 @@
-"""NxD's ``neuronx_distributed.parallel_state``: the functions of :mod:`nxd_state`."""
+"""NxD's ``neuronx_distributed.parallel_state``: the same module as
+``neuronx_distributed.parallel_layers.parallel_state``."""
 
-from nxd_state.parallel_state import *  # noqa: F403
-from nxd_state.parallel_state import __all__ as __all__
+from neuronx_distributed.parallel_layers.parallel_state import *  # noqa: F403
+from neuronx_distributed.parallel_layers.parallel_state import __all__ as __all__

@@ -1,5 +1,6 @@
 """NxD's ``neuronx_distributed.optimizer``: ZeRO-1 from :mod:`nxd_optim`, on every backend."""
 
+from neuronx_distributed.optimizer import zero_redundancy_optimizer
 from nxd_optim import NeuronZero1Optimizer
 
-__all__ = ["NeuronZero1Optimizer"]
+__all__ = ["NeuronZero1Optimizer", "zero_redundancy_optimizer"]

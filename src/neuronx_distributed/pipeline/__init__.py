@@ -1,5 +1,6 @@
-"""NxD's ``neuronx_distributed.pipeline``: :class:`nxd_pipeline.NxDPPModel`."""
+"""NxD's ``neuronx_distributed.pipeline``: :class:`nxd_pipeline.NxDPPModel` and its modules."""
 
+from neuronx_distributed.pipeline import comm, manual_pipe_stage, model
 from nxd_pipeline import NxDPPModel
 
-__all__ = ["NxDPPModel"]
+__all__ = ["NxDPPModel", "comm", "manual_pipe_stage", "model"]
