@@ -31,7 +31,18 @@ PACKAGES = [
 ]
 # XLA runs on torch-xla 2.9, which needs exactly torch 2.9 (outside the lock, its own venv).
 XLA_PINS = ["torch==2.9.0", "torch-xla==2.9.0"]
-XLA_PACKAGES = ["nxd-state"]
+# Packages whose `xla`-marked tests run there, and the ones they need installed.
+XLA_TESTED = ["nxd-state", "nxd-trainer"]
+XLA_PACKAGES = [
+    "nxd-state",
+    "nxd-layers",
+    "nxd-pipeline",
+    "nxd-optim",
+    "nxd-lora",
+    "nxd-ckpt",
+    "nxd-trainer",
+]
+XLA_THIRD_PARTY = ["safetensors", "tqdm", "transformers>=5.4"]
 
 
 def _sync(session: nox.Session, *args: str) -> None:
@@ -176,14 +187,14 @@ def lint(session: nox.Session) -> None:
 @nox.session(tags=["ci"])
 def xla(session: nox.Session) -> None:
     """Single-device tests on torch-xla's CPU client (PJRT_DEVICE=CPU), torch 2.9."""
-    session.install(*XLA_PINS, "pytest", "numpy")
+    session.install(*XLA_PINS, *XLA_THIRD_PARTY, "pytest", "numpy")
     for package in XLA_PACKAGES:
         session.install("--no-deps", "-e", f"packages/{package}")
     session.run(
         "pytest",
         "-m",
         "xla",
-        *(f"packages/{p}/tests" for p in XLA_PACKAGES),
+        *(f"packages/{p}/tests" for p in XLA_TESTED),
         *session.posargs,
         env={"PJRT_DEVICE": "CPU", "NXD_DEVICE": "xla"},
     )
