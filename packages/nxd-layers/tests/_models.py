@@ -1,5 +1,6 @@
 """Shared helpers of the attention, padding and tracing tests: the TP coordinates, error
-checks, tolerances, and the GQA attention models (an unsharded reference and its TP copy).
+checks, tolerances, the GQA attention models (an unsharded reference and its TP copy) and a
+tiny Llama-style LM built from nxd's layers with its unsharded reference.
 
 Not a test module (no ``test_`` prefix): test files load it by path (:func:`load` in each of
 them), because the rank processes find functions by file and pytest's importlib mode does not
@@ -18,7 +19,9 @@ from torch import nn
 
 import nxd_state
 from nxd_layers import (
+    ColumnParallelLinear,
     GQAQKVColumnParallelLinear,
+    ParallelEmbedding,
     RowParallelLinear,
     get_kv_size_multiplier,
 )
@@ -160,3 +163,93 @@ def load_attention(par: ParallelAttention, ref: RefAttention) -> None:
     with torch.no_grad():
         par.o.weight.copy_(ref.o.weight.chunk(tp, dim=1)[rank])
         par.norm.load_state_dict(ref.norm.state_dict())
+
+
+# A tiny Llama-style LM ----------------------------------------------------------------------
+class RefMLP(nn.Module):
+    """Pre-norm SwiGLU MLP with a residual: x + W_d (silu(W_g h) * W_u h), h = RMSNorm(x)."""
+
+    def __init__(self, hidden: int, ffn: int) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(hidden, eps=1e-6)
+        self.gate = nn.Linear(hidden, ffn, bias=False)
+        self.up = nn.Linear(hidden, ffn, bias=False)
+        self.down = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class ParallelMLP(nn.Module):
+    """:class:`RefMLP` over TP: gate and up column-parallel, down row-parallel."""
+
+    def __init__(self, hidden: int, ffn: int) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(hidden, eps=1e-6)
+        self.gate = ColumnParallelLinear(hidden, ffn, bias=False, gather_output=False)
+        self.up = ColumnParallelLinear(hidden, ffn, bias=False, gather_output=False)
+        self.down = RowParallelLinear(ffn, hidden, bias=False, input_is_parallel=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+LLAMA = {"vocab": 64, "hidden": 32, "heads": 4, "kv_heads": 2, "head_dim": 8, "ffn": 64}
+
+
+class RefLlama(nn.Module):
+    """Embedding -> GQA attention block -> SwiGLU MLP block -> RMSNorm -> LM head, unsharded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        c = LLAMA
+        self.embed = nn.Embedding(c["vocab"], c["hidden"])
+        self.attn = RefAttention(c["hidden"], c["heads"], c["kv_heads"], c["head_dim"])
+        self.mlp = RefMLP(c["hidden"], c["ffn"])
+        self.norm = nn.RMSNorm(c["hidden"], eps=1e-6)
+        self.head = nn.Linear(c["hidden"], c["vocab"], bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.mlp(self.attn(self.embed(ids)))))
+
+
+class ParallelLlama(nn.Module):
+    """:class:`RefLlama` built from nxd's layers: vocabulary-parallel embedding, GQA attention
+    and MLP over TP, a column-parallel head gathering the logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        c = LLAMA
+        self.embed = ParallelEmbedding(c["vocab"], c["hidden"])
+        self.attn = ParallelAttention(c["hidden"], c["heads"], c["kv_heads"], c["head_dim"], False)
+        self.mlp = ParallelMLP(c["hidden"], c["ffn"])
+        self.norm = nn.RMSNorm(c["hidden"], eps=1e-6)
+        self.head = ColumnParallelLinear(c["hidden"], c["vocab"], bias=False, gather_output=True)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.mlp(self.attn(self.embed(ids)))))
+
+
+def reference_llama(seed: int = 1234) -> RefLlama:
+    """The unsharded model every test compares with (the same on every process)."""
+    torch.manual_seed(seed)
+    return RefLlama().eval()
+
+
+def parallel_llama(seed: int = 1234) -> ParallelLlama:
+    """This rank's shard of :func:`reference_llama` (its weights sliced in)."""
+    tp, rank = tp_rank()
+    ref = reference_llama(seed)
+    par = ParallelLlama().eval()
+    load_attention(par.attn, ref.attn)
+    with torch.no_grad():
+        par.embed.weight.copy_(ref.embed.weight.chunk(tp, dim=0)[rank])
+        par.mlp.norm.load_state_dict(ref.mlp.norm.state_dict())
+        for name in ("gate", "up"):
+            getattr(par.mlp, name).weight.copy_(getattr(ref.mlp, name).weight.chunk(tp)[rank])
+        par.mlp.down.weight.copy_(ref.mlp.down.weight.chunk(tp, dim=1)[rank])
+        par.norm.load_state_dict(ref.norm.state_dict())
+        par.head.weight.copy_(ref.head.weight.chunk(tp)[rank])
+    return par

@@ -1,0 +1,340 @@
+"""NxD's trace API: ``parallel_model_trace``, ``parallel_model_save``, ``parallel_model_load``.
+
+Every argument is checked here, in the caller, before a worker starts; what a worker raises
+(``func`` returning something else than a module, layers built for another TP degree) comes
+back as a :class:`~nxd_layers.trace.WorkerError` naming the rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nxd_layers.trace import _artifacts, _neuron
+from nxd_layers.trace._funcref import make_ref
+from nxd_layers.trace._inputs import encode, normalize_args, signature
+from nxd_layers.trace._model import TensorParallelModel
+from nxd_layers.trace._options import ExportOptions, neuron_available, parse_compiler_args
+from nxd_layers.trace._pool import WorkerPool
+from nxd_state import resolve_device_type
+
+__all__ = ["parallel_model_load", "parallel_model_save", "parallel_model_trace"]
+
+logger = logging.getLogger("nxd_layers.trace")
+
+
+def _bucket_inputs(example_inputs: Any, bucket_config: Any) -> list[tuple[Any, ...]]:
+    """The example inputs of every bucket, bucket 0 first."""
+    if bucket_config is None:
+        return [normalize_args(example_inputs)]
+    if isinstance(bucket_config, list | tuple):
+        if not bucket_config:
+            raise ValueError("bucket_config is an empty list; pass one example input per bucket")
+        sets = [] if example_inputs is None else [normalize_args(example_inputs)]
+        sets += [normalize_args(b, f"bucket_config[{i}]") for i, b in enumerate(bucket_config)]
+    else:  # NxD's call: a torch_neuronx.BucketModelConfig, example_inputs one set per bucket
+        if not isinstance(example_inputs, list | tuple) or not example_inputs:
+            raise ValueError(
+                "with a BucketModelConfig, example_inputs must be a list of one input set per "
+                "bucket (NxD's call)"
+            )
+        sets = [normalize_args(b, f"example_inputs[{i}]") for i, b in enumerate(example_inputs)]
+    seen: dict[str, int] = {}
+    unique = []
+    for index, args in enumerate(sets):
+        key = repr(signature(args))
+        if key in seen:
+            continue  # the same shapes twice: one program serves both
+        seen[key] = index
+        unique.append(args)
+    return unique
+
+
+def _check_degree(tp_degree: Any, max_parallel_compilations: Any) -> int:
+    if isinstance(tp_degree, bool) or not isinstance(tp_degree, int) or tp_degree < 1:
+        raise ValueError(f"tp_degree must be a positive int, got {tp_degree!r}")
+    m = max_parallel_compilations
+    if m is None:
+        return tp_degree
+    if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+        raise ValueError(f"max_parallel_compilations must be None or a positive int, got {m!r}")
+    return min(m, tp_degree)
+
+
+def _check_device(device_type: str, tp_degree: int, neuron: bool) -> None:
+    if device_type == "cuda" and torch.cuda.device_count() < tp_degree:
+        raise ValueError(
+            f"tp_degree={tp_degree} needs {tp_degree} CUDA devices (one per rank), "
+            f"{torch.cuda.device_count()} visible; set NXD_DEVICE=cpu to trace on CPU"
+        )
+    if device_type == "xla" and not neuron:
+        raise ValueError(
+            "the device is XLA but torch-neuronx is not importable: the portable trace runs on "
+            "CPU (gloo) or CUDA (NCCL); set NXD_DEVICE=cpu or install torch-neuronx"
+        )
+
+
+_LAUNCHER_VARS = frozenset(
+    [
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "GROUP_WORLD_SIZE",
+        "ROLE_RANK",
+        "ROLE_WORLD_SIZE",
+        "ROLE_NAME",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    ]
+)
+
+
+def _caller_env() -> dict[str, str]:
+    """The caller's environment for the workers (a forkserver child would otherwise see the
+    server's), without the launcher's own rank / rendezvous variables."""
+    return {
+        key: value
+        for key, value in os.environ.items()
+        if key not in _LAUNCHER_VARS and not key.startswith("TORCHELASTIC")
+    }
+
+
+def _worker_threads(device_type: str, tp_degree: int) -> int:
+    return max(1, (os.cpu_count() or 1) // tp_degree) if device_type == "cpu" else 1
+
+
+def parallel_model_trace(
+    func: Any,
+    example_inputs: Any,
+    compiler_workdir: str | os.PathLike[str] | None = None,
+    compiler_args: Any = None,
+    inline_weights_to_neff: bool = True,
+    bucket_config: Any = None,
+    tp_degree: int = 1,
+    max_parallel_compilations: int | None = None,
+    *,
+    states: Any = None,
+    seed: int = 0,
+    device_type: str | None = None,
+    start_method: str | None = None,
+    startup_timeout: float = 600.0,
+    call_timeout: float | None = None,
+    _eager: bool = False,
+) -> TensorParallelModel:
+    """Launch ``tp_degree`` workers; each calls ``func()`` -> ``(model, state_dict_or_None)``
+    after ``initialize_model_parallel(tp_degree)`` and ``torch.manual_seed(seed)`` (so every
+    rank draws the same master weights), and captures its shard for every bucket.
+
+    Portable route (CPU / CUDA): ``torch.export`` per rank, collectives in the graph;
+    ``compiler_args``: ``None``, an :class:`ExportOptions` or a dict of its fields
+    (``{"aot_inductor": True}``). Neuron route (torch-neuronx importable and an XLA device, or
+    a Neuron-only argument: neuronx-cc flags as ``compiler_args``, a ``BucketModelConfig``,
+    ``states``): ``torch_neuronx.trace`` per rank. ``bucket_config``: a list of example
+    inputs, one program per bucket (``example_inputs`` is bucket 0), or NxD's
+    ``BucketModelConfig`` with ``example_inputs`` a list of per-bucket inputs; a call is routed
+    by its input shapes. ``max_parallel_compilations`` bounds the ranks capturing at once.
+    ``inline_weights_to_neff=False`` keeps the weights out of the saved programs
+    (``tp_<r>.safetensors``). The second value of ``func()``, when not None, is this rank's
+    state dict, loaded strictly. nxd's keywords: ``seed``, ``device_type`` (``cpu``/``cuda``,
+    default nxd_state's choice), ``start_method``, ``startup_timeout``, ``call_timeout``.
+    """
+    ref = make_ref(func)
+    max_parallel = _check_degree(tp_degree, max_parallel_compilations)
+    buckets = _bucket_inputs(example_inputs, bucket_config)
+    options, neuron_flags = parse_compiler_args(compiler_args)
+    if not isinstance(inline_weights_to_neff, bool):
+        raise ValueError(f"inline_weights_to_neff must be a bool, got {inline_weights_to_neff!r}")
+    device = resolve_device_type(device_type)
+    neuron_reasons = [
+        reason
+        for reason, present in (
+            ("compiler_args as neuronx-cc flags", neuron_flags is not None),
+            ("a BucketModelConfig", not isinstance(bucket_config, list | tuple | type(None))),
+            ("states=", states is not None),
+        )
+        if present
+    ]
+    neuron = bool(neuron_reasons) or (device == "xla" and neuron_available())
+    if neuron:
+        _neuron.require(" and ".join(neuron_reasons) or "tracing on an XLA device")
+        if options.aot_inductor:
+            raise ValueError("aot_inductor is a portable-route option; the Neuron route compiles")
+    _check_device(device, tp_degree, neuron)
+    workdir = Path(compiler_workdir) if compiler_workdir is not None else None
+    own_workdir = None
+    if options.aot_inductor and workdir is None:
+        own_workdir = tempfile.TemporaryDirectory(prefix="nxd-trace-aoti-")
+        workdir = Path(own_workdir.name)
+    if workdir is not None:
+        workdir.mkdir(parents=True, exist_ok=True)
+
+    start = time.perf_counter()
+    pool = WorkerPool(
+        tp_degree,
+        device_type=device,
+        threads=_worker_threads(device, tp_degree),
+        start_method=start_method,
+        startup_timeout=startup_timeout,
+        env=_caller_env(),
+        log_dir=str(workdir / "logs") if workdir is not None else None,
+    )
+    try:
+        pool.request("build", {"func": ref, "seed": seed})
+        if _eager:
+            pool.request("eager", {"buckets": len(buckets)})
+        else:
+            payload = {
+                "buckets": [encode(args) for args in buckets],
+                "workdir": str(workdir) if workdir is not None else None,
+                "neuron": None,
+                **options.as_dict(),
+            }
+            if neuron:
+                payload["neuron"] = {
+                    "compiler_workdir": str(workdir) if workdir is not None else None,
+                    "compiler_args": neuron_flags,
+                    "inline_weights_to_neff": inline_weights_to_neff,
+                    "states": states,
+                }
+            for first in range(0, tp_degree, max_parallel):
+                ranks = range(first, min(tp_degree, first + max_parallel))
+                replies = pool.request("export", payload, ranks=ranks)
+                for rank, reply in sorted(replies.items()):
+                    logger.info(
+                        "rank %d: %d bucket(s) captured in %s s",
+                        rank,
+                        len(buckets),
+                        reply["seconds"],
+                    )
+    except BaseException:
+        pool.close()
+        raise
+    info = {
+        "backend": "neuron" if neuron else "export",
+        "device_type": device,
+        "inline_weights_to_neff": inline_weights_to_neff,
+        "compiler": options.as_dict(),
+        "eager": _eager,
+        "workdir": own_workdir,  # kept alive with the model (AOTInductor packages live there)
+    }
+    logger.info("traced tp_degree=%d in %.1f s", tp_degree, time.perf_counter() - start)
+    return TensorParallelModel(
+        pool, [signature(args) for args in buckets], info, call_timeout=call_timeout
+    )
+
+
+def parallel_model_save(model: TensorParallelModel, save_dir: str | os.PathLike[str]) -> None:
+    """Write ``model`` to ``save_dir``: per rank ``tp_<rank>.pt2`` (one file per extra
+    bucket), the weights in ``tp_<rank>.safetensors`` unless inlined, and ``manifest.json``."""
+    if not isinstance(model, TensorParallelModel):
+        raise ValueError(
+            f"parallel_model_save takes the TensorParallelModel that parallel_model_trace or "
+            f"parallel_model_load returned, got {type(model).__name__}"
+        )
+    if model.info.get("eager"):
+        raise ValueError("this model was built eager (nothing captured): trace it to save it")
+    directory = Path(save_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    neuron = model.info["backend"] == "neuron"
+    replies = model._pool.request(
+        "save",
+        {
+            "directory": str(directory),
+            "inline": model.info["inline_weights_to_neff"],
+            "neuron": neuron,
+        },
+    )
+    _artifacts.write_manifest(
+        directory,
+        {
+            "tp_degree": model.tp_degree,
+            "backend": model.info["backend"],
+            "device_type": model.info["device_type"],
+            "inline_weights_to_neff": model.info["inline_weights_to_neff"],
+            "compiler": model.info["compiler"],
+            "buckets": model.buckets,
+            "ranks": [replies[rank] for rank in range(model.tp_degree)],
+            "torch_version": torch.__version__,
+            "nxd_layers_version": version("nxd-layers"),
+        },
+    )
+    logger.info("saved tp_degree=%d to %s", model.tp_degree, directory)
+
+
+def parallel_model_load(
+    load_dir: str | os.PathLike[str],
+    *,
+    start_method: str | None = None,
+    startup_timeout: float = 600.0,
+    call_timeout: float | None = None,
+    use_aot_inductor: bool = True,
+) -> TensorParallelModel:
+    """The :class:`TensorParallelModel` saved in ``load_dir``, rebuilt from its files alone (no
+    model code is imported). Every rank's files are checked before a worker starts.
+    ``use_aot_inductor=False`` runs the exported programs even where compiled packages were
+    saved (they are also skipped, with a warning, under another torch version)."""
+    directory = Path(load_dir)
+    manifest = _artifacts.read_manifest(directory)
+    tp_degree, device = manifest["tp_degree"], manifest["device_type"]
+    neuron = manifest["backend"] == "neuron"
+    if neuron:
+        _neuron.require("loading a Neuron-traced model")
+    else:
+        for entry in manifest["ranks"]:
+            for name in entry["programs"]:
+                _artifacts.check_archive(directory / name)
+    _check_device(device, tp_degree, neuron)
+    use_aoti = use_aot_inductor and any(entry.get("aoti") for entry in manifest["ranks"])
+    if use_aoti and manifest["torch_version"] != torch.__version__:
+        logger.warning(
+            "%s: AOTInductor packages were built with torch %s, this is %s: running the "
+            "exported programs instead",
+            directory,
+            manifest["torch_version"],
+            torch.__version__,
+        )
+        use_aoti = False
+    rank_lists = sorted({tuple(r) for e in manifest["ranks"] for r in e["groups"].values()})
+    pool = WorkerPool(
+        tp_degree,
+        device_type=device,
+        threads=_worker_threads(device, tp_degree),
+        start_method=start_method,
+        startup_timeout=startup_timeout,
+        env=_caller_env(),
+    )
+    try:
+        pool.request(
+            "load",
+            per_rank=[
+                {
+                    "directory": str(directory),
+                    "entry": entry,
+                    "rank_lists": [list(r) for r in rank_lists],
+                    "use_aoti": use_aoti,
+                    "neuron": neuron,
+                }
+                for entry in manifest["ranks"]
+            ],
+        )
+    except BaseException:
+        pool.close()
+        raise
+    info = {
+        "backend": manifest["backend"],
+        "device_type": device,
+        "inline_weights_to_neff": manifest["inline_weights_to_neff"],
+        "compiler": {**ExportOptions().as_dict(), **manifest.get("compiler", {})},
+        "eager": False,
+        "aot_inductor_loaded": use_aoti,
+    }
+    return TensorParallelModel(pool, manifest["buckets"], info, call_timeout=call_timeout)
