@@ -10,17 +10,23 @@ The reference's sample, with its import line changed::
     )
     model = nxd.initialize_parallel_model(nxd_config, get_model)
     optimizer = nxd.initialize_parallel_optimizer(nxd_config, AdamW, model.parameters(), lr=1e-3)
+    if nxd.has_checkpoint("ckpts"):  # auto-resume: the newest complete tag
+        user_content = nxd.load_checkpoint("ckpts", model=model, optimizer=optimizer)
     for batch in batches:
         loss = model.run_train(**batch)
         optimizer.step()
         optimizer.zero_grad()
+    nxd.save_checkpoint("ckpts", "step_100", nxd_config=nxd_config, model=model,
+                        optimizer=optimizer, user_content={"total_steps": 100})
 
 * :func:`neuronx_distributed_config` returns NxD's dict, validated through :class:`NxDConfig`
   and its sections, and initialises model parallelism;
 * :func:`initialize_parallel_model` builds the model (meta-device init, pipeline stages, padding,
   LoRA, activation checkpointing) and wraps it in :class:`NxDModel`;
 * :func:`initialize_parallel_optimizer` builds ``nxd_optim.NxDOptimizer`` (ZeRO-1, clipping,
-  master weights) and makes it the one place gradients are averaged over data parallelism.
+  master weights) and makes it the one place gradients are averaged over data parallelism;
+* :func:`save_checkpoint` / :func:`load_checkpoint` write and read the whole training state
+  (model, optimizer, scheduler, RNG, user content) through nxd-ckpt.
 """
 
 from importlib.metadata import version as _version
@@ -29,6 +35,12 @@ from nxd_trainer.activation_checkpoint import (
     apply_activation_checkpointing,
     checkpointed_modules,
     is_checkpointed,
+)
+from nxd_trainer.checkpoint import (
+    finalize_checkpoint,
+    has_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
 )
 from nxd_trainer.config import NxDConfig, neuronx_distributed_config
 from nxd_trainer.model import NxDModel, select_loss
@@ -56,10 +68,14 @@ __all__ = [
     "__version__",
     "apply_activation_checkpointing",
     "checkpointed_modules",
+    "finalize_checkpoint",
+    "has_checkpoint",
     "initialize_parallel_model",
     "initialize_parallel_optimizer",
     "is_checkpointed",
+    "load_checkpoint",
     "neuronx_distributed_config",
     "optimizer_param_names",
+    "save_checkpoint",
     "select_loss",
 ]

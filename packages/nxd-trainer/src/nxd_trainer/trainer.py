@@ -10,7 +10,8 @@ The model is built in this order (each step explained where it happens):
 3. sequence parallelism is checked against the model's layers;
 4. ``pad_model`` pads attention heads to a multiple of TP (a TP collective, so after the
    waves), before LoRA so that adapters get the padded shapes (NxD pads after LoRA);
-5. LoRA (``nxd_lora.LoRAModel``) wraps the model and freezes the base;
+5. LoRA (``nxd_lora.LoRAModel``) wraps the model and freezes the base (``load_lora_from_ckpt``:
+   the adapter of a ``save_checkpoint`` tag, or of an nxd-lora folder, is loaded);
 6. activation checkpointing patches the chosen modules' forwards (names unchanged);
 7. :class:`~nxd_trainer.NxDModel` wraps the result.
 """
@@ -26,6 +27,7 @@ import torch
 from torch import fx, nn
 
 import nxd_state
+from nxd_trainer._lora import wrap_lora
 from nxd_trainer._materialize import as_module_init, build_in_waves, materialize_meta_module
 from nxd_trainer._model_info import ModelInfo, resolve_classes
 from nxd_trainer.activation_checkpoint import apply_activation_checkpointing
@@ -263,9 +265,7 @@ def initialize_parallel_model(
     if config.pad_model:
         _pad(config, local, info)
     if config.lora_enabled:
-        from nxd_lora import LoRAModel
-
-        local = LoRAModel(local, config.lora_config)
+        local = wrap_lora(local, config.lora_config)
     if config.activation_checkpoint_config is not None:
         classes = _checkpoint_classes(config, original, info)
         if config.pipeline_parallel_size > 1:
@@ -280,7 +280,9 @@ def initialize_parallel_model(
 
 # The optimizer ------------------------------------------------------------------------------
 def _trainable(parameters: list[Any]) -> list[Any]:
-    """Drop frozen parameters (LoRA's base): ZeRO-1 shards trainable ones only."""
+    """Drop frozen parameters (LoRA's base): they never get a gradient nor optimizer state,
+    ZeRO-1 shards trainable ones only, and a LoRA checkpoint in adapter mode holds no name
+    for them."""
     out = []
     for item in parameters:
         if isinstance(item, dict):
@@ -323,9 +325,7 @@ def initialize_parallel_optimizer(
             "over DP itself), so the optimizer wrapper would average them a second time: set it "
             "True or leave it out to use initialize_parallel_optimizer"
         )
-    params = list(parameters)
-    if config.optimizer_config.zero_one_enabled:
-        params = _trainable(params)
+    params = _trainable(list(parameters))
     if not params:
         raise ValueError("initialize_parallel_optimizer got no (trainable) parameters")
     _model_parallel_state(config)

@@ -1,0 +1,180 @@
+"""NxD's trainer checkpoints: ``save_checkpoint`` / ``load_checkpoint`` on the wrappers.
+
+A checkpoint of a training job is the state that makes the next step what it would have been:
+the model's parameters and buffers, the optimizer's state (ZeRO-1 shards, fp32 masters when
+kept), the LR scheduler, every RNG stream (CPU/device generators and the model-parallel
+tracker's, so dropout masks continue) and the user's content (e.g. the step count). nxd-ckpt
+writes all of it (safetensors + JSON, no pickle, one tag folder, ``done`` last); this module
+takes the trainer's objects as they come:
+
+* the model: an :class:`~nxd_trainer.NxDModel` (its local module: the model, an NxDPPModel's
+  stages or a LoRA model, whose save mode then applies), or a plain module / NxDPPModel /
+  state dict;
+* the optimizer: the wrapper of ``initialize_parallel_optimizer`` (ZeRO-1 or not), a
+  ``NeuronZero1Optimizer`` or a plain ``torch.optim`` optimizer; its state is saved by
+  parameter name when the model is given in the same call (else by position: same layout);
+* the scheduler: anything with ``state_dict`` / ``load_state_dict`` of JSON-safe values.
+
+At the same degrees a resumed job continues bitwise on CPU (the tests prove it at TP=2, PP=2
+and TP=2 x PP=2 x DP=2 with ZeRO-1); at other degrees nxd-ckpt reshards on load.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from torch import nn
+
+from nxd_trainer.config import NxDConfig
+from nxd_trainer.model import NxDModel
+
+__all__ = ["finalize_checkpoint", "has_checkpoint", "load_checkpoint", "save_checkpoint"]
+
+logger = logging.getLogger(__name__)
+
+
+def _model(model: Any) -> Any:
+    """What nxd-ckpt saves for ``model``: an NxDModel's local module, else ``model`` itself."""
+    if isinstance(model, NxDModel):
+        return model.module  # the model, an NxDPPModel or a LoRAModel
+    return model
+
+
+def _check_types(model: Any, optimizer: Any, scheduler: Any) -> None:
+    """Argument types, checked on every rank before nxd-ckpt's first collective."""
+    import torch
+
+    if model is not None and not isinstance(model, (nn.Module, dict)):
+        raise TypeError(
+            f"model must be an NxDModel, a torch.nn.Module or a state dict, got "
+            f"{type(model).__name__}"
+        )
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer (the optimizer wrapper of "
+            f"initialize_parallel_optimizer included), got {type(optimizer).__name__}"
+        )
+    if scheduler is not None and not (
+        callable(getattr(scheduler, "state_dict", None))
+        and callable(getattr(scheduler, "load_state_dict", None))
+    ):
+        raise TypeError(
+            f"scheduler must have state_dict() and load_state_dict(), got "
+            f"{type(scheduler).__name__}"
+        )
+
+
+def _check_config(nxd_config: Any, optimizer: Any, zero1_optimizer: bool) -> bool:
+    """``zero1_optimizer`` as the config and the optimizer say; a contradiction is an error."""
+    zero1 = bool(zero1_optimizer)
+    if nxd_config is None:
+        return zero1
+    config = NxDConfig.from_nxd(nxd_config)
+    from nxd_optim import NeuronZero1Optimizer, NxDOptimizer
+
+    if isinstance(optimizer, NxDOptimizer):
+        sharded = isinstance(optimizer.optimizer, NeuronZero1Optimizer)
+        if sharded != config.optimizer_config.zero_one_enabled:
+            raise ValueError(
+                f"nxd_config['optimizer_config']['zero_one_enabled'] is "
+                f"{config.optimizer_config.zero_one_enabled} but the optimizer "
+                f"{'is' if sharded else 'is not'} ZeRO-1: pass the config it was built with"
+            )
+    return zero1 or config.optimizer_config.zero_one_enabled
+
+
+def save_checkpoint(
+    path: str | os.PathLike[str],
+    tag: str = "",
+    model: Any = None,
+    optimizer: Any = None,
+    scheduler: Any = None,
+    user_content: Any = None,
+    num_workers: int = 8,
+    use_xser: bool = False,
+    num_kept_ckpts: int | None = None,
+    async_save: bool = False,
+    zero1_optimizer: bool = False,
+    *,
+    nxd_config: dict[str, Any] | NxDConfig | None = None,
+) -> None:
+    """NxD's ``save_checkpoint``: write tag ``tag`` under ``path`` (collective: every rank calls
+    it with the same arguments). Returns None.
+
+    Saves ``model`` (an :class:`~nxd_trainer.NxDModel` or a plain module; a LoRA model as its
+    config's save mode says: adapter, base + adapter, or merged), ``optimizer`` (by parameter
+    name: ZeRO-1 shards and kept fp32 masters included), ``scheduler``, ``user_content``
+    (dicts, lists, numbers, strings, tensors; no pickle) and every RNG state of every rank.
+    ``tag=""`` writes into ``path`` itself. ``num_kept_ckpts`` keeps the newest N complete
+    tags; ``async_save`` copies the state to host memory and writes it in the background (the
+    next save, :func:`load_checkpoint`, :func:`finalize_checkpoint` and interpreter exit wait
+    for it). ``num_workers``: ranks of a host writing at once (1-32). ``use_xser`` is accepted
+    (the format always writes tensor by tensor). ``nxd_config`` (the reference's sample passes
+    it) is checked against the optimizer; ``zero1_optimizer`` is accepted as in NxD (ZeRO-1 is
+    read from the optimizer).
+    """
+    import nxd_ckpt
+
+    _check_types(model, optimizer, scheduler)
+    zero1 = _check_config(nxd_config, optimizer, zero1_optimizer)
+    nxd_ckpt.save_checkpoint(
+        path,
+        tag,
+        model=_model(model),
+        optimizer=optimizer,
+        scheduler=scheduler,
+        user_content=user_content,
+        num_workers=num_workers,
+        use_xser=use_xser,
+        num_kept_ckpts=num_kept_ckpts,
+        async_save=async_save,
+        zero1_optimizer=zero1,
+    )
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str],
+    tag: str | None = None,
+    model: Any = None,
+    optimizer: Any = None,
+    scheduler: Any = None,
+    num_workers: int = 8,
+    strict: bool = True,
+) -> Any:
+    """NxD's ``load_checkpoint``: load tag ``tag`` (None: the newest complete one) into
+    ``model``, ``optimizer`` and ``scheduler``, restore the RNG states (when the layout is
+    the saved one) and return the user content (None if none was saved). Collective.
+
+    ``model`` is an :class:`~nxd_trainer.NxDModel` or a plain module; a checkpoint saved at
+    other TP/PP/DP degrees or ZeRO-1 setting is resharded on load. ``strict``: names missing
+    from the checkpoint, or in it but in no rank's model, are an error (listed). A folder with
+    no complete tag is an error naming it (see :func:`has_checkpoint` to test first).
+    """
+    import nxd_ckpt
+
+    _check_types(model, optimizer, scheduler)
+    return nxd_ckpt.load_checkpoint(
+        path,
+        tag,
+        model=_model(model),
+        optimizer=optimizer,
+        scheduler=scheduler,
+        num_workers=num_workers,
+        strict=strict,
+    )
+
+
+def has_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` holds a complete checkpoint tag (what ``load_checkpoint(path)`` loads)."""
+    import nxd_ckpt
+
+    return nxd_ckpt.has_checkpoint(path)
+
+
+def finalize_checkpoint() -> None:
+    """Wait for a pending ``async_save`` and raise its error, if any (collective)."""
+    import nxd_ckpt
+
+    nxd_ckpt.finalize_checkpoint()
