@@ -18,9 +18,7 @@ import errno
 import json
 import math
 import os
-import queue
 import struct
-import threading
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -30,6 +28,7 @@ from typing import Any
 import torch
 
 from nxd_ckpt._boxes import Box
+from nxd_ckpt._crc import Pending, crc_thread
 from nxd_ckpt.format import ChunkRecord, FileRecord, FormatError
 
 __all__ = [
@@ -193,7 +192,7 @@ def write_planned(
     tmp = path.with_name(path.name + ".tmp")
     block_crcs: dict[str, list[int]] = {}
     file_crc = header_crc = zlib.crc32(plan.header)
-    pending: _Pending | None = None  # CRCs of the previous tensor, computed alongside
+    pending: Pending | None = None  # CRCs of the previous tensor, computed alongside
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
@@ -210,7 +209,7 @@ def write_planned(
                 block = entry.crc_rows * (len(data) // rows if rows else 0)
                 if pending is not None:  # at most two tensors alive: this one and the last
                     block_crcs[keys[-1]] = pending.result()
-                pending = _crc_thread().submit(data, block, not entry.shape)
+                pending = crc_thread().submit(data, block, not entry.shape)
                 keys.append(entry.key)
                 _write_all(fd, data)
             if pending is not None:
@@ -233,74 +232,6 @@ def write_planned(
         raise
     fsync_dir(path.parent)
     return FileDigest(plan.size, file_crc, header_crc, block_crcs)
-
-
-class _Pending:
-    """The CRCs of one tensor, computed by the CRC thread."""
-
-    def __init__(self) -> None:
-        self.done = threading.Event()
-        self.crcs: list[int] = []
-        self.error: BaseException | None = None
-
-    def result(self) -> list[int]:
-        self.done.wait()
-        if self.error is not None:
-            raise self.error
-        return self.crcs
-
-
-class _CrcThread:
-    """One daemon thread computing CRCs while the caller writes (both release the GIL). Not
-    a concurrent.futures pool: those refuse work once interpreter shutdown starts, which is
-    when an async save may still be finishing."""
-
-    def __init__(self) -> None:
-        self._queue: queue.Queue[tuple[_Pending, memoryview, int, bool]] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="nxd-ckpt-crc", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            pending, data, block, scalar = self._queue.get()
-            try:
-                pending.crcs = _block_crcs(data, block, scalar)
-            except BaseException as error:  # handed to the writer
-                pending.error = error
-            pending.done.set()
-
-    def submit(self, data: memoryview, block: int, scalar: bool) -> _Pending:
-        pending = _Pending()
-        self._queue.put((pending, data, block, scalar))
-        return pending
-
-
-_CRC: _CrcThread | None = None
-_CRC_LOCK = threading.Lock()
-
-
-def _forget_crc_thread() -> None:
-    """A forked child has no copy of the parent's threads: start its own when needed."""
-    global _CRC, _CRC_LOCK
-    _CRC, _CRC_LOCK = None, threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_crc_thread)
-
-
-def _crc_thread() -> _CrcThread:
-    global _CRC
-    with _CRC_LOCK:
-        if _CRC is None:
-            _CRC = _CrcThread()
-        return _CRC
-
-
-def _block_crcs(data: memoryview, block: int, scalar: bool) -> list[int]:
-    """CRC-32 of each ``block`` bytes of ``data`` (one CRC for a 0-d tensor)."""
-    crcs = [zlib.crc32(data[start : start + block]) for start in range(0, len(data), max(block, 1))]
-    return crcs or [zlib.crc32(b"")] if scalar else crcs
 
 
 def _remove_quietly(path: Path) -> None:
