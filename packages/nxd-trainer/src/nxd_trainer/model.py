@@ -37,38 +37,13 @@ _MODELS: weakref.WeakSet[NxDModel] = weakref.WeakSet()
 
 
 def select_loss(output: Any, spec: Any = None) -> torch.Tensor:
-    """The loss in a model's output: per NxD's ``output_loss_value_spec`` (``(True, False)``,
-    ``{"loss": True}``), else the output itself, its ``"loss"`` entry or its first element."""
-    if spec is None or spec is True:
-        if isinstance(output, torch.Tensor):
-            loss = output
-        elif isinstance(output, Mapping) or hasattr(output, "keys"):
-            if "loss" not in output:
-                raise TypeError(
-                    f"the model's {type(output).__name__} output has no 'loss' entry: pass "
-                    f"labels, or set pipeline_config['output_loss_value_spec']"
-                )
-            loss = output["loss"]
-        elif isinstance(output, (tuple, list)) and output:
-            loss = output[0]
-        else:
-            raise TypeError(
-                f"cannot find the loss in a {type(output).__name__} output: set "
-                f"pipeline_config['output_loss_value_spec'], e.g. (True, False)"
-            )
-    elif isinstance(spec, Mapping):
-        keys = [k for k, flag in spec.items() if flag]
-        if len(keys) != 1:
-            raise ValueError(f"output_loss_value_spec {spec} must mark exactly one key True")
-        loss = output[keys[0]]
-    else:
-        index = [i for i, flag in enumerate(spec) if flag]
-        if len(index) != 1:
-            raise ValueError(f"output_loss_value_spec {spec} must mark exactly one entry True")
-        loss = output[index[0]]
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise TypeError(f"the loss must be a scalar tensor, got {loss!r:.80}")
-    return loss
+    """The loss in a model's output per NxD's ``output_loss_value_spec`` (``True``: the output
+    is the loss; ``(True, False)``; ``{"loss": True}``; nested), or with ``spec=None`` the
+    output itself, its ``"loss"`` entry or its first element: ``nxd_pipeline.select_loss``,
+    so PP = 1 and PP > 1 read the loss alike."""
+    from nxd_pipeline import select_loss as pipeline_select_loss
+
+    return pipeline_select_loss(output, spec)
 
 
 class NxDModel(nn.Module):

@@ -211,8 +211,9 @@ class PipelineConfig:
     """Micro-batches per ``run_train`` step; the batch dimension must divide by it."""
 
     output_loss_value_spec: dict[str, bool] | tuple[bool, ...] | bool | None = None
-    """Which output is the loss: ``(True, False)``, ``{"loss": True}``; ``True``/``None``: the
-    output itself, its ``"loss"`` entry or its first element."""
+    """Which output is the loss, NxD's form: ``True`` (the output is the loss tensor),
+    ``(True, False)``, ``{"loss": True}``, nested; ``None`` (nxd): the output itself, its
+    ``"loss"`` entry or its first element."""
 
     return_mb_loss: bool = False
     """``run_train`` returns the list of micro-batch losses instead of their mean."""

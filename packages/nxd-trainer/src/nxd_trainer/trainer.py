@@ -115,9 +115,7 @@ def _pipeline_kwargs(
     return {
         "transformer_layer_cls": layer,
         "num_microbatches": pipe.num_microbatches,
-        "output_loss_value_spec": (
-            None if pipe.output_loss_value_spec is True else pipe.output_loss_value_spec
-        ),
+        "output_loss_value_spec": pipe.output_loss_value_spec,
         "return_mb_loss": pipe.return_mb_loss,
         "broadcast_and_average_loss": pipe.broadcast_and_average_loss,
         "pipeline_cuts": list(pipe.pipeline_cuts) if pipe.pipeline_cuts else None,
