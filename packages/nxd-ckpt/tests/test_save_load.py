@@ -232,3 +232,29 @@ def test_a_planted_pickle_is_never_executed(tmp_path: Path) -> None:
     (tag / "model" / "dp_rank_00_tp_rank_00_pp_rank_00.pt").write_bytes(pickle.dumps(Bomb()))
     load_checkpoint(tmp_path, "t", model=_model(1), scheduler=None)
     assert not marker.exists()
+
+
+class _Tied(nn.Module):
+    def __init__(self, tie: bool) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        if tie:
+            self.head.weight = self.embed.weight
+
+
+def test_tied_weights_are_stored_once_and_load_under_both_names(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    tied = _Tied(tie=True)
+    save_checkpoint(tmp_path, "t", model=tied)
+    index = nxd_ckpt.read_index(tmp_path / "t")
+    assert set(index.tensors["model"]) == {"embed.weight"}
+    assert index.aliases["model"] == {"head.weight": "embed.weight"}
+    untied = _Tied(tie=False)  # e.g. two pipeline stages: each name is its own parameter
+    load_checkpoint(tmp_path, "t", model=untied)
+    assert torch.equal(untied.embed.weight, tied.embed.weight)
+    assert torch.equal(untied.head.weight, tied.embed.weight)
+    save_checkpoint(tmp_path, "u", model=untied)  # both stored; a tied model loads it too
+    again = _Tied(tie=True)
+    load_checkpoint(tmp_path, "u", model=again)
+    assert torch.equal(again.head.weight, tied.embed.weight)
