@@ -21,7 +21,7 @@ Zero-bubble scheduling (ZB-H1) runs W in what would otherwise be pipeline bubble
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,38 +45,13 @@ def _ones_if_none(roots: list[torch.Tensor], grads: list[torch.Tensor | None]) -
     return [torch.ones_like(r) if g is None else g for r, g in zip(roots, grads)]
 
 
-def _accumulate(param: torch.Tensor, grad: torch.Tensor | None) -> None:
-    if grad is None:
-        return
-    if param.grad is None:
-        param.grad = grad.detach().clone()
-    else:
-        param.grad.add_(grad)
-
-
-def _accumulate_results(
-    params: list[torch.Tensor],
-    results: Sequence[torch.Tensor | None],
-    seeds: list[torch.Tensor],
-) -> None:
-    """:func:`_accumulate` each result; a first gradient becomes ``.grad`` without a copy when
-    autograd made it fresh (dense, sharing memory with no seed and no other result), as
-    ``AccumulateGrad`` does in a plain backward."""
-    owners = Counter(t.untyped_storage().data_ptr() for t in [*seeds, *results] if t is not None)
-    for param, grad in zip(params, results):
-        if (
-            grad is not None
-            and param.grad is None
-            and grad._base is None
-            and grad.numel() > 0
-            and grad.is_contiguous()
-            and param.is_contiguous()
-            and grad.dtype == param.dtype
-            and owners[grad.untyped_storage().data_ptr()] == 1
-        ):
-            param.grad = grad.detach()
-        else:
-            _accumulate(param, grad)
+def _deliver(params: list[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
+    """``p.grad += g`` through autograd's ``AccumulateGrad`` (a backward from the parameter
+    itself), exactly as a plain backward would accumulate it: gradient hooks on the
+    parameters (an optimizer's fp32 accumulation, the pipeline's reductions) run."""
+    pairs = [(p, g) for p, g in zip(params, grads) if g is not None]
+    if pairs:
+        torch.autograd.backward([p for p, _ in pairs], [g for _, g in pairs])
 
 
 def backward_full(
@@ -173,12 +148,14 @@ def backward_input(
                 recorded[node] = list(grad_outputs)
 
             handles.append(node.register_prehook(hook))
-        try:
-            wanted: list[Any] = list(inputs) + in_i_pass
-            result = torch.autograd.grad(roots, wanted, grads, retain_graph=True, allow_unused=True)
+        try:  # accumulates into the inputs' .grad and, via AccumulateGrad, the params'
+            torch.autograd.backward(
+                roots, grads, retain_graph=True, inputs=[*inputs, *in_i_pass] or None
+            )
         finally:
             for handle in handles:
                 handle.remove()
+        input_grads: list[torch.Tensor | None] = [x.grad for x in inputs]
     else:  # first stage: the branch points' incoming gradients are the outputs of I
         edges = [(n, slot) for n in points for slot in sorted(slots.get(n, ()))]
         wanted = in_i_pass + [GradientEdge(n, slot) for n, slot in edges]
@@ -191,15 +168,14 @@ def backward_input(
             node_grads = recorded.setdefault(node, [])
             node_grads += [None] * (slot + 1 - len(node_grads))
             node_grads[slot] = grad
-        result = result[: len(in_i_pass)]
-    for param, grad in zip(in_i_pass, result[len(inputs) :]):
-        _accumulate(param, grad)
+        _deliver(in_i_pass, result[: len(in_i_pass)])
+        input_grads = []
     groups: dict[frozenset[Node], list[torch.Tensor]] = {}
     for param, points in per_param:
         groups.setdefault(frozenset(points), []).append(param)
     for points, group in groups.items():
         state.branches.append((group, [(n, recorded.get(n, [])) for n in points]))
-    return list(result[: len(inputs)]), state
+    return input_grads, state
 
 
 def _ancestors_of_any(nodes: list[Node], parents: dict[Node, list[Node]]) -> set[Node]:
@@ -245,7 +221,6 @@ def backward_weight(state: WeightGradState) -> None:
                 if grad is not None:
                     edges.append(GradientEdge(node, index))
                     grads.append(grad)
-        if edges:
-            result = torch.autograd.grad(edges, group, grads, retain_graph=True, allow_unused=True)
-            _accumulate_results(group, result, grads)
+        if edges:  # accumulates through AccumulateGrad, as a plain backward does
+            torch.autograd.backward(edges, grads, retain_graph=True, inputs=group)
     state.branches.clear()

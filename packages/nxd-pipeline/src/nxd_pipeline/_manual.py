@@ -36,6 +36,7 @@ __all__ = [
     "assign_stages",
     "build_manual_stages",
     "even_partition",
+    "materialize_manual",
 ]
 
 _KINDS = {1: "tensor", 2: "list", 3: "tuple"}
@@ -202,13 +203,22 @@ def build_manual_stages(
     layers: Sequence[nn.Module],
     stage_of: Sequence[int],
     local: Sequence[int],
-    device: torch.device,
-    param_init_fn: Callable[[nn.Module], None] | None,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None,
     loss_spec: LossSpec,
 ) -> dict[int, ManualStage]:
-    """The local stages; layers built on ``meta`` get only their local parameters
-    materialised on ``device`` and initialised by ``param_init_fn`` (as in traced mode)."""
+    """The local stages (holding the layer modules themselves)."""
+    return {s: ManualStage(layers, stage_of, s, loss_fn, loss_spec) for s in local}
+
+
+def materialize_manual(
+    layers: Sequence[nn.Module],
+    stage_of: Sequence[int],
+    local: Sequence[int],
+    device: torch.device,
+    param_init_fn: Callable[[nn.Module], None] | None,
+) -> bool:
+    """Layers built on ``meta`` get only their local parameters materialised on ``device`` and
+    initialised by ``param_init_fn`` (as in traced mode), in place: the stages see them."""
     root = nn.ModuleList(layers)  # qualified names "3.weight", as in the stages
     params: list[dict[str, nn.Parameter]] = []
     buffers: list[dict[str, torch.Tensor]] = []
@@ -216,5 +226,4 @@ def build_manual_stages(
         mine = [i for i, stage in enumerate(stage_of) if stage == s]
         params.append({n: t for i in mine for n, t in layers[i].named_parameters(prefix=str(i))})
         buffers.append({n: t for i in mine for n, t in layers[i].named_buffers(prefix=str(i))})
-    materialize_local_parameters(root, params, device, param_init_fn, buffers)
-    return {s: ManualStage(layers, stage_of, s, loss_fn, loss_spec) for s in local}
+    return materialize_local_parameters(root, params, device, param_init_fn, buffers)

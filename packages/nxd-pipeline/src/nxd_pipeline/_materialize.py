@@ -28,15 +28,16 @@ def materialize_local_parameters(
     device: torch.device,
     param_init_fn: Callable[[nn.Module], None] | None,
     stage_buffers: list[dict[str, torch.Tensor]] | None = None,
-) -> None:
-    """Materialise and initialise the meta parameters (and meta buffers) of the local stages."""
+) -> bool:
+    """Materialise and initialise the meta parameters (and meta buffers) of the local stages;
+    True if there were any (the model's parameter and buffer objects were replaced)."""
     wanted = {id(p) for params in stage_parameters for p in params.values()}
     meta = {id(p) for params in stage_parameters for p in params.values() if p.is_meta}
     meta_buffers = {
         name for buffers in stage_buffers or [] for name, b in buffers.items() if b.is_meta
     }
     if not meta and not meta_buffers:
-        return
+        return False
     if param_init_fn is None:
         raise ValueError(
             f"{len(meta)} local parameters and {len(meta_buffers)} buffers are on the meta "
@@ -75,6 +76,7 @@ def materialize_local_parameters(
             f"param_init_fn must also set the buffers of the modules it is given"
         )
     logger.info("materialised %d local parameters on %s", len(replaced), device)
+    return True
 
 
 def model_device(*modules: nn.Module) -> torch.device:

@@ -5,41 +5,39 @@ this rank's stages (materialising their parameters if the model was built on the
 and runs a schedule in ``run_train`` / ``run_eval``. With ``manual_pp_partition=True`` the model
 is a list of layers instead, split into stages without any capture (:mod:`nxd_pipeline._manual`).
 After a training step the gradients of parameters shared by several pipeline ranks (tied
-embeddings) are summed over the pipeline group and, unless ZeRO-1 takes over, averaged over the
-data-parallel group.
+embeddings) are summed over the pipeline group and, unless an optimizer wrapper or ZeRO-1 takes
+over, averaged over the data-parallel group; each call reduces only its own gradients, so
+calls accumulate (:mod:`nxd_pipeline._reduce`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from types import ModuleType
 from typing import Any
 
 import torch
 from torch import fx, nn
 
+import nxd_state
 from nxd_pipeline._arguments import check_arguments
+from nxd_pipeline._build import PartitionFn, build_manual, build_traced
 from nxd_pipeline._inputs import signature, split_manual, split_traced
+from nxd_pipeline._local import LocalStagesMixin
 from nxd_pipeline._loss import LossSpec, select_loss
-from nxd_pipeline._manual import assign_stages, build_manual_stages
-from nxd_pipeline._materialize import materialize_local_parameters, model_device
-from nxd_pipeline._partition import auto_pipeline_cuts, build_stage_module, partition_graph
+from nxd_pipeline._reduce import GradientReducer, sync_tied_weights
 from nxd_pipeline._runtime import StepRunner
 from nxd_pipeline._schedules import build_schedule, stage_to_rank
-from nxd_pipeline._shared import shared_weights, sync_shared_weights
 from nxd_pipeline._timeline import Timeline
-from nxd_pipeline._trace import capture_graph, hf_layer_class
 from nxd_state import collectives, get_parallel_state
 
 __all__ = ["NxDPPModel"]
 
 logger = logging.getLogger(__name__)
 
-PartitionFn = Callable[[Sequence[nn.Module], int], dict[nn.Module, int]]
 
-
-class NxDPPModel(nn.Module):
+class NxDPPModel(LocalStagesMixin, nn.Module):
     """Pipeline-parallel wrapper with NxD's signature (see the package README).
 
     ``module`` is a model to capture and cut at ``pipeline_cuts``, or, with
@@ -48,27 +46,34 @@ class NxDPPModel(nn.Module):
     ``run_train(inputs=..., labels=...)``). ``return_loss_on_cpu`` (NxD's default True) returns
     the loss on the CPU.
 
-    Beyond NxD's arguments: ``virtual_pipeline_size`` (model chunks per rank, interleaving),
-    ``schedule`` (``"1f1b"`` default, ``"gpipe"``, ``"interleaved_1f1b"`` (default when
-    v > 1), ``"zb_h1"``), ``device`` (where local stages live; default: where the
-    model's parameters are, or CPU for a meta model) and ``async_sends`` (non-blocking p2p:
-    sends left in flight, receives waited for only where their data is used, instead of
-    synchronous batches; default: on for gloo only). NxD's XLA runtime knobs
-    (``_all_reduce_send_recv``, ``fuse_microbatches``...) are
-    accepted and have no effect.
+    NxD's keyword arguments outside its documented signature: ``virtual_pipeline_size``
+    (model chunks per rank, interleaving), ``use_optimizer_wrapper`` (True: an optimizer
+    wrapper averages gradients over DP at its step, so ``run_train`` does not) and
+    ``use_model_wrapper`` (True: a model wrapper materialises the local parameters and moves
+    them to the device by calling :meth:`move_model_to_device`; else that happens here).
+    NxD's XLA runtime knobs (``_all_reduce_send_recv``, ``fuse_microbatches``...) are accepted
+    and have no effect. Beyond NxD: ``schedule`` (``"1f1b"`` default, ``"gpipe"``,
+    ``"interleaved_1f1b"`` (default when v > 1), ``"zb_h1"``), ``device`` (where local stages
+    live; default: where the model's parameters are, or CPU for a meta model) and
+    ``async_sends`` (non-blocking p2p: sends left in flight, receives waited for only where
+    their data is used, instead of synchronous batches; default: on for gloo only).
     """
+
+    original_torch_module: nn.Module | Sequence[nn.Module]
+    """The model (or layer list) given, as NxD keeps it; not a submodule: ``parameters()``
+    and ``state_dict()`` of this wrapper hold this rank's stages only."""
 
     def __init__(
         self,
         module: nn.Module | Sequence[nn.Module],
-        transformer_layer_cls: type | None = None,
+        transformer_layer_cls: type | str | None = None,
         num_microbatches: int = 1,
         output_loss_value_spec: LossSpec = None,
         return_mb_loss: bool = False,
         broadcast_and_average_loss: bool = False,
         pipeline_cuts: list[str] | None = None,
         input_names: list[str] | None = None,
-        leaf_module_cls: list[type] | None = None,
+        leaf_module_cls: list[type | str] | None = None,
         autowrap_functions: tuple[Callable[..., Any], ...] | None = None,
         autowrap_modules: tuple[ModuleType, ...] | None = None,
         tracer_cls: str | type[fx.Tracer] | None = None,
@@ -82,6 +87,8 @@ class NxDPPModel(nn.Module):
         manual_pp_loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
         *,
         virtual_pipeline_size: int = 1,
+        use_model_wrapper: bool = False,
+        use_optimizer_wrapper: bool = False,
         schedule: str | None = None,
         device: torch.device | str | None = None,
         async_sends: bool | None = None,
@@ -104,14 +111,18 @@ class NxDPPModel(nn.Module):
         state = get_parallel_state()
         self.parallel_state = state
         p, v = state.pipeline_parallel_size, virtual_pipeline_size
+        self.__dict__["original_torch_module"] = module  # not registered as a submodule
         self.num_microbatches = num_microbatches
         self.output_loss_value_spec = output_loss_value_spec
         self.return_mb_loss = return_mb_loss
         self.broadcast_and_average_loss = broadcast_and_average_loss
         self.use_zero1_optimizer = use_zero1_optimizer
+        self.use_model_wrapper = use_model_wrapper
+        self.use_optimizer_wrapper = use_optimizer_wrapper
         self.return_loss_on_cpu = bool(return_loss_on_cpu)
         self.manual_pp_partition = manual
         self.manual_pp_loss_fn = manual_pp_loss_fn
+        self.param_init_fn = param_init_fn
         self.virtual_pipeline_size = v
         name = schedule if schedule is not None else ("interleaved_1f1b" if v > 1 else "1f1b")
         if async_sends is None:  # unbatched crossing sends can deadlock a stream-ordered backend
@@ -120,25 +131,27 @@ class NxDPPModel(nn.Module):
         self.schedule = build_schedule(name, p, num_microbatches, v, asynchronous_sends=async_sends)
         rank = state.pipeline_parallel_rank
         local = [s for s in range(p * v) if stage_to_rank(s, p) == rank]
-        # Tied weights held by several pipeline ranks: (local name or None, shape, dtype).
-        self._shared: list[tuple[str | None, tuple[int, ...], torch.dtype]] = []
-        self.input_names: list[str] = []
-        self._fixed_inputs: dict[str, Any] = {}
-        self._output_spec: Any = None
-        self.pipeline_cuts: list[str] = []
         if manual:
-            target = self._build_manual(
+            built = build_manual(
                 list(module),  # type: ignore[arg-type]
                 local,
-                manual_pp_stage_partition_fn,
-                param_init_fn,
-                device,
+                p,
+                v,
+                rank,
+                partition_fn=manual_pp_stage_partition_fn,
+                param_init_fn=param_init_fn,
+                loss_fn=manual_pp_loss_fn,
+                loss_spec=output_loss_value_spec,
+                device=device,
             )
+            self.transformer_layer_cls = transformer_layer_cls
         else:
             assert isinstance(module, nn.Module)
-            target = self._build_traced(
+            built = build_traced(
                 module,
                 local,
+                p,
+                v,
                 transformer_layer_cls=transformer_layer_cls,
                 pipeline_cuts=pipeline_cuts,
                 input_names=input_names,
@@ -151,6 +164,13 @@ class NxDPPModel(nn.Module):
                 auto_partition=bool(auto_partition),
                 device=device,
             )
+            self.transformer_layer_cls = built.layer_class
+        self.stages = nn.ModuleDict({str(s): stage for s, stage in built.stages.items()})
+        self.input_names = built.input_names
+        self.pipeline_cuts = built.pipeline_cuts
+        self._fixed_inputs = built.fixed_inputs
+        self._output_spec = built.output_spec
+        self._built = built
         self._runner = StepRunner(
             schedule=self.schedule,
             pipeline_rank=rank,
@@ -158,10 +178,14 @@ class NxDPPModel(nn.Module):
             group=state.pipeline_parallel_group,
             stages={int(s): m for s, m in self.stages.items()},
             select_loss=self._loss_of,
-            device=target,
+            device=built.device,
             async_sends=async_sends,
         )
         self.timeline: Timeline | None = None
+        self._reducer: GradientReducer | None = None
+        self._tied_synced = False
+        if not use_model_wrapper:
+            self.move_model_to_device()
         logger.info(
             "NxDPPModel: pp rank %d of %d holds stages %s (%d parameters), schedule %s",
             rank,
@@ -171,112 +195,55 @@ class NxDPPModel(nn.Module):
             self.schedule.name,
         )
 
-    # Building the local stages -----------------------------------------------------------
-    def _build_traced(
-        self,
-        module: nn.Module,
-        local: list[int],
-        *,
-        transformer_layer_cls: type | None,
-        pipeline_cuts: list[str] | None,
-        input_names: list[str] | None,
-        leaf_module_cls: list[type] | None,
-        autowrap_functions: tuple[Callable[..., Any], ...] | None,
-        autowrap_modules: tuple[ModuleType, ...] | None,
-        tracer_cls: str | type[fx.Tracer] | None,
-        param_init_fn: Callable[[nn.Module], None] | None,
-        trace_file_path: str | None,
-        auto_partition: bool,
-        device: torch.device | str | None,
-    ) -> torch.device:
-        """Capture, cut and keep the local stages; returns the device they run on."""
-        p, v = self.parallel_state.pipeline_parallel_size, self.virtual_pipeline_size
-        num_stages = p * v
-        if transformer_layer_cls is None and tracer_cls == "hf":
-            transformer_layer_cls = hf_layer_class(module)
-        leaves = list(leaf_module_cls or [])
-        if transformer_layer_cls is not None:
-            leaves.append(transformer_layer_cls)
-        captured = capture_graph(
-            module,
-            tracer_cls=tracer_cls,
-            input_names=input_names,
-            leaf_module_cls=tuple(leaves),
-            autowrap_modules=tuple(autowrap_modules or ()),
-            autowrap_functions=tuple(autowrap_functions or ()),
-        )
-        if trace_file_path is not None:
-            with open(trace_file_path, "w") as handle:
-                handle.write(str(captured.graph_module.graph))
-        if num_stages > 1 and not pipeline_cuts:
-            if not auto_partition:
-                raise ValueError(
-                    f"pipeline size {p} x virtual pipeline size {v} = {num_stages} stages need "
-                    f"{num_stages - 1} pipeline_cuts (layer names), or auto_partition=True"
-                )
-            if transformer_layer_cls is None:
-                raise ValueError("auto_partition=True needs transformer_layer_cls")
-            layers = [n for n, m in module.named_modules() if isinstance(m, transformer_layer_cls)]
-            pipeline_cuts = auto_pipeline_cuts(captured, module, layers, num_stages)
-        self.pipeline_cuts = list(pipeline_cuts or [])
-        plan = partition_graph(captured, module, self.pipeline_cuts, num_stages)
-        self.input_names = captured.input_names
-        self._fixed_inputs = captured.fixed_inputs
-        self._output_spec = captured.output_spec
-        target = torch.device(device) if device is not None else model_device(module)
-        materialize_local_parameters(
-            module,
-            [plan.stage_parameters[s] for s in local],
-            target,
-            param_init_fn,
-            [plan.stage_buffers[s] for s in local],
-        )
-        self.stages = nn.ModuleDict(
-            {str(s): build_stage_module(plan, module, s, target) for s in local}
-        )
-        for group in plan.shared_parameters():
-            if len({stage_to_rank(s, p) for s in group}) > 1:
-                first = plan.stage_parameters[min(group)][group[min(group)]]
-                mine = next((group[s] for s in local if s in group), None)
-                self._shared.append((mine, tuple(first.shape), first.dtype))
-        return target
-
-    def _build_manual(
-        self,
-        layers: list[nn.Module],
-        local: list[int],
-        partition_fn: PartitionFn | None,
-        param_init_fn: Callable[[nn.Module], None] | None,
-        device: torch.device | str | None,
-    ) -> torch.device:
-        """NxD's manual mode: stages from the layer list; returns the device they run on."""
+    def move_model_to_device(self) -> None:
+        """NxD's: materialise this rank's meta parameters (``param_init_fn``) and move its
+        stages to the device. Runs at construction, or with ``use_model_wrapper=True`` when
+        the wrapper calls it (at the latest, the first ``run_train`` / ``run_eval``). Local:
+        no communication. Afterwards the local parameters are final: build optimizers then."""
+        if self._reducer is not None:
+            return
+        rebuilt = self._built.materialize()
+        if rebuilt is not None:
+            self.stages = nn.ModuleDict({str(s): stage for s, stage in rebuilt.items()})
+        for stage in self.stages.values():
+            nxd_state.move_model_to_device(stage, self._built.device)
+        self._runner.stages = {int(s): m for s, m in self.stages.items()}
+        named = self._all_local_names()
         state = self.parallel_state
-        p, rank = state.pipeline_parallel_size, state.pipeline_parallel_rank
-        stage_of = assign_stages(layers, p * self.virtual_pipeline_size, partition_fn)
-        self.input_names = ["inputs", "labels"]
-        target = torch.device(device) if device is not None else model_device(*layers)
-        stages = build_manual_stages(
-            layers,
-            stage_of,
-            local,
-            target,
-            param_init_fn,
-            self.manual_pp_loss_fn,
-            self.output_loss_value_spec,
+        for weight in self._built.tied:  # copies counted elsewhere: left out of grad norms
+            if weight.name is not None and weight.first_rank != state.pipeline_parallel_rank:
+                named[weight.name].shared = True
+        averages = not (self.use_zero1_optimizer or self.use_optimizer_wrapper)
+        self._reducer = GradientReducer(
+            params=named,
+            tied=self._built.tied,
+            pipeline_group=state.pipeline_parallel_group,
+            data_parallel_group=(
+                state.data_parallel_group if averages and state.data_parallel_size > 1 else None
+            ),
+            device=self._built.device,
         )
-        self.stages = nn.ModuleDict({str(s): stage for s, stage in stages.items()})
-        shared = shared_weights(layers, stage_of, p, rank)  # after materialising: final objects
-        sync_shared_weights(shared, p, rank, state.pipeline_parallel_group, target)
-        names = {id(param): name for name, param in self.local_named_parameters()}
-        for weight in shared:
-            local_name = names[id(weight.local)] if weight.local is not None else None
-            self._shared.append((local_name, weight.shape, weight.dtype))
-        logger.info(
-            "manual partition: layers per stage %s; weights shared across pipeline ranks: %s",
-            [stage_of.count(s) for s in range(max(stage_of) + 1)],
-            [weight.group for weight in shared],
-        )
-        return target
+
+    def _all_local_names(self) -> dict[str, nn.Parameter]:
+        """Every name of every local parameter (a tied one may have several)."""
+        stages = self.stages.values()
+        return {n: q for s in stages for n, q in s.named_parameters(remove_duplicate=False)}
+
+    def _prepare_step(self) -> GradientReducer:
+        """Before the first step (every rank is there): NxD's sync of tied weight copies."""
+        self.move_model_to_device()
+        assert self._reducer is not None
+        if not self._tied_synced:
+            state = self.parallel_state
+            sync_tied_weights(
+                self._built.tied,
+                self._all_local_names(),
+                state.pipeline_parallel_rank,
+                state.pipeline_parallel_group,
+                self._built.device,
+            )
+            self._tied_synced = True
+        return self._reducer
 
     # Loss and inputs --------------------------------------------------------------------
     def _loss_of(self, output: Any) -> torch.Tensor:
@@ -301,11 +268,20 @@ class NxDPPModel(nn.Module):
         The mean microbatch loss on the last stage (None elsewhere); ``return_mb_loss``: the
         list of microbatch losses; ``broadcast_and_average_loss``: the mean loss on every rank,
         averaged over data parallel ranks too. ``return_loss_on_cpu``: the mean on the CPU.
+        Gradients are added to ``.grad`` after this call's reductions (tied weights summed
+        over the pipeline, all averaged over DP unless the optimizer does it): calls
+        accumulate.
         """
         self.train()
         microbatches, key = self._split(kwargs)
-        losses, self.timeline = self._runner.run(microbatches, train=True, signature=key)
-        self._reduce_gradients()
+        reducer = self._prepare_step()
+        reducer.begin()
+        try:
+            losses, self.timeline = self._runner.run(microbatches, train=True, signature=key)
+        except BaseException:
+            reducer.abort()
+            raise
+        reducer.finish()
         return self._finish_loss(losses)
 
     @torch.no_grad()
@@ -313,6 +289,7 @@ class NxDPPModel(nn.Module):
         """Forward only, under the schedule's forward order; returns the loss as run_train."""
         self.eval()
         microbatches, key = self._split(kwargs)
+        self._prepare_step()
         losses, self.timeline = self._runner.run(microbatches, train=False, signature=key)
         return self._finish_loss(losses)
 
@@ -331,58 +308,6 @@ class NxDPPModel(nn.Module):
         if loss is not None and self.return_loss_on_cpu:
             loss = loss.cpu()
         return loss
-
-    def _reduce_gradients(self) -> None:
-        """Sum the gradients of weights shared across pipeline ranks; average over DP.
-
-        The DP average is skipped with ``use_zero1_optimizer=True`` (the optimizer reduces).
-        """
-        state = self.parallel_state
-        local = dict(self.local_named_parameters())
-        for name, shape, dtype in self._shared:  # tied weights: sum the stages' contributions
-            param = local.get(name) if name is not None else None
-            grad = torch.zeros(shape, dtype=dtype, device=self._runner.device)
-            if param is not None and param.grad is not None:
-                grad.copy_(param.grad)
-            collectives.all_reduce(grad, group=state.pipeline_parallel_group)
-            if param is not None:
-                param.grad = grad
-        if self.use_zero1_optimizer or state.data_parallel_size == 1:
-            return
-        grads = [p.grad for _, p in self.local_named_parameters() if p.grad is not None]
-        collectives.all_reduce_bucketed(grads, state.data_parallel_group, average=True)
-
-    def local_named_parameters(
-        self, *args: Any, **kwargs: Any
-    ) -> Iterator[tuple[str, nn.Parameter]]:
-        """This rank's parameters under the original model's names."""
-        seen: set[int] = set()
-        for stage in self.stages.values():
-            for name, param in stage.named_parameters(remove_duplicate=False):
-                if id(param) not in seen:
-                    seen.add(id(param))
-                    yield name, param
-
-    def local_parameters(self) -> Iterator[nn.Parameter]:
-        for _, param in self.local_named_parameters():
-            yield param
-
-    def local_named_modules(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Module]]:
-        """This rank's stage modules' submodules under the original model's names."""
-        seen: set[int] = set()
-        for stage in self.stages.values():
-            for name, module in stage.named_modules():
-                if name and id(module) not in seen:
-                    seen.add(id(module))
-                    yield name, module
-
-    def local_state_dict(self) -> dict[str, torch.Tensor]:
-        """Parameters and buffers of the local stages under the original names."""
-        out: dict[str, torch.Tensor] = {}
-        for stage in self.stages.values():
-            for name, tensor in stage.state_dict(keep_vars=False).items():
-                out.setdefault(name, tensor)
-        return out
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx, nn
 
-from nxd_pipeline._trace import CapturedGraph
+from nxd_pipeline._captured import CapturedGraph
 
 __all__ = ["PartitionPlan", "auto_pipeline_cuts", "partition_graph"]
 

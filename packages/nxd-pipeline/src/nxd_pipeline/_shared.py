@@ -2,8 +2,8 @@
 
 A weight ``W`` used by layers on stages held by different ranks exists once per rank. Each
 copy starts from the lowest holding rank's value, and after every step each copy's gradient
-becomes ``sum_r dL/dW_r`` (all-reduce over the pipeline group; ranks without a copy add zeros),
-so every copy takes the same optimizer step as the single tied weight of one process would.
+becomes ``sum_r dL/dW_r`` (:mod:`nxd_pipeline._reduce`), so every copy takes the same optimizer
+step as the single tied weight of one process would.
 Two layer parameters are one weight when they are the same ``Parameter`` object or when
 :func:`mark_weight_sharing` put them in one group (NxD's API, for copies that are separate
 tensors, e.g. after moving to a device).
@@ -17,11 +17,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed import ProcessGroup
 
-from nxd_state import collectives
-
-__all__ = ["SharedWeight", "mark_weight_sharing", "shared_weights", "sync_shared_weights"]
+__all__ = ["SharedWeight", "mark_weight_sharing", "shared_weights"]
 
 WEIGHT_SHARING_ATTR = "weight_sharing"
 """Attribute (NxD's name) a marked layer carries: ``{group name: parameter path}``."""
@@ -137,21 +134,3 @@ def shared_weights(
             )
         )
     return out
-
-
-def sync_shared_weights(
-    weights: Sequence[SharedWeight],
-    p: int,
-    rank: int,
-    group: ProcessGroup | None,
-    device: torch.device,
-) -> None:
-    """Give every rank's copy the value of the lowest stage's (NxD's initial sync)."""
-    for weight in weights:
-        value = torch.zeros(weight.shape, dtype=weight.dtype, device=device)
-        if weight.local is not None and weight.stages[0] % p == rank:
-            value.copy_(weight.local.detach())
-        collectives.all_reduce(value, group=group)  # only the lowest holder contributed
-        if weight.local is not None:
-            with torch.no_grad():
-                weight.local.copy_(value)

@@ -9,8 +9,12 @@ are the model's own qualified names (``model.layers.3.mlp.up_proj.weight``):
   ``autowrap_functions`` are passed to the tracer; ``input_names`` are the traced inputs, the
   other ``forward`` parameters are fixed to their defaults.
 * ``tracer_cls="hf"``: Hugging Face transformers 5 models, whose ``**kwargs`` forwards FX cannot
-  trace, are captured with ``torch.export`` (non-strict, ``use_cache=False``, batch and sequence
-  dimensions dynamic). Nodes carry ``nn_module_stack``, which places them in stages.
+  trace, are captured with ``torch.export`` (:mod:`nxd_pipeline._export`); the transformer
+  layers and ``leaf_module_cls`` modules are restored as ``call_module`` nodes, the rest is
+  inlined, its nodes placed in stages by their ``nn_module_stack``.
+
+Leaf classes may be given by name (``"LlamaRMSNorm"``), as NxD allows: a name stands for every
+class of that name among the model's modules.
 """
 
 from __future__ import annotations
@@ -18,38 +22,24 @@ from __future__ import annotations
 import inspect
 import logging
 import math
-import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-import torch
 from torch import fx, nn
 
-__all__ = ["CapturedGraph", "PipelineTraceError", "capture_graph", "hf_layer_class"]
+from nxd_pipeline._captured import CapturedGraph, PipelineTraceError, failure_site
+from nxd_pipeline._export import export_graph
+
+__all__ = [
+    "CapturedGraph",
+    "PipelineTraceError",
+    "capture_graph",
+    "hf_layer_class",
+    "resolve_module_classes",
+]
 
 logger = logging.getLogger(__name__)
-
-
-class PipelineTraceError(RuntimeError):
-    """Graph capture failed; the message names the module and the operation, and what to do."""
-
-
-@dataclass(kw_only=True)
-class CapturedGraph:
-    """A flat graph of the model's forward."""
-
-    graph_module: fx.GraphModule
-    """The traced module; its graph's targets are the original model's qualified names."""
-    input_names: list[str]
-    """Placeholders, in order: the keyword arguments ``run_train`` / ``run_eval`` take."""
-    route: str
-    """``"fx"`` or ``"export"``."""
-    output_spec: Any = None
-    """Export route: the pytree spec that rebuilds the model's output from the flat outputs."""
-    fixed_inputs: dict[str, Any] = field(default_factory=dict)
-    """Inputs fixed at capture time (``use_cache=False``), supplied when the caller omits them."""
 
 
 def _nxd_leaf_classes() -> tuple[type, ...]:
@@ -108,16 +98,6 @@ def _make_tracer(
     return _LeafTracer()
 
 
-def _failure_site(error: BaseException) -> str:
-    """The innermost frame of the traceback outside torch: where user code did the op."""
-    frames = traceback.extract_tb(error.__traceback__)
-    outside = [f for f in frames if "/torch/" not in f.filename and "_trace.py" not in f.filename]
-    frame = outside[-1] if outside else (frames[-1] if frames else None)
-    if frame is None:
-        return "an unknown location"
-    return f"{frame.filename}:{frame.lineno} `{(frame.line or '').strip()}`"
-
-
 def _trace_fx(
     module: nn.Module,
     input_names: Sequence[str] | None,
@@ -160,12 +140,12 @@ def _trace_fx(
         )
         raise PipelineTraceError(
             f"torch.fx could not trace {where}: {type(error).__name__}: {error} at "
-            f"{_failure_site(error)}. Make that module a leaf (leaf_module_cls=[{stack[-1][1]}]) "
+            f"{failure_site(error)}. Make that module a leaf (leaf_module_cls=[{stack[-1][1]}]) "
             f"if it is a layer, or wrap the offending function (autowrap_functions=(fn,) or "
             f"autowrap_modules=(module,)); for Hugging Face models use tracer_cls='hf'"
             if stack
             else f"torch.fx could not trace {where}: {type(error).__name__}: {error} at "
-            f"{_failure_site(error)}. Wrap the offending function (autowrap_functions=(fn,) or "
+            f"{failure_site(error)}. Wrap the offending function (autowrap_functions=(fn,) or "
             f"autowrap_modules=(module,)); for Hugging Face models use tracer_cls='hf'"
         ) from error
     graph_module = fx.GraphModule(module, graph, class_name=type(module).__name__)
@@ -174,80 +154,10 @@ def _trace_fx(
         graph_module=graph_module,
         input_names=[str(p) for p in placeholders if p in names],
         route="fx",
+        module_calls=list(
+            dict.fromkeys(str(n.target) for n in graph.nodes if n.op == "call_module")
+        ),
     )
-
-
-def _hf_example_inputs(module: nn.Module, names: Sequence[str]) -> dict[str, torch.Tensor]:
-    config = getattr(module, "config", None)
-    vocab = int(getattr(config, "vocab_size", 2) or 2)
-    # On the model's own device, meta included: torch 2.11 rejects an op that mixes a meta
-    # parameter with a CPU input ("Unhandled FakeTensor Device Propagation ... meta, cpu").
-    # A meta model's graph then has device=meta arguments, retargeted per stage.
-    device = next((p.device for p in module.parameters()), torch.device("cpu"))
-    shape = (2, 4)  # batch and sequence are dynamic: any size works later
-    out: dict[str, torch.Tensor] = {}
-    for name in names:
-        if name in ("input_ids", "labels", "token_type_ids"):
-            out[name] = torch.randint(0, vocab, shape, device=device)
-        elif name == "attention_mask":
-            out[name] = torch.ones(shape, dtype=torch.long, device=device)
-        elif name == "position_ids":
-            out[name] = torch.arange(shape[1], device=device).expand(shape)
-        else:
-            raise ValueError(
-                f"tracer_cls='hf' builds example inputs for input_ids, attention_mask, labels, "
-                f"position_ids and token_type_ids; it cannot guess {name!r}"
-            )
-    return out
-
-
-# torch.export takes seconds: graphs are reused for models of the same class, config and
-# parameter layout (the graph's attribute targets are resolved on the model at partition time).
-_EXPORT_CACHE: dict[tuple[Any, ...], CapturedGraph] = {}
-
-
-def _export_key(module: nn.Module, names: Sequence[str]) -> tuple[Any, ...]:
-    layout = tuple(
-        (name, tuple(t.shape), t.dtype, t.device.type)
-        for name, t in [*module.named_parameters(), *module.named_buffers()]
-    )
-    return (type(module), repr(getattr(module, "config", None)), layout, tuple(names))
-
-
-def _trace_export(module: nn.Module, input_names: Sequence[str] | None) -> CapturedGraph:
-    names = list(input_names) if input_names is not None else ["input_ids", "labels"]
-    key = _export_key(module, names)
-    if key in _EXPORT_CACHE:
-        logger.info("reusing the torch.export graph of an identical %s", type(module).__name__)
-        return _EXPORT_CACHE[key]
-    example = _hf_example_inputs(module, names)
-    fixed = {"use_cache": False}
-    dims = torch.export.Dim.AUTO
-    dynamic = {name: {0: dims, 1: dims} for name in names}
-    dynamic.update({name: None for name in fixed})
-    logger.info("capturing %s with torch.export (non-strict)", type(module).__name__)
-    try:
-        exported = torch.export.export(
-            module, (), {**example, **fixed}, strict=False, dynamic_shapes=dynamic
-        )
-    except Exception as error:
-        raise PipelineTraceError(
-            f"torch.export could not capture {type(module).__name__} with inputs {names}: "
-            f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''} at "
-            f"{_failure_site(error)}. Check that forward accepts use_cache=False and that "
-            f"input_names are its tensor inputs"
-        ) from error
-    graph_module = exported.module()
-    placeholders = [str(n.target) for n in graph_module.graph.nodes if n.op == "placeholder"]
-    captured = CapturedGraph(
-        graph_module=graph_module,
-        input_names=[p for p in placeholders if p not in fixed],
-        route="export",
-        output_spec=graph_module._out_spec,
-        fixed_inputs=fixed,
-    )
-    _EXPORT_CACHE[key] = captured
-    return captured
 
 
 def capture_graph(
@@ -255,13 +165,19 @@ def capture_graph(
     *,
     tracer_cls: str | type[fx.Tracer] | None = None,
     input_names: Sequence[str] | None = None,
-    leaf_module_cls: Sequence[type] = (),
+    leaf_module_cls: Sequence[type | str] = (),
     autowrap_modules: Sequence[ModuleType] = (),
     autowrap_functions: Sequence[Callable[..., Any]] = (),
 ) -> CapturedGraph:
-    """Trace ``module`` into a :class:`CapturedGraph` (see the module docstring for routes)."""
+    """Trace ``module`` into a :class:`CapturedGraph` (see the module docstring for routes).
+
+    ``leaf_module_cls``: classes, or class names, whose modules stay whole (one call each).
+    With ``tracer_cls="hf"`` and none given, the model's transformer layer class.
+    """
+    leaf_module_cls = resolve_module_classes(module, leaf_module_cls, "leaf_module_cls")
     if tracer_cls == "hf":
-        return _trace_export(module, input_names)
+        keep = tuple(leaf_module_cls) or tuple(c for c in [hf_layer_class(module)] if c)
+        return export_graph(module, input_names, keep)
     if tracer_cls is None or tracer_cls == "torch":
         base: type[fx.Tracer] = fx.Tracer
     elif isinstance(tracer_cls, type) and issubclass(tracer_cls, fx.Tracer):
@@ -282,3 +198,37 @@ def hf_layer_class(module: nn.Module) -> type | None:
         if type(sub).__name__ in names:
             return type(sub)
     return None
+
+
+def resolve_module_classes(
+    module: nn.Module, specs: Sequence[type | str] | None, what: str
+) -> tuple[type, ...]:
+    """Classes for ``specs``: a class stands for itself, a name (NxD's form, e.g.
+    ``"LlamaRMSNorm"``) for every class of that name among ``module``'s modules.
+
+    A name that matches no module is ignored with a warning, as NxD ignores it (its tracer
+    compares class names); anything else that is not a class is an error.
+    """
+    present: dict[str, list[type]] = {}
+    for sub in module.modules():
+        classes = present.setdefault(type(sub).__name__, [])
+        if type(sub) not in classes:
+            classes.append(type(sub))
+    out: list[type] = []
+    for spec in specs or ():
+        if isinstance(spec, type):
+            out.append(spec)
+        elif isinstance(spec, str):
+            if spec not in present:
+                logger.warning(
+                    "%s: no module of %s is of a class named %r; it is ignored",
+                    what,
+                    type(module).__name__,
+                    spec,
+                )
+            out.extend(present.get(spec, []))
+        else:
+            raise TypeError(
+                f"{what} takes classes or class names, got {spec!r} ({type(spec).__name__})"
+            )
+    return tuple(dict.fromkeys(out))

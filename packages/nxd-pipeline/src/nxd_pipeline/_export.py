@@ -1,0 +1,230 @@
+"""The ``tracer_cls="hf"`` route: capture a Hugging Face model with ``torch.export``, keeping its
+transformer layers (and ``leaf_module_cls`` modules) as module calls.
+
+transformers 5 models forward ``**kwargs`` and build masks with data-dependent Python, which
+``torch.fx`` cannot trace; ``torch.export`` (non-strict, ``use_cache=False``, batch and sequence
+dimensions dynamic) can, but it inlines every module into aten operations. A layer whose
+operations sit in the stage graph cannot be recomputed by activation checkpointing, hooked, or
+swapped. So the layers are exported with ``preserve_module_call_signature``: the exported
+program then records, for each layer call, which graph values went in (``in_spec``: the
+positional and keyword arguments, constants such as ``use_cache=False`` included) and which
+came out. Each layer's inlined nodes are replaced by one ``call_module`` node calling the
+original module with those arguments: ``h_{i+1} = layer_i(h_i, attention_mask=m, ...)``,
+the same function, run eagerly by the stage. Everything outside the layers (embedding, masks,
+rotary tables, final norm, head, loss) stays as exported.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.utils import _pytree as pytree
+
+from nxd_pipeline._captured import CapturedGraph, PipelineTraceError, failure_site
+
+__all__ = ["export_graph", "modules_to_keep"]
+
+logger = logging.getLogger(__name__)
+
+
+def _example_inputs(module: nn.Module, names: Sequence[str]) -> dict[str, torch.Tensor]:
+    config = getattr(module, "config", None)
+    vocab = int(getattr(config, "vocab_size", 2) or 2)
+    # On the model's own device, meta included: torch 2.11 rejects an op that mixes a meta
+    # parameter with a CPU input ("Unhandled FakeTensor Device Propagation ... meta, cpu").
+    # A meta model's graph then has device=meta arguments, retargeted per stage.
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    shape = (2, 4)  # batch and sequence are dynamic: any size works later
+    out: dict[str, torch.Tensor] = {}
+    for name in names:
+        if name in ("input_ids", "labels", "token_type_ids"):
+            out[name] = torch.randint(0, vocab, shape, device=device)
+        elif name == "attention_mask":
+            out[name] = torch.ones(shape, dtype=torch.long, device=device)
+        elif name == "position_ids":
+            out[name] = torch.arange(shape[1], device=device).expand(shape)
+        else:
+            raise ValueError(
+                f"tracer_cls='hf' builds example inputs for input_ids, attention_mask, labels, "
+                f"position_ids and token_type_ids; it cannot guess {name!r}"
+            )
+    return out
+
+
+def modules_to_keep(module: nn.Module, classes: Sequence[type]) -> list[str]:
+    """Qualified names of the modules of ``classes``, outermost only (a kept module's
+    submodules run inside its call)."""
+    kept: list[str] = []
+    for name, sub in module.named_modules():
+        nested = any(name.startswith(outer + ".") for outer in kept)
+        if name and isinstance(sub, tuple(classes)) and not nested:
+            kept.append(name)
+    return kept
+
+
+# torch.export takes seconds: graphs are reused for models of the same class, config and
+# parameter layout (the graph's attribute targets are resolved on the model at partition time).
+_EXPORT_CACHE: dict[tuple[Any, ...], CapturedGraph] = {}
+
+
+def _cache_key(module: nn.Module, names: Sequence[str], keep: Sequence[str]) -> tuple[Any, ...]:
+    layout = tuple(
+        (name, tuple(t.shape), t.dtype, t.device.type)
+        for name, t in [*module.named_parameters(), *module.named_buffers()]
+    )
+    config = repr(getattr(module, "config", None))
+    return (type(module), config, layout, tuple(names), tuple(keep))
+
+
+def _export(
+    module: nn.Module, kwargs: dict[str, Any], dynamic: dict[str, Any], keep: Sequence[str]
+) -> torch.export.ExportedProgram:
+    return torch.export.export(
+        module,
+        (),
+        kwargs,
+        strict=False,
+        dynamic_shapes=dynamic,
+        preserve_module_call_signature=tuple(keep),
+    )
+
+
+def export_graph(
+    module: nn.Module, input_names: Sequence[str] | None, keep_classes: Sequence[type]
+) -> CapturedGraph:
+    """Export ``module`` and restore a module call for every module of ``keep_classes``."""
+    names = list(input_names) if input_names is not None else ["input_ids", "labels"]
+    keep = modules_to_keep(module, keep_classes)
+    key = _cache_key(module, names, keep)
+    if key in _EXPORT_CACHE:
+        logger.info("reusing the torch.export graph of an identical %s", type(module).__name__)
+        return _EXPORT_CACHE[key]
+    example = _example_inputs(module, names)
+    fixed = {"use_cache": False}
+    dims = torch.export.Dim.AUTO
+    dynamic: dict[str, Any] = {name: {0: dims, 1: dims} for name in names}
+    dynamic.update({name: None for name in fixed})
+    logger.info(
+        "capturing %s with torch.export (non-strict), keeping %d module calls",
+        type(module).__name__,
+        len(keep),
+    )
+    try:
+        exported = _export(module, {**example, **fixed}, dynamic, keep)
+    except Exception as error:
+        raise PipelineTraceError(
+            f"torch.export could not capture {type(module).__name__} with inputs {names}: "
+            f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''} at "
+            f"{failure_site(error)}. Check that forward accepts use_cache=False and that "
+            f"input_names are its tensor inputs"
+        ) from error
+    graph_module = exported.module()
+    nodes = {n.name: n for n in graph_module.graph.nodes}  # by name, updated as calls replace
+    restored = [
+        name for name in keep if _restore_module_call(graph_module.graph, exported, name, nodes)
+    ]
+    graph_module.recompile()
+    placeholders = [str(n.target) for n in graph_module.graph.nodes if n.op == "placeholder"]
+    captured = CapturedGraph(
+        graph_module=graph_module,
+        input_names=[p for p in placeholders if p not in fixed],
+        route="export",
+        output_spec=graph_module._out_spec,
+        fixed_inputs=fixed,
+        module_calls=restored,
+    )
+    _EXPORT_CACHE[key] = captured
+    return captured
+
+
+def _inside(node: fx.Node, name: str) -> bool:
+    paths = (str(value[0]) for value in node.meta.get("nn_module_stack", {}).values())
+    return any(path == name or path.startswith(name + ".") for path in paths)
+
+
+def _argument(spec: Any, nodes: dict[str, fx.Node]) -> Any:
+    """A graph value (node) or a constant for one input of a preserved call signature."""
+    if isinstance(spec, torch.export.graph_signature.ConstantArgument):
+        return spec.value
+    name = getattr(spec, "name", None)
+    if name in nodes:
+        return nodes[name]
+    raise KeyError(f"{type(spec).__name__} {name!r} is not a node of the graph")
+
+
+def _leaf_accessors(graph: fx.Graph, call: fx.Node, spec: pytree.TreeSpec) -> list[fx.Node]:
+    """Nodes picking each pytree leaf out of ``call``'s result, in flattening order."""
+    template = pytree.tree_unflatten(list(range(spec.num_leaves)), spec)
+    leaves: list[fx.Node] = [call] * spec.num_leaves
+    for path, index in pytree.tree_flatten_with_path(template)[0]:
+        node = call
+        for key in path:
+            if isinstance(key, pytree.SequenceKey):
+                node = graph.call_function(operator.getitem, (node, key.idx))
+            elif isinstance(key, pytree.MappingKey):
+                node = graph.call_function(operator.getitem, (node, key.key))
+            else:  # GetAttrKey (dataclass-like outputs)
+                node = graph.call_function(getattr, (node, key.name))
+        leaves[index] = node
+    return leaves
+
+
+def _restore_module_call(
+    graph: fx.Graph,
+    exported: torch.export.ExportedProgram,
+    name: str,
+    nodes: dict[str, fx.Node],
+) -> bool:
+    """Replace the inlined nodes of module ``name`` by one ``call_module`` node; False (and
+    the module stays inlined) when its recorded call cannot be rebuilt.
+
+    ``nodes``: the graph's values under their exported names (a replaced output's name maps to
+    the node that now yields it), which the recorded signatures refer to.
+    """
+    entry = next((e for e in exported.module_call_graph if e.fqn == name), None)
+    signature = entry.signature if entry is not None else None
+    inside = [n for n in graph.nodes if _inside(n, name)]
+    if signature is None or not inside:
+        logger.warning("module %s: no recorded call signature; it stays inlined", name)
+        return False
+    try:
+        args, kwargs = pytree.tree_unflatten(
+            [_argument(a, nodes) for a in signature.inputs], signature.in_spec
+        )
+        outputs = [_argument(a, nodes) for a in signature.outputs]
+    except (KeyError, ValueError, TypeError) as error:
+        logger.warning("module %s: its call cannot be rebuilt (%s); it stays inlined", name, error)
+        return False
+    # Every input exists before the module's first operation (export records execution
+    # order), so the call goes there; its outputs replace the inlined results.
+    with graph.inserting_before(inside[0]):
+        call = graph.call_module(name, tuple(args), dict(kwargs))
+        leaves = _leaf_accessors(graph, call, signature.out_spec)
+    stack = dict(inside[0].meta.get("nn_module_stack", {}))
+    call.meta["nn_module_stack"] = {
+        k: v for k, v in stack.items() if not _inside_path(str(v[0]), name)
+    }
+    for spec, old, new in zip(signature.outputs, outputs, leaves):
+        if isinstance(old, fx.Node):
+            old.replace_all_uses_with(new)
+            nodes[spec.name] = new
+    for node in reversed(inside):
+        if not node.users:
+            graph.erase_node(node)
+    prefix = name + "."
+    for node in list(graph.nodes):
+        if node.op == "get_attr" and not node.users and str(node.target).startswith(prefix):
+            graph.erase_node(node)
+    left = [n.name for n in graph.nodes if _inside(n, name)]
+    if left:  # used outside the module too (e.g. a size): computed there, harmlessly
+        logger.debug("module %s: %d inlined nodes still used outside it: %s", name, len(left), left)
+    return True
+
+
+def _inside_path(path: str, name: str) -> bool:
+    return path == name or path.startswith(name + ".")

@@ -1,0 +1,150 @@
+"""Gradient reductions of a training step: tied weights over the pipeline, all over DP.
+
+A ``run_train`` call produces gradients ``g`` on each rank. Weights held by several pipeline
+ranks (tied embeddings) need ``Σ_PP g`` on every copy, and, unless an optimizer wrapper or
+ZeRO-1 does it at its step, every gradient is averaged over the n data-parallel ranks:
+
+    R(g) = (1/n) Σ_DP Σ_PP g          (Σ_PP only for tied weights)
+
+Each call reduces exactly what it produced and adds the result to what ``.grad`` already held:
+``G <- G + R(g_c)``. After k calls, ``G = Σ_c R(g_c) = R(Σ_c g_c)`` (R is linear): gradient
+accumulation over calls equals one call on all the batches. Reducing ``G`` itself would sum the
+earlier calls' tied-weight gradients over the pipeline again (a micro-step counted twice).
+
+How: a post-accumulate-grad hook on each reduced parameter, registered when the local
+parameters are final (so before an optimizer's own hooks), moves each new gradient out of
+``.grad`` into a per-call buffer while a call runs; afterwards the buffers are reduced and
+delivered with a backward from the parameter itself, through autograd's ``AccumulateGrad``:
+``.grad`` grows by ``R(g_c)`` and hooks registered later (an optimizer's fp32 gradient
+accumulation, which frees ``.grad``) see the reduced gradient once, as if autograd made it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from nxd_state import collectives
+
+__all__ = ["GradientReducer", "TiedWeight", "sync_tied_weights"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TiedWeight:
+    """A weight whose copies sit on several pipeline ranks."""
+
+    name: str | None
+    """This rank's local name for it (None: no local stage uses it)."""
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    first_rank: int
+    """The lowest pipeline rank holding a copy: its value is the one every copy starts from."""
+
+
+def _locals(tied: Sequence[TiedWeight], params: dict[str, nn.Parameter]) -> list:
+    return [params.get(w.name) if w.name is not None else None for w in tied]
+
+
+def sync_tied_weights(
+    tied: Sequence[TiedWeight],
+    params: dict[str, nn.Parameter],
+    rank: int,
+    group: ProcessGroup | None,
+    device: torch.device,
+) -> None:
+    """Give every copy the lowest holding rank's value (NxD's initial sync): one all-reduce
+    per weight where only that rank contributes."""
+    for weight, local in zip(tied, _locals(tied, params)):
+        value = torch.zeros(weight.shape, dtype=weight.dtype, device=device)
+        if local is not None and weight.first_rank == rank:
+            value.copy_(local.detach())
+        collectives.all_reduce(value, group=group)
+        if local is not None:
+            with torch.no_grad():
+                local.copy_(value)
+
+
+class GradientReducer:
+    """Reduces each ``run_train`` call's own gradients (see the module docstring).
+
+    ``tied``: the tied weights (in the same order on every pipeline rank), summed over
+    ``pipeline_group``; ``data_parallel_group``: when not None, every local gradient is then
+    averaged over it.
+    """
+
+    def __init__(
+        self,
+        *,
+        params: dict[str, nn.Parameter],
+        tied: Sequence[TiedWeight],
+        pipeline_group: ProcessGroup | None,
+        data_parallel_group: ProcessGroup | None,
+        device: torch.device,
+    ) -> None:
+        self.tied = list(tied)
+        self.tied_locals = _locals(self.tied, params)
+        self.pipeline_group = pipeline_group
+        self.data_parallel_group = data_parallel_group
+        self.device = device
+        reduced = [p for p in self.tied_locals if p is not None]
+        if data_parallel_group is not None:
+            reduced += list(params.values())
+        self.params = [p for p in dict.fromkeys(reduced) if p.requires_grad]
+        self._fresh: dict[nn.Parameter, torch.Tensor] = {}
+        self._saved: dict[nn.Parameter, torch.Tensor | None] = {}
+        self._active = False
+        self._handles = [p.register_post_accumulate_grad_hook(self._capture) for p in self.params]
+
+    def _capture(self, param: torch.Tensor) -> None:
+        if not self._active or param.grad is None:
+            return
+        fresh = self._fresh.get(param)  # type: ignore[call-overload]
+        if fresh is None:
+            self._fresh[param] = param.grad  # type: ignore[index]
+        else:
+            fresh.add_(param.grad)
+        param.grad = None
+
+    def begin(self) -> None:
+        """Before a call's backwards: set the accumulated gradients aside."""
+        self._saved = {p: p.grad for p in self.params}
+        for param in self.params:
+            param.grad = None
+        self._fresh = {}
+        self._active = True
+
+    def abort(self) -> None:
+        """The call failed: put the accumulated gradients back, drop this call's."""
+        self._active = False
+        for param, grad in self._saved.items():
+            param.grad = grad
+        self._saved, self._fresh = {}, {}
+
+    def finish(self) -> None:
+        """Reduce this call's gradients and add them to the accumulated ones."""
+        self._active = False
+        fresh = self._fresh
+        for weight, local in zip(self.tied, self.tied_locals):  # Σ_PP, zeros where unused
+            grad = fresh.get(local) if local is not None else None
+            if grad is None:
+                grad = torch.zeros(weight.shape, dtype=weight.dtype, device=self.device)
+            collectives.all_reduce(grad, group=self.pipeline_group)
+            if local is not None and local.requires_grad:
+                fresh[local] = grad
+        if self.data_parallel_group is not None:
+            # Every DP rank runs the same graph, so the same parameters got gradients.
+            grads = [fresh[p] for p in self.params if p in fresh]
+            collectives.all_reduce_bucketed(grads, self.data_parallel_group, average=True)
+        for param, grad in self._saved.items():
+            param.grad = grad
+        self._saved, self._fresh = {}, {}
+        delivered = [p for p in self.params if p in fresh]
+        if delivered:  # through AccumulateGrad: .grad += R(g); later hooks see it
+            torch.autograd.backward(delivered, [fresh[p] for p in delivered])
