@@ -7,6 +7,7 @@ back as a :class:`~nxd_layers.trace.WorkerError` naming the rank.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import tempfile
@@ -168,6 +169,11 @@ def parallel_model_trace(
         _neuron.require(" and ".join(neuron_reasons) or "tracing on an XLA device")
         if options.aot_inductor:
             raise ValueError("aot_inductor is a portable-route option; the Neuron route compiles")
+    if options.aot_inductor and importlib.util.find_spec("setuptools") is None:
+        raise ImportError(
+            f"compiler_args aot_inductor=True: AOTInductor needs setuptools with torch "
+            f"{torch.__version__} (pip install setuptools) and a C++ compiler"
+        )
     _check_device(device, tp_degree, neuron)
     workdir = Path(compiler_workdir) if compiler_workdir is not None else None
     own_workdir = None
