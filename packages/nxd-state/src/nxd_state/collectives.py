@@ -16,7 +16,9 @@ benchmarks can compare traffic with theory. Two byte counts are kept per call:
   and all-to-all ``(n-1)/n * B``, broadcast ``B`` on the source, send ``B``, recv ``0``.
   An emulated op is counted under the name asked for, with the traffic of what really ran:
   the all-reduce behind an emulated reduce-scatter sends ``2(n-1)/n * B``; the pairwise
-  all-to-all sends ``(n-1)/n * B``, exactly the native volume.
+  all-to-all sends ``(n-1)/n * B``, exactly the native volume; the in-place all-gather that
+  runs as n broadcasts on gloo (see :func:`all_gather`) sends ``(n-1) * B_shard`` per rank,
+  exactly the ring's.
 """
 
 from __future__ import annotations
@@ -96,19 +98,76 @@ def all_reduce(
     return tensor
 
 
-def all_gather(tensor: torch.Tensor, group: Group = None, dim: int = 0) -> torch.Tensor:
-    """``cat([x_0, ..., x_{n-1}], dim)``: every rank's shard, concatenated in rank order."""
+def all_gather(
+    tensor: torch.Tensor, group: Group = None, dim: int = 0, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``cat([x_0, ..., x_{n-1}], dim)``: every rank's shard, concatenated in rank order.
+
+    ``out`` (``dim=0`` only): a contiguous tensor of shape ``(n * x.shape[0], *x.shape[1:])``
+    that receives the result in place and is returned; chunk r of it is rank r's shard, so
+    ``tensor`` may be this rank's chunk of ``out`` (then nothing is copied). On gloo this
+    in-place form runs as n asynchronous broadcasts, the one from rank k filling chunk k:
+    gloo's all-gather stages its result in a flat buffer of its own and copies it out, while a
+    broadcast writes straight into ``out`` (torch's ``ZeroRedundancyOptimizer`` gathers its
+    parameters the same way). It is counted as the all-gather it is: gloo's broadcast is a
+    binomial tree, and over the n broadcasts every rank sends ``(n-1) * B_shard``, the ring
+    all-gather's volume. Elsewhere, and while compiling or exporting, it is one
+    ``all_gather_into_tensor`` into ``out``.
+    """
     n = group_size(group)
+    if out is not None:
+        _check_gather_out(tensor, out, n, dim)
     if n == 1:
-        return tensor
+        if out is None:
+            return tensor
+        if out.data_ptr() != tensor.data_ptr():
+            out.copy_(tensor)
+        return out
     record("all_gather", group, nbytes(tensor), (n - 1) * nbytes(tensor))
+    if out is not None:
+        _all_gather_into(out, tensor, group, n)
+        return out
     dim = dim % tensor.dim()
     moved = tensor.movedim(dim, 0).contiguous()
-    out = torch.empty(
+    gathered = torch.empty(
         (n * moved.shape[0], *moved.shape[1:]), dtype=tensor.dtype, device=tensor.device
     )
-    dist.all_gather_into_tensor(out, moved, group=group)
-    return out.movedim(0, dim)
+    dist.all_gather_into_tensor(gathered, moved, group=group)
+    return gathered.movedim(0, dim)
+
+
+def _check_gather_out(tensor: torch.Tensor, out: torch.Tensor, n: int, dim: int) -> None:
+    """The in-place all-gather's contract, checked on every rank before any traffic."""
+    if dim % max(tensor.dim(), 1) != 0:
+        raise ValueError(f"all_gather(out=...) gathers along dim 0 only, got dim={dim}")
+    expected = (n * tensor.shape[0], *tensor.shape[1:]) if tensor.dim() else (n,)
+    if tuple(out.shape) != expected:
+        raise ValueError(
+            f"all_gather: out has shape {tuple(out.shape)}, expected {expected} "
+            f"({n} shards of shape {tuple(tensor.shape)})"
+        )
+    if out.dtype != tensor.dtype or out.device != tensor.device:
+        raise ValueError(
+            f"all_gather: out is {out.dtype} on {out.device}, the shard is {tensor.dtype} on "
+            f"{tensor.device}; they must match"
+        )
+    if not out.is_contiguous():
+        raise ValueError(f"all_gather: out must be contiguous (strides {out.stride()})")
+
+
+def _all_gather_into(out: torch.Tensor, tensor: torch.Tensor, group: Group, n: int) -> None:
+    chunks = out.view(n, -1)
+    if _backend_name(group) != "gloo" or torch.compiler.is_compiling():
+        dist.all_gather_into_tensor(out, tensor.contiguous(), group=group)
+        return
+    mine = chunks[group_rank(group)]
+    if mine.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
+        mine.copy_(tensor.reshape(-1))
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.GroupMember.WORLD)
+    works = [dist.broadcast(chunks[k], src=ranks[k], group=group, async_op=True) for k in range(n)]
+    for work in works:
+        assert work is not None
+        work.wait()
 
 
 def reduce_scatter(
