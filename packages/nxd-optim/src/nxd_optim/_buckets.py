@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from nxd_optim._flat import FlatLayout
+from nxd_optim._param_views import ParamViews
 
 __all__ = ["DtypeBucket", "split_by_dtype"]
 
@@ -38,6 +39,10 @@ class DtypeBucket:
     master: torch.Tensor
     """This rank's shard of the flat buffer in the optimizer dtype (what the inner optimizer
     steps; fp32 for bf16/fp16 params with master weights)."""
+
+    views: ParamViews | None = None
+    """The flat buffer the params are views of (``parameters_as_bucket_view``, CPU and CUDA),
+    which the all-gather fills in place; None: the params keep their own storage."""
 
     def params(self, group_params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """This bucket's params, picked out of its group's ``params`` list."""

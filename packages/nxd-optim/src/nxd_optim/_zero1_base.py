@@ -31,6 +31,7 @@ from nxd_optim._groups import (
     shard_norm_group,
 )
 from nxd_optim._mixed_precision import GradientStore, is_low_precision
+from nxd_optim._param_views import VIEW_DEVICE_TYPES, ParamViews
 from nxd_optim._params import as_param_groups
 from nxd_optim._zero1_comm import GRAD_REDUCTIONS, resolve_grad_reduction
 
@@ -62,6 +63,7 @@ class Zero1Setup(Optimizer):
         master_weights_in_ckpt: bool,
         higher_cc_precision: bool,
         grad_reduction: str,
+        parameters_as_bucket_view: bool,
         defaults: dict[str, Any],
     ) -> None:
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):
@@ -101,6 +103,7 @@ class Zero1Setup(Optimizer):
         self.use_master_weights_in_ckpt = self.save_master_weights = master_weights_in_ckpt
         self.higher_cc_precision = higher_cc_precision
         self.grad_reduction = grad_reduction
+        self.parameters_as_bucket_view = bool(parameters_as_bucket_view)
         self._sharding_spec = sharding_groups
         self._grad_norm_spec = grad_norm_groups
         self._inner_defaults = dict(defaults)
@@ -296,15 +299,21 @@ class Zero1Setup(Optimizer):
                     f"{param.dtype}; ZeRO-1 shards floating-point params only"
                 )
         buckets = []
+        bind = self.parameters_as_bucket_view and device.type in VIEW_DEVICE_TYPES
         for dtype, positions in split_by_dtype(params):
             members = [params[i] for i in positions]
             layout = FlatLayout.for_tensors(members, self.sharding_size)
+            views = ParamViews.bind(members, layout) if bind else None
             with torch.no_grad():
-                flat = layout.flatten(
-                    [p.detach() for p in members], self._master_dtype(dtype), device
-                )
-                master = layout.shard(flat, self.sharding_rank).clone()
-            buckets.append(DtypeBucket(index, positions, dtype, layout, master))
+                if views is not None:  # F holds the params already, in their dtype
+                    own = layout.shard(views.flat, self.sharding_rank)
+                    master = own.to(self._master_dtype(dtype), copy=True)
+                else:
+                    flat = layout.flatten(
+                        [p.detach() for p in members], self._master_dtype(dtype), device
+                    )
+                    master = layout.shard(flat, self.sharding_rank).clone()
+            buckets.append(DtypeBucket(index, positions, dtype, layout, master, views))
         return buckets
 
     def _bucket_params(self, bucket: DtypeBucket) -> list[torch.Tensor]:

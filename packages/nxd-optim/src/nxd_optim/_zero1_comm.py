@@ -36,6 +36,7 @@ __all__ = [
     "GRAD_REDUCTIONS",
     "GradReduction",
     "all_gather_flat",
+    "all_gather_flat_into",
     "reduce_flat",
     "resolve_grad_reduction",
 ]
@@ -101,3 +102,19 @@ def all_gather_flat(shard: torch.Tensor, group: ProcessGroup, max_numel: int = 0
         gathered = collectives.all_gather(shard[block].contiguous(), group)
         full[:, block] = gathered.view(n, -1)
     return full.view(-1)
+
+
+def all_gather_flat_into(flat: torch.Tensor, group: ProcessGroup, max_numel: int = 0) -> None:
+    """F <- [F_0, …, F_{n-1}] in place, F_k = rank k's shard of its own F (this rank's shard
+    must already be in place). One in-place all-gather (n broadcasts on gloo); with a cap, column
+    blocks gathered through a temporary each."""
+    n, rank = collectives.group_size(group), collectives.group_rank(group)
+    shard_numel = flat.numel() // n
+    blocks = _column_blocks(shard_numel, max_numel, n)
+    if len(blocks) == 1:
+        collectives.all_gather(flat[rank * shard_numel : (rank + 1) * shard_numel], group, out=flat)
+        return
+    matrix = flat.view(n, shard_numel)
+    for block in blocks:
+        gathered = collectives.all_gather(matrix[rank, block], group)  # a contiguous row piece
+        matrix[:, block] = gathered.view(n, -1)

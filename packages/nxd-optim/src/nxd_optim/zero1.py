@@ -28,7 +28,7 @@ from nxd_optim._groups import GroupSpec
 from nxd_optim._mixed_precision import GradientStore
 from nxd_optim._params import as_param_groups
 from nxd_optim._zero1_base import Zero1Setup
-from nxd_optim._zero1_comm import all_gather_flat, reduce_flat
+from nxd_optim._zero1_comm import all_gather_flat, all_gather_flat_into, reduce_flat
 from nxd_optim._zero1_norm import GradSpan, global_grad_norm
 
 __all__ = ["NeuronZero1Optimizer", "as_param_groups"]
@@ -72,6 +72,10 @@ class NeuronZero1Optimizer(Zero1Setup):
     * ``pin_layout``: accepted for NxD compatibility, no effect.
     * ``grad_reduction`` (nxd): ``"auto"`` (all-reduce + slice on gloo, reduce-scatter
       elsewhere), ``"reduce_scatter"`` or ``"all_reduce"``.
+    * ``parameters_as_bucket_view`` (nxd, torch ZeRO's name): on CPU and CUDA, point each
+      param's ``.data`` at its slice of its bucket's flat buffer, which the all-gather fills in
+      place (see :mod:`nxd_optim._param_views`); False keeps the params' own storage and
+      copies the gathered buffer into them. Ignored on XLA.
     * ``**defaults``: the inner optimizer's hyper-parameters (``lr``, ``betas`` ...).
     """
 
@@ -97,6 +101,7 @@ class NeuronZero1Optimizer(Zero1Setup):
         use_fp32_grad_acc: bool = False,
         use_master_weights_in_ckpt: bool = False,
         grad_reduction: str = "auto",
+        parameters_as_bucket_view: bool = True,
         **defaults: Any,
     ) -> None:
         super().__init__(
@@ -116,6 +121,7 @@ class NeuronZero1Optimizer(Zero1Setup):
             master_weights_in_ckpt=use_master_weights_in_ckpt or save_master_weights,
             higher_cc_precision=higher_cc_precision,
             grad_reduction=grad_reduction,
+            parameters_as_bucket_view=parameters_as_bucket_view,
             defaults=defaults,
         )
         if not lazy_init:
@@ -206,12 +212,22 @@ class NeuronZero1Optimizer(Zero1Setup):
 
     @torch.no_grad()
     def allgather_weights_and_update_full_parameter(self) -> None:
-        """params <- unflatten(all_gather(M_r)) for every bucket (torch-xla's name)."""
+        """params <- unflatten(all_gather(M_r)) for every bucket (torch-xla's name).
+
+        With params bound as views of the bucket's buffer F: F_r <- M_r (cast), F filled in
+        place by the all-gather, and only params that stopped viewing F get a copy."""
         self._check_inited("allgather_weights_and_update_full_parameter")
         for bucket in self._buckets:
-            source = bucket.master.detach().to(bucket.dtype)
-            full = all_gather_flat(source, self.sharding_group, self._gather_cap_numel)
-            bucket.layout.unflatten_into(full, self._bucket_params(bucket))
+            params = self._bucket_params(bucket)
+            if bucket.views is None:
+                source = bucket.master.detach().to(bucket.dtype)
+                full = all_gather_flat(source, self.sharding_group, self._gather_cap_numel)
+                bucket.layout.unflatten_into(full, params)
+                continue
+            flat = bucket.views.flat
+            bucket.layout.shard(flat, self.sharding_rank).copy_(bucket.master)
+            all_gather_flat_into(flat, self.sharding_group, self._gather_cap_numel)
+            bucket.views.update_detached(params)
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Clear the params' gradients (and accumulators); torch-xla's default keeps the
