@@ -1,22 +1,149 @@
-"""NxD's import path for parallel state resolves to nxd_state, under a real process group."""
+"""NxD's ``parallel_state`` (and the rank-aware helpers around it) on 4 gloo ranks.
 
-import torch.distributed as dist
+One spawn, several NxD-style scripts in sequence:
 
-from nxd_state.testing import run_distributed
+* context / expert parallel sizes above 1 are refused on every rank with the value named,
+  before any group exists;
+* TP=4: NxD's KV-shared groups (``initialize_kv_group``: interleaved by default, sequential on
+  request), their getters and ``destroy_kv_group``; then ``destroy_model_parallel``;
+* TP=2 x PP=2 with NxD's keyword ``context_parallel_size=1, expert_model_parallel_size=1``: the
+  ``get_*_replica_groups`` (equal to ``as_list=True``), the CP/EP getters at size 1, ``rmsg``,
+  the source ranks, a tensor through ``pipeline.comm.send`` / ``recv_from``, and
+  ``utils.logger.get_logger`` speaking on global rank 0 only unless ``rank0_only=False``.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from nxd_state.testing import run_distributed, run_named_checks
+
+WORLD = 4
 
 
-def nxd_script_view() -> tuple[int, int, int, list[list[int]]]:
-    from neuronx_distributed import parallel_state
+def check_unsupported_degrees() -> None:
+    from neuronx_distributed.parallel_layers import parallel_state as ps
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
-    return (
-        parallel_state.get_tensor_model_parallel_rank(),
-        parallel_state.get_data_parallel_rank(),
-        dist.get_world_size(parallel_state.get_data_parallel_group()),
-        parallel_state.get_tensor_model_parallel_group(as_list=True),
+    with pytest.raises(NotImplementedError, match=r"context_parallel_size.*2"):
+        ps.initialize_model_parallel(tensor_model_parallel_size=2, context_parallel_size=2)
+    with pytest.raises(NotImplementedError, match=r"expert_model_parallel_size.*4"):
+        ps.initialize_model_parallel(expert_model_parallel_size=4)
+    assert not ps.model_parallel_is_initialized()
+
+
+def check_kv_groups() -> None:
+    from neuronx_distributed.parallel_layers import parallel_state as ps
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=4)
+    ps.initialize_kv_group(2)  # NxD's default: ranks TP/2 apart hold the same KV head
+    assert ps.get_kv_shared_group_size() == 2
+    assert ps.get_kv_shared_replica_groups() == [[0, 2], [1, 3]]
+    assert ps.get_kv_shared_group(as_list=True) == [[0, 2], [1, 3]]
+    rank = torch.distributed.get_rank()
+    assert torch.distributed.get_process_group_ranks(ps.get_kv_shared_group()) == [
+        rank % 2,
+        rank % 2 + 2,
+    ]
+    ps.destroy_kv_group()
+    with pytest.raises(RuntimeError, match="initialize_kv_group"):
+        ps.get_kv_shared_group()
+    ps.initialize_kv_group(kv_shared_group_size=2, sequential_ranks_in_group=True)
+    assert ps.get_kv_shared_group(as_list=True) == [[0, 1], [2, 3]]
+    ps.destroy_kv_group()
+    ps.destroy_model_parallel()
+    assert not ps.model_parallel_is_initialized()
+
+
+def check_replica_groups_and_getters() -> None:
+    from neuronx_distributed import parallel_state as top_level
+    from neuronx_distributed.parallel_layers import parallel_state as ps
+
+    assert top_level.get_data_parallel_replica_groups is ps.get_data_parallel_replica_groups
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=2,
+        pipeline_model_parallel_size=2,
+        context_parallel_size=1,
+        expert_model_parallel_size=1,
+    )
+    rank = torch.distributed.get_rank()
+    tp_groups, pp_groups, dp_groups = [[0, 1], [2, 3]], [[0, 2], [1, 3]], [[0], [1], [2], [3]]
+    assert ps.get_tensor_model_parallel_replica_groups() == tp_groups
+    assert ps.get_pipeline_model_parallel_replica_groups() == pp_groups
+    assert ps.get_data_parallel_replica_groups() == dp_groups
+    assert ps.get_tensor_model_parallel_group(as_list=True) == tp_groups
+    assert ps.get_pipeline_model_parallel_group(as_list=True) == pp_groups
+    assert ps.get_data_parallel_group(as_list=True) == dp_groups
+    tp, pp = rank % 2, rank // 2
+    assert (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()) == (tp, pp)
+    assert ps.get_tensor_model_parallel_src_rank() == 2 * pp
+    assert ps.get_data_parallel_src_rank() == rank
+    assert (ps.get_context_model_parallel_size(), ps.get_context_model_parallel_rank()) == (1, 0)
+    assert (ps.get_expert_model_parallel_size(), ps.get_expert_model_parallel_rank()) == (1, 0)
+    assert ps.get_expert_data_parallel_size() == ps.get_data_parallel_size() == 1
+    cp_group = ps.get_context_model_parallel_group()
+    assert torch.distributed.get_process_group_ranks(cp_group) == [rank]
+    assert ps.rmsg("hello") == f"[rank_{rank}_pp{pp}_tp{tp}_dp0] hello"
+
+
+def check_pipeline_comm() -> None:
+    from neuronx_distributed.parallel_layers import parallel_state as ps
+    from neuronx_distributed.pipeline.comm import recv_from, send
+
+    meta = SimpleNamespace(shape=(2, 3), dtype=torch.float32, requires_grad=True)
+    rank = torch.distributed.get_rank()
+    if ps.get_pipeline_model_parallel_rank() == 0:
+        send(torch.full((2, 3), float(rank)), send_next=True)
+        back = recv_from(meta, recv_prev=False)  # from the next stage
+        torch.testing.assert_close(back, torch.full((2, 3), float(rank + 2)), rtol=0, atol=0)
+    else:
+        got = recv_from(meta, recv_prev=True)
+        assert got.requires_grad
+        torch.testing.assert_close(got, torch.full((2, 3), float(rank - 2)), rtol=0, atol=0)
+        send(torch.full((2, 3), float(rank)), send_next=False)
+
+
+class _Keep(logging.Handler):
+    """Keeps the messages a logger emits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def check_logger() -> None:
+    from neuronx_distributed.utils.logger import get_logger
+
+    rank = torch.distributed.get_rank()
+    for rank0_only in (True, False):
+        logger = get_logger(f"nxd-compat-test-{rank0_only}", rank0_only=rank0_only)
+        keep = _Keep()
+        logger.addHandler(keep)
+        logger.info("hello from %d", rank)
+        records = keep.messages
+        speaks = rank == 0 or not rank0_only
+        assert records == ([f"hello from {rank}"] if speaks else []), (rank0_only, records)
+
+
+def parallel_state_suite() -> list[str]:
+    return run_named_checks(
+        {
+            "CP/EP > 1 refused": check_unsupported_degrees,
+            "KV-shared groups at TP=4": check_kv_groups,
+            "replica groups and getters at TP=2 x PP=2": check_replica_groups_and_getters,
+            "pipeline.comm send/recv_from": check_pipeline_comm,
+            "logger rank0_only": check_logger,
+        },
+        context=f"rank {torch.distributed.get_rank()}",
     )
 
 
-def test_nxd_parallel_state_import_path() -> None:
-    results = run_distributed(nxd_script_view, 4)
-    assert results == [(r % 2, r // 2, 2, [[0, 1], [2, 3]]) for r in range(4)]
+def test_nxd_parallel_state_scripts() -> None:
+    results = run_distributed(parallel_state_suite, WORLD)
+    assert all(len(names) == 5 for names in results)

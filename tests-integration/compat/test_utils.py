@@ -7,8 +7,6 @@ import logging
 import pytest
 import torch
 
-from nxd_state.testing import run_distributed
-
 
 def test_rotary_override_equals_transformers_llama() -> None:
     from transformers.models.llama import modeling_llama
@@ -50,26 +48,6 @@ def test_shift_labels_pads_with_the_ignore_index() -> None:
         ValueError, match=r"labels must be \(batch, sequence, \.\.\.\), got shape \(3,\)"
     ):
         shift_labels({"labels": torch.arange(3)})
-
-
-def _logged_on_each_rank(rank0_only: bool) -> list[str]:
-    from neuronx_distributed.utils.logger import get_logger
-
-    logger = get_logger(f"nxd-compat-test-{rank0_only}", rank0_only=rank0_only)
-    records: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record.getMessage())
-
-    logger.addHandler(Keep())
-    logger.info("hello from %d", torch.distributed.get_rank())
-    return records
-
-
-def test_logger_speaks_on_rank_zero_only_unless_asked() -> None:
-    assert run_distributed(_logged_on_each_rank, 2, True) == [["hello from 0"], []]
-    assert run_distributed(_logged_on_each_rank, 2, False) == [["hello from 0"], ["hello from 1"]]
 
 
 def test_log_level_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
