@@ -20,6 +20,10 @@ _LAZY = {
     "neuronx_distributed_config": "neuronx_distributed.trainer",
     "initialize_parallel_model": "neuronx_distributed.trainer",
     "initialize_parallel_optimizer": "neuronx_distributed.trainer",
+    "save_checkpoint": "neuronx_distributed.trainer",
+    "load_checkpoint": "neuronx_distributed.trainer",
+    "has_checkpoint": "neuronx_distributed.trainer",
+    "finalize_checkpoint": "neuronx_distributed.trainer",
 }
 _SUBMODULES = ("lightning", "modules", "optimizer", "parallel_layers", "pipeline", "trace")
 _SUBMODULES += ("trainer", "utils", "parallel_state", "overrides")

@@ -4,6 +4,9 @@
 leaves; ``save``/``load`` (the legacy checkpoint API) come from ``checkpointing``.
 """
 
+import importlib
+from typing import Any
+
 from neuronx_distributed.parallel_layers import (
     grads,
     layers,
@@ -40,6 +43,15 @@ from neuronx_distributed.parallel_layers.utils import (
     split_tensor_along_last_dim,
 )
 
+
+def __getattr__(name: str) -> Any:
+    """``save``/``load``/``checkpointing`` import nxd-ckpt on first use (layers stay light)."""
+    if name in ("save", "load", "checkpointing"):
+        checkpointing = importlib.import_module(f"{__name__}.checkpointing")
+        return checkpointing if name == "checkpointing" else getattr(checkpointing, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 PARALLEL_MODULES = [ColumnParallelLinear, RowParallelLinear, ParallelEmbedding]
 PARALLEL_FUNCTIONS = [
     parallel_cross_entropy,
@@ -55,6 +67,7 @@ __all__ = [
     "ColumnParallelLinear",
     "ParallelEmbedding",
     "RowParallelLinear",
+    "checkpointing",
     "clip_grad_norm",
     "copy_tensor_model_parallel_attributes",
     "copy_to_tensor_model_parallel_region",
@@ -63,6 +76,7 @@ __all__ = [
     "grads",
     "initialize_model_parallel",
     "layers",
+    "load",
     "loss_functions",
     "mappings",
     "model_parallel_xla_manual_seed",
@@ -72,6 +86,7 @@ __all__ = [
     "parallel_state",
     "random",
     "reduce_from_tensor_model_parallel_region",
+    "save",
     "scatter_to_tensor_model_parallel_region",
     "set_defaults_if_not_set_tensor_model_parallel_attributes",
     "set_tensor_model_parallel_attributes",
