@@ -1,9 +1,9 @@
-"""Sessions: one isolated test run per package, its wheel, integration, lint and XLA.
+"""Sessions: one isolated test run per package, its floors from wheels, integration, lint, XLA.
 
 nox -t ci                      # everything CI runs
 nox -s tests-nxd-layers        # one package, its upstream siblings and its test group only
-nox -s wheel-nxd-layers        # the same tests against wheels built without workspace sources
-nox -s lowest                  # every package at the lowest versions its ranges admit
+nox -s lowest                  # every package from wheels at the lowest versions it admits
+nox -s wheel-nxd-layers        # one package from wheels at the newest versions it admits
 """
 
 from __future__ import annotations
@@ -62,61 +62,6 @@ def _test_group(package: str) -> list[str]:
     return pyproject.get("dependency-groups", {}).get("test", [])
 
 
-for _package in PACKAGES:
-
-    @nox.session(name=f"tests-{_package}", tags=["ci", "tests"])
-    def tests(session: nox.Session, package: str = _package) -> None:
-        """One package with its upstream siblings and its test group, nothing else."""
-        _sync(session, "--package", package, "--group", "test")
-        session.run("pytest", f"packages/{package}/tests", *session.posargs)
-
-    @nox.session(name=f"wheel-{_package}", tags=["ci", "wheels"])
-    def wheel(session: nox.Session, package: str = _package) -> None:
-        """Install one package from wheels built with workspace sources off; run its tests.
-
-        The resolver sees only the version ranges the wheels declare, which is what proves them.
-        """
-        dist = Path(session.create_tmp()) / "dist"
-        session.run(
-            "uv", "build", "--all-packages", "--no-sources", "--out-dir", str(dist), external=True
-        )
-        wheel_file = next(dist.glob(f"{package.replace('-', '_')}-*.whl"))
-        # Every build is 0.1.0 until a release: without these, a reused venv would keep the
-        # installed sibling and uv would serve a same-named wheel cached from an earlier build.
-        refresh = [
-            arg
-            for sibling in PACKAGES
-            for arg in ("--refresh-package", sibling, "--reinstall-package", sibling)
-        ]
-        session.install(str(wheel_file), "--find-links", str(dist), *refresh, *_test_group(package))
-        # Run from outside the repository so nothing is imported from the source tree.
-        tests_dir = ROOT / "packages" / package / "tests"
-        session.chdir(session.create_tmp())
-        session.run(
-            "pytest",
-            str(tests_dir),
-            "-p",
-            "no:cacheprovider",
-            "--import-mode=importlib",
-            "--rootdir",
-            str(tests_dir),
-            *session.posargs,
-        )
-
-
-def _upstream(package: str) -> list[str]:
-    """``package`` and every workspace sibling it depends on, directly or not."""
-    seen: list[str] = []
-    pending = [package]
-    while pending:
-        name = pending.pop()
-        if name in seen:
-            continue
-        seen.append(name)
-        pending.extend(dep for dep in _requirements(name) if dep in PACKAGES)
-    return seen
-
-
 def _requirements(package: str) -> list[str]:
     """The ``[project] dependencies`` of ``package``, as written (sibling names bare)."""
     pyproject = tomllib.loads((ROOT / "packages" / package / "pyproject.toml").read_text())
@@ -129,32 +74,34 @@ def _requirements(package: str) -> list[str]:
     return out
 
 
-@nox.session(tags=["ci"])
-@nox.parametrize("package", PACKAGES)
-def lowest(session: nox.Session, package: str) -> None:
-    """One package at the LOWEST versions its ranges admit, from wheels: proves the floors.
+def _upstream(package: str) -> list[str]:
+    """``package`` and every workspace sibling it depends on, directly or not."""
+    seen: list[str] = []
+    pending = [package]
+    while pending:
+        name = pending.pop()
+        if name not in seen:
+            seen.append(name)
+            pending.extend(dep for dep in _requirements(name) if dep in PACKAGES)
+    return seen
 
-    The package's own third-party requirements and its test group are passed to the resolver as
-    direct requirements with ``--resolution lowest-direct`` (so ``torch>=2.9`` installs 2.9.0);
-    the package and its siblings come from wheels built without workspace sources.
-    """
+
+def _build_wheels(session: nox.Session) -> Path:
+    """Every wheel of the workspace, built as a user's pip sees it (no workspace sources)."""
     dist = Path(session.create_tmp()) / "dist"
     session.run(
         "uv", "build", "--all-packages", "--no-sources", "--out-dir", str(dist), external=True
     )
-    wheels = [
-        str(next(dist.glob(f"{name.replace('-', '_')}-*.whl"))) for name in _upstream(package)
-    ]
-    third_party = [r for r in _requirements(package) if r not in PACKAGES]
-    session.install(
-        "--resolution",
-        "lowest-direct",
-        "--reinstall",
-        *wheels,
-        *third_party,
-        *_test_group(package),
-    )
-    session.run("uv", "pip", "list", "--python", session.virtualenv.location, external=True)
+    return dist
+
+
+def _wheel(dist: Path, package: str) -> str:
+    return str(next(dist.glob(f"{package.replace('-', '_')}-*.whl")))
+
+
+def _pytest_outside_repo(session: nox.Session, package: str) -> None:
+    """Run ``package``'s tests from a temporary folder, so nothing is imported from the source
+    tree: only what was installed into the session's venv."""
     tests_dir = ROOT / "packages" / package / "tests"
     session.chdir(session.create_tmp())
     session.run(
@@ -167,6 +114,58 @@ def lowest(session: nox.Session, package: str) -> None:
         str(tests_dir),
         *session.posargs,
     )
+
+
+for _package in PACKAGES:
+
+    @nox.session(name=f"tests-{_package}", tags=["ci", "tests"])
+    def tests(session: nox.Session, package: str = _package) -> None:
+        """One package with its upstream siblings and its test group, nothing else."""
+        _sync(session, "--package", package, "--group", "test")
+        session.run("pytest", f"packages/{package}/tests", *session.posargs)
+
+    @nox.session(name=f"wheel-{_package}", tags=["wheels"])
+    def wheel(session: nox.Session, package: str = _package) -> None:
+        """Install one package from wheels built with workspace sources off; run its tests.
+
+        The resolver sees only the version ranges the wheels declare, which is what proves them.
+        """
+        dist = _build_wheels(session)
+        # Every build is 0.1.0 until a release: without these, a reused venv would keep the
+        # installed sibling and uv would serve a same-named wheel cached from an earlier build.
+        refresh = [
+            arg
+            for sibling in PACKAGES
+            for arg in ("--refresh-package", sibling, "--reinstall-package", sibling)
+        ]
+        session.install(
+            _wheel(dist, package), "--find-links", str(dist), *refresh, *_test_group(package)
+        )
+        _pytest_outside_repo(session, package)
+
+
+@nox.session(tags=["ci"])
+@nox.parametrize("package", PACKAGES)
+def lowest(session: nox.Session, package: str) -> None:
+    """One package at the LOWEST versions its ranges admit, from wheels: proves the floors.
+
+    The package's own third-party requirements and its test group are passed to the resolver as
+    direct requirements with ``--resolution lowest-direct`` (so ``torch>=2.9`` installs 2.9.0);
+    the package and its siblings come from wheels built without workspace sources, which also
+    proves that the wheels install and that the sibling ranges resolve.
+    """
+    dist = _build_wheels(session)
+    third_party = [r for r in _requirements(package) if r not in PACKAGES]
+    session.install(
+        "--resolution",
+        "lowest-direct",
+        "--reinstall",
+        *(_wheel(dist, name) for name in _upstream(package)),
+        *third_party,
+        *_test_group(package),
+    )
+    session.run("uv", "pip", "list", "--python", session.virtualenv.location, external=True)
+    _pytest_outside_repo(session, package)
 
 
 @nox.session(tags=["ci"])
