@@ -96,9 +96,41 @@ def _accumulated(schedule: str, *, calls: int, store: bool = False, **kwargs: An
     return _compare(model, expected, label, fp32)
 
 
+def _tied_copies_start_equal_and_count_once() -> int:
+    """The last rank's copy of the tied weight starts different (ranks built their models
+    apart): the first step gives it the first rank's value, as NxD syncs them. Its gradient
+    is then summed over both ranks, and the copy that is not the first is marked ``shared``,
+    so the global gradient norm counts the tied weight once, as one process does."""
+    from nxd_layers import get_grad_norm
+
+    state = nxd_state.get_parallel_state()
+    torch.manual_seed(0)
+    reference = TinyGPT(layers=4, tie_embeddings=True)
+    mine = copy.deepcopy(reference)
+    if state.pipeline_parallel_rank == 1:
+        with torch.no_grad():
+            mine.wte.weight.mul_(-2.0)  # overwritten by rank 0's value at the first step
+    model = NxDPPModel(mine, transformer_layer_cls=Block, num_microbatches=M, pipeline_cuts=["h.1"])
+    (batch,) = _batches(1, 2 * M)
+    model.run_train(input_ids=batch, labels=batch)
+    expected = _reference_grads(reference, [batch])
+    count = _compare(model, expected, "tied copies synced", None)
+    values = dict(reference.named_parameters(remove_duplicate=False))
+    for name, param in model.local_named_parameters():
+        torch.testing.assert_close(param, values[name], rtol=0, atol=0, msg=f"value {name}")
+    marked = [n for n, p in model.local_named_parameters() if getattr(p, "shared", False)]
+    assert marked == ([] if state.pipeline_parallel_rank == 0 else ["lm_head.weight"]), marked
+    norm = get_grad_norm([p for _, p in model.local_named_parameters()])
+    reference_norm = torch.linalg.vector_norm(
+        torch.stack([torch.linalg.vector_norm(p.grad) for p in reference.parameters()])
+    )
+    torch.testing.assert_close(norm, reference_norm, **TOL)
+    return count
+
+
 def two_rank_checks() -> dict[str, int]:
     nxd_state.initialize_model_parallel(pipeline_model_parallel_size=2)
-    out = {}
+    out = {"tied copies synced, norm counts once": _tied_copies_start_equal_and_count_once()}
     for schedule in ("1f1b", "zb_h1", "gpipe"):
         out[f"tied {schedule} x2"] = _accumulated(schedule, calls=2)
     out["tied 1f1b x3"] = _accumulated("1f1b", calls=3)

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from nxd_pipeline import PipelineTraceError, auto_pipeline_cuts, capture_graph, partition_graph
+from nxd_pipeline._build import layer_class
 from nxd_pipeline._partition import build_stage_module, node_costs
 from nxd_pipeline.testing import Block, TinyGPT
 
@@ -76,6 +77,20 @@ def test_hf_llama_is_captured_with_export_and_partitioned_at_decoder_layers() ->
     model = copy.deepcopy(reference)
     captured = capture_graph(model, tracer_cls="hf", input_names=["input_ids", "labels"])
     assert captured.route == "export"
+    # The decoder layers (the model's _no_split_modules class) stay module calls, called with
+    # the arguments the model passed them; nothing of theirs is left inlined.
+    assert captured.module_calls == ["model.layers.0", "model.layers.1"]
+    nodes = list(captured.graph_module.graph.nodes)
+    calls = [n for n in nodes if n.op == "call_module" and n.target.startswith("model.layers")]
+    assert [n.target for n in calls] == captured.module_calls
+    assert calls[0].kwargs["use_cache"] is False
+    assert len(calls[0].kwargs["position_embeddings"]) == 2  # the rotary (cos, sin)
+    assert not any(
+        path.startswith("model.layers.")
+        for n in nodes
+        for path, _ in n.meta.get("nn_module_stack", {}).values()
+        if n not in calls
+    )
     plan = partition_graph(captured, model, ["model.layers.0"], num_stages=2)
     assert "model.layers.0.mlp.up_proj.weight" in plan.stage_parameters[0]
     assert "model.layers.1.mlp.up_proj.weight" in plan.stage_parameters[1]
@@ -170,3 +185,51 @@ def test_input_names_select_the_traced_inputs() -> None:
         capture_graph(_Net(use_function=False), input_names=["y"])
     with pytest.raises(ValueError, match=r"tracer_cls must be 'torch', 'hf', None"):
         capture_graph(_Net(use_function=False), tracer_cls="jit")
+
+
+def test_leaf_classes_may_be_given_by_name(caplog: pytest.LogCaptureFixture) -> None:
+    # NxD's form: leaf_module_cls=[LlamaRMSNorm.__name__]
+    captured = capture_graph(_Net(use_function=False), leaf_module_cls=["_Gate"])
+    assert "gate" in captured.module_calls
+    with caplog.at_level("WARNING"):
+        capture_graph(_Net(use_function=False), leaf_module_cls=["_Gate", "NoSuchNorm"])
+    assert "'NoSuchNorm'; it is ignored" in caplog.text  # NxD ignores it too
+    with pytest.raises(TypeError, match=r"classes or class names, got 3"):
+        capture_graph(_Net(use_function=False), leaf_module_cls=[3])
+    assert layer_class(TinyGPT(), "Block", None) is Block
+    with pytest.raises(ValueError, match=r"'Blok' must name exactly one module class.*'Block'"):
+        layer_class(TinyGPT(), "Blok", None)
+
+
+def test_hf_leaf_classes_by_name_keep_the_final_norm_as_a_call() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    torch.manual_seed(0)
+    reference = LlamaForCausalLM(config)
+    model = copy.deepcopy(reference)
+    captured = capture_graph(
+        model,
+        tracer_cls="hf",
+        input_names=["input_ids", "labels"],
+        leaf_module_cls=["LlamaDecoderLayer", "LlamaRMSNorm"],
+    )
+    # The norms inside the layers run within the layer calls; the final one is its own call.
+    assert captured.module_calls == ["model.layers.0", "model.layers.1", "model.norm"]
+    plan = partition_graph(captured, model, [], num_stages=1)
+    ids = torch.randint(0, 64, (2, 6))
+    flat = _chain(plan, model, {"input_ids": ids, "labels": ids, "use_cache": False})
+    loss = torch.utils._pytree.tree_unflatten(list(flat), captured.output_spec).loss
+    expected = reference(input_ids=ids, labels=ids, use_cache=False).loss
+    torch.testing.assert_close(loss, expected, **TOL)
+    loss.backward()
+    expected.backward()
+    for (name, param), (_, ref) in zip(model.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(param.grad, ref.grad, **TOL, msg=name)
