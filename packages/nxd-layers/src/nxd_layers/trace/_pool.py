@@ -92,6 +92,7 @@ class WorkerPool:
         self._broken: str | None = None
         self._launch_error: BaseException | None = None
         self._pids: list[int] = []
+        self._lock = threading.Lock()  # one request at a time: replies are matched by order
         self._tmp = tempfile.TemporaryDirectory(prefix="nxd-trace-") if log_dir is None else None
         method = start_method or _default_start_method()
         context = multiprocessing.get_context(method)
@@ -169,13 +170,14 @@ class WorkerPool:
         if self._broken is not None:
             raise RuntimeError(f"the TP workers are gone after an earlier failure: {self._broken}")
         targets = list(range(self.tp_degree) if ranks is None else ranks)
-        for rank in targets:
-            message = (command, payload if per_rank is None else per_rank[rank])
-            try:
-                self._conns[rank].send(message)
-            except (BrokenPipeError, OSError):
-                self._fail_died(rank)
-        return self._gather(targets, timeout, command)
+        with self._lock:
+            for rank in targets:
+                message = (command, payload if per_rank is None else per_rank[rank])
+                try:
+                    self._conns[rank].send(message)
+                except (BrokenPipeError, OSError):
+                    self._fail_died(rank)
+            return self._gather(targets, timeout, command)
 
     def _gather(self, ranks: Any, timeout: float | None, command: str) -> dict[int, Any]:
         pending = {self._conns[rank]: rank for rank in ranks}
