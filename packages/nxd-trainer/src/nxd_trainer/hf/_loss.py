@@ -1,0 +1,62 @@
+"""The causal-LM loss on vocabulary-sharded logits (what ``model.loss_function`` becomes).
+
+Hugging Face's ``ForCausalLMLoss``: labels shifted left by one (the last position gets
+``ignore_index``), then the mean over non-ignored tokens of ``-log softmax(z_t)[y_{t+1}]``
+(or the sum divided by ``num_items_in_batch``). Here ``z`` holds this rank's columns of the
+vocabulary (``ColumnParallelLinear`` without gather), and ``parallel_cross_entropy`` reduces
+the softmax's max, normaliser and target logit over TP as per-token scalars: the
+``(B, S, V)`` logits are never gathered. Columns past the real vocabulary (padding to a
+multiple of TP) are set to ``-inf``, so they get probability 0 and no gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import nxd_state
+
+__all__ = ["ParallelCausalLMLoss"]
+
+
+class ParallelCausalLMLoss(nn.Module):
+    """``loss_function(logits, labels, vocab_size, num_items_in_batch=None,
+    ignore_index=-100, shift_labels=None)`` on sharded logits (see the module docstring)."""
+
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+
+    def forward(
+        self,
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        vocab_size: int | None = None,
+        num_items_in_batch: torch.Tensor | int | None = None,
+        ignore_index: int = -100,
+        shift_labels: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        from nxd_layers import parallel_cross_entropy
+
+        logits = logits.float()  # (B, S, V_local), as Hugging Face upcasts
+        local = logits.shape[-1]
+        start = nxd_state.get_tensor_model_parallel_rank() * local
+        if start + local > self.vocab_size:  # this rank holds padding columns
+            columns = torch.arange(start, start + local, device=logits.device)
+            logits = logits.masked_fill(columns >= self.vocab_size, float("-inf"))
+        if shift_labels is None:
+            shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        shift_labels = shift_labels.to(logits.device).contiguous()
+        reduction = "sum" if num_items_in_batch is not None else "mean"
+        loss = parallel_cross_entropy(
+            logits, shift_labels, ignore_index=ignore_index, reduction=reduction
+        )
+        if num_items_in_batch is not None:
+            if torch.is_tensor(num_items_in_batch):
+                num_items_in_batch = num_items_in_batch.to(loss.device)
+            loss = loss / num_items_in_batch
+        return loss

@@ -1,0 +1,162 @@
+"""Where each parallel parameter's values come from, and reading only this rank's part.
+
+A parallelised model's tensor is a piece of an original (Hugging Face) tensor ``W``:
+
+* ``whole``: all of ``W`` (replicated tensors: norms, biases of row-parallel layers);
+* ``shard``: along ``dim``, the ``rank``-th of ``size`` equal chunks of ``W`` zero-padded to
+  ``padded`` (a vocabulary not divisible by TP): chunk ``[r·n, (r+1)·n)`` with
+  ``n = padded / size``; only its real part ``[r·n, min((r+1)·n, len))`` is read;
+* ``rows``: the listed rows of ``W`` (GQA K/V heads replicated ``kv_size_multiplier`` times:
+  a rank's rows are copies of a few original heads), read as runs of consecutive rows.
+
+The original tensors are read from a *store*: the model's own tensors in memory (an eagerly
+built model) or a Hugging Face folder's safetensors files, where ``get_slice`` reads only the
+requested rows/columns. A file is opened per tensor and closed after it (safetensors maps the
+file: pages it touched count as this process's memory until it is unmapped), so a rank's
+memory holds its shards plus at most one original tensor's touched pages.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["FolderStore", "MemoryStore", "Source", "Store"]
+
+logger = logging.getLogger(__name__)
+
+HF_WEIGHTS_NAME = "model.safetensors"
+HF_INDEX_NAME = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class Source:
+    """This rank's piece of the original tensor ``name`` (see the module docstring)."""
+
+    name: str
+    kind: str = "whole"
+    """``"whole"``, ``"shard"`` or ``"rows"``."""
+    dim: int = 0
+    rank: int = 0
+    size: int = 1
+    padded: int | None = None
+    """Length of ``dim`` after padding (``shard``; None: no padding)."""
+    rows: tuple[int, ...] = ()
+    """Original rows, in local order (``rows``)."""
+    memory: bool = False
+    """Read from the in-memory store even when a folder is given (non-persistent buffers)."""
+
+    def read(self, view: Any, shape: tuple[int, ...]) -> torch.Tensor:
+        """The piece, from ``view`` (a tensor or a safetensors slice) of ``W`` of ``shape``."""
+        if self.kind == "whole":
+            return view[...] if not shape else view[:]
+        if self.kind == "rows":
+            return torch.cat([view[a:b] for a, b in _runs(self.rows)], dim=0)
+        length = shape[self.dim]
+        padded = self.padded if self.padded is not None else length
+        n = padded // self.size
+        start, stop = self.rank * n, (self.rank + 1) * n
+        real = min(stop, length)
+        index = [slice(None)] * len(shape)
+        index[self.dim] = slice(start, real)
+        piece = view[tuple(index)] if real > start else None
+        local = list(shape)
+        local[self.dim] = n
+        if piece is not None and real - start == n:
+            return piece
+        out = torch.zeros(local, dtype=piece.dtype if piece is not None else torch.float32)
+        if piece is not None:
+            out.narrow(self.dim, 0, real - start).copy_(piece)
+        return out
+
+
+def _runs(rows: tuple[int, ...]) -> Iterator[tuple[int, int]]:
+    """Consecutive runs ``[a, b)`` of ``rows`` in order."""
+    start = prev = rows[0]
+    for row in rows[1:]:
+        if row != prev + 1:
+            yield start, prev + 1
+            start = row
+        prev = row
+    yield start, prev + 1
+
+
+class Store:
+    """Original tensors by name."""
+
+    def names(self) -> set[str]:
+        raise NotImplementedError
+
+    @contextmanager
+    def view(self, name: str) -> Iterator[tuple[Any, tuple[int, ...]]]:
+        """``(view, shape)`` of tensor ``name`` while the context is open."""
+        raise NotImplementedError
+        yield  # pragma: no cover
+
+
+class MemoryStore(Store):
+    """The tensors of a model built eagerly (full, on the host or device)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def names(self) -> set[str]:
+        return set(self.tensors)
+
+    @contextmanager
+    def view(self, name: str) -> Iterator[tuple[Any, tuple[int, ...]]]:
+        tensor = self.tensors[name]
+        yield tensor.detach(), tuple(tensor.shape)
+
+
+class FolderStore(Store):
+    """A Hugging Face folder: ``model.safetensors``, or shards listed in
+    ``model.safetensors.index.json`` (every listed shard must exist)."""
+
+    def __init__(self, folder: str | Path) -> None:
+        self.folder = Path(folder)
+        index = self.folder / HF_INDEX_NAME
+        if index.is_file():
+            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        elif (self.folder / HF_WEIGHTS_NAME).is_file():
+            weight_map = {name: HF_WEIGHTS_NAME for name in _keys(self.folder / HF_WEIGHTS_NAME)}
+        else:
+            raise FileNotFoundError(
+                f"{self.folder} is not a Hugging Face checkpoint folder: it has neither "
+                f"{HF_WEIGHTS_NAME} nor {HF_INDEX_NAME}"
+            )
+        missing = sorted({f for f in weight_map.values() if not (self.folder / f).is_file()})
+        if missing:
+            raise FileNotFoundError(
+                f"{self.folder}: the checkpoint is missing shard files {missing} listed in "
+                f"{HF_INDEX_NAME}"
+            )
+        self.weight_map = weight_map
+
+    def names(self) -> set[str]:
+        return set(self.weight_map)
+
+    @contextmanager
+    def view(self, name: str) -> Iterator[tuple[Any, tuple[int, ...]]]:
+        from safetensors import safe_open
+
+        path = self.folder / self.weight_map[name]
+        with safe_open(str(path), framework="pt") as handle:
+            if name not in handle.keys():  # noqa: SIM118 - safe_open is not a dict
+                raise KeyError(f"{path} does not hold {name!r} (its index says it does)")
+            view = handle.get_slice(name)
+            yield view, tuple(view.get_shape())
+
+
+def _keys(path: Path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        return list(handle.keys())

@@ -1,0 +1,406 @@
+"""The swap: a Hugging Face model's linears and embedding become nxd's parallel layers.
+
+Every new layer is built on the ``meta`` device (no memory) and remembers, per parameter, the
+:class:`~nxd_trainer.hf._sources.Source` of its values: which original tensor, and which
+rows/columns of it this TP rank holds. :class:`Plan` fills them later (each rank reading only
+its part), after the pipeline has decided which layers this rank keeps. Module names stay
+the original ones, except the GQA projection (``qkv_proj`` replaces ``q_proj`` / ``k_proj``
+/ ``v_proj``, its parameters ``weight_q`` / ``weight_k`` / ``weight_v``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+import nxd_state
+from nxd_trainer.hf._attention import parallel_attention_class
+from nxd_trainer.hf._loss import ParallelCausalLMLoss
+from nxd_trainer.hf._sources import FolderStore, MemoryStore, Source
+from nxd_trainer.hf.spec import ModelSpec
+
+__all__ = ["Layout", "Plan", "layout_for", "make_meta", "swap_layers"]
+
+logger = logging.getLogger(__name__)
+
+GQA_NAME = "qkv_proj"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The head split of one model at one TP degree (validated on creation)."""
+
+    tp: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    kv_size_multiplier: int
+    vocab: int
+
+    @property
+    def gqa(self) -> bool:
+        """Whether K/V heads are replicated (the GQA QKV projection)."""
+        return self.kv_size_multiplier > 1
+
+    @property
+    def local_heads(self) -> int:
+        return self.heads // self.tp
+
+    @property
+    def local_kv_heads(self) -> int:
+        return self.kv_heads * self.kv_size_multiplier // self.tp
+
+    @property
+    def padded_vocab(self) -> int:
+        return -(-self.vocab // self.tp) * self.tp
+
+
+def layout_for(config: Any, tp: int, kv_size_multiplier: int | None) -> Layout:
+    """The heads of ``config`` split over ``tp`` ranks; clear errors when they cannot be."""
+    from nxd_layers import get_kv_size_multiplier
+
+    heads = int(config.num_attention_heads)
+    kv = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    if heads % tp:
+        raise ValueError(
+            f"num_attention_heads={heads} is not divisible by tensor_parallel_size={tp}: "
+            f"choose a TP degree dividing it (heads are not padded here)"
+        )
+    if kv_size_multiplier is None:
+        multiplier = 1 if kv % tp == 0 else get_kv_size_multiplier(kv, tp)
+    else:
+        multiplier = kv_size_multiplier
+        if not isinstance(multiplier, int) or isinstance(multiplier, bool) or multiplier < 1:
+            raise ValueError(f"kv_size_multiplier must be a positive int, got {multiplier!r}")
+        if (kv * multiplier) % tp:
+            raise ValueError(
+                f"kv_size_multiplier={multiplier} gives {kv} x {multiplier} = {kv * multiplier} "
+                f"KV heads, not divisible by tensor_parallel_size={tp} (the smallest valid "
+                f"multiplier is {get_kv_size_multiplier(kv, tp)})"
+            )
+    if heads % (kv * multiplier):
+        raise ValueError(
+            f"kv_size_multiplier={multiplier}: {kv} x {multiplier} KV heads do not divide "
+            f"num_attention_heads={heads} (each rank's Q heads must share whole KV heads)"
+        )
+    return Layout(tp, heads, kv, head_dim, multiplier, int(config.vocab_size))
+
+
+@dataclass
+class Plan:
+    """Sources of every tensor to fill, and the stores they are read from."""
+
+    sources: dict[str, Source] = field(default_factory=dict)
+    memory: MemoryStore = field(default_factory=lambda: MemoryStore({}))
+    folder: FolderStore | None = None
+    deferred: bool = False
+    """Values come later (a sharded checkpoint): tensors without a source stay uninitialised."""
+    names: dict[int, str] = field(default_factory=dict)
+    """id(module) -> its name in the parallelised model (set by :meth:`index`)."""
+
+    def index(self, model: nn.Module) -> None:
+        self.names = {id(m): name for name, m in model.named_modules()}
+
+    @torch.no_grad()
+    def fill(self, module: nn.Module, *, buffers_only: bool = False) -> list[str]:
+        """Read the values of ``module``'s own parameters and buffers that have a source;
+        returns the names of those that have none (left as they are)."""
+        prefix = self.names.get(id(module))
+        if prefix is None:
+            raise KeyError(f"{type(module).__name__} is not a module of the parallelised model")
+        tensors = [] if buffers_only else list(module._parameters.items())
+        tensors += list(module._buffers.items())
+        unsourced = []
+        for name, tensor in tensors:
+            if tensor is None:
+                continue
+            full = f"{prefix}.{name}" if prefix else name
+            source = self.sources.get(full)
+            if source is None:
+                unsourced.append(full)
+                continue
+            value = self.read(source)
+            if tuple(value.shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"{full}: {source.name} gives a piece of shape {tuple(value.shape)}, the "
+                    f"parallel tensor has shape {tuple(tensor.shape)}"
+                )
+            if name in module._buffers and tensor.is_meta:
+                module._buffers[name] = value.to(dtype=tensor.dtype)
+            else:
+                tensor.copy_(value)
+        return unsourced
+
+    def read(self, source: Source) -> torch.Tensor:
+        store = self.memory if source.memory or self.folder is None else self.folder
+        if source.name not in store.names():
+            where = "the model" if store is self.memory else f"the folder {self.folder.folder}"  # type: ignore[union-attr]
+            raise KeyError(f"{where} has no tensor {source.name!r}")
+        with store.view(source.name) as (view, shape):
+            return source.read(view, shape)
+
+    def init_fn(
+        self, fallback: Callable[[nn.Module], None] | None = None, *, buffers_only: bool = False
+    ) -> Callable[[nn.Module], None]:
+        """``param_init_fn(module)``: fill from the sources; a module with tensors that have
+        none goes to ``fallback`` (an error without one, unless values come later)."""
+
+        def init(module: nn.Module) -> None:
+            unsourced = self.fill(module, buffers_only=buffers_only)
+            if not unsourced:
+                return
+            if fallback is not None:
+                fallback(module)
+            elif not self.deferred:
+                raise ValueError(f"{unsourced[:4]} have no source of values")
+
+        return init
+
+
+def _meta_like(param: nn.Parameter) -> nn.Parameter:
+    new = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+    new.__dict__.update(param.__dict__)
+    return new
+
+
+class _Swapper:
+    """One model's swap (see the module docstring)."""
+
+    def __init__(
+        self, model: nn.Module, spec: ModelSpec, layout: Layout, sp: bool, plan: Plan
+    ) -> None:
+        self.model, self.spec, self.layout, self.sp, self.plan = model, spec, layout, sp, plan
+        self.rank = nxd_state.get_tensor_model_parallel_rank()
+
+    def shard(self, name: str, dim: int, padded: int | None = None) -> Source:
+        return Source(name, "shard", dim=dim, rank=self.rank, size=self.layout.tp, padded=padded)
+
+    def column(self, path: str, *, pad: bool = False, name: str | None = None) -> nn.Module:
+        from nxd_layers import ColumnParallelLinear
+
+        old = self.model.get_submodule(path)
+        layer = ColumnParallelLinear(
+            old.in_features,
+            old.out_features,
+            bias=old.bias is not None,
+            gather_output=False,
+            sequence_parallel_enabled=self.sp,
+            dtype=old.weight.dtype,
+            device="meta",
+            sequence_dimension=1,
+            pad=pad and old.out_features % self.layout.tp != 0,
+        )
+        padded = layer.output_size
+        self.plan.sources[f"{path}.weight"] = self.shard(f"{path}.weight", 0, padded)
+        if old.bias is not None:
+            self.plan.sources[f"{path}.bias"] = self.shard(f"{path}.bias", 0, padded)
+        self.model.set_submodule(path, layer)
+        return layer
+
+    def row(self, path: str) -> nn.Module:
+        from nxd_layers import RowParallelLinear
+
+        old = self.model.get_submodule(path)
+        layer = RowParallelLinear(
+            old.in_features,
+            old.out_features,
+            bias=old.bias is not None,
+            input_is_parallel=True,
+            sequence_parallel_enabled=self.sp,
+            dtype=old.weight.dtype,
+            device="meta",
+            sequence_dimension=1,
+        )
+        self.plan.sources[f"{path}.weight"] = self.shard(f"{path}.weight", 1)
+        if old.bias is not None:
+            self.plan.sources[f"{path}.bias"] = Source(f"{path}.bias")
+        self.model.set_submodule(path, layer)
+        return layer
+
+    def gqa(self, attn_path: str) -> None:
+        """Q, K, V -> one GQA projection with K/V heads replicated ``kv_size_multiplier``
+        times, head by head (``[k0, k0, k1, k1]``): local replicated head j is head j // m."""
+        from nxd_layers import GQAQKVColumnParallelLinear
+
+        spec, layout = self.spec, self.layout
+        attn = self.model.get_submodule(attn_path)
+        q = attn.get_submodule(spec.q_proj)
+        bias = q.bias is not None
+        layer = GQAQKVColumnParallelLinear(
+            q.in_features,
+            [layout.heads * layout.head_dim, layout.kv_heads * layout.head_dim],
+            bias=bias,
+            gather_output=False,
+            sequence_parallel_enabled=self.sp,
+            dtype=q.weight.dtype,
+            device="meta",
+            kv_size_multiplier=layout.kv_size_multiplier,
+            fuse_qkv=False,
+            head_dim=layout.head_dim,
+            sequence_dimension=1,
+        )
+        first = self.rank * layout.local_kv_heads
+        heads = [
+            j // layout.kv_size_multiplier for j in range(first, first + layout.local_kv_heads)
+        ]
+        rows = tuple(h * layout.head_dim + i for h in heads for i in range(layout.head_dim))
+        for kind in ("weight", "bias") if bias else ("weight",):
+            for part, proj in (("q", spec.q_proj), ("k", spec.k_proj), ("v", spec.v_proj)):
+                original = f"{attn_path}.{proj}.{kind}"
+                target = f"{attn_path}.{GQA_NAME}.{kind}_{part}"
+                source = (
+                    self.shard(original, 0) if part == "q" else Source(original, "rows", rows=rows)
+                )
+                self.plan.sources[target] = source
+        for proj in (spec.q_proj, spec.k_proj, spec.v_proj):
+            delattr(attn, proj)
+        attn.add_module(GQA_NAME, layer)
+
+    def attention(self, layer_path: str) -> None:
+        from nxd_layers import mark_sequence_parallel_parameter
+
+        spec, layout = self.spec, self.layout
+        attn_path = f"{layer_path}.{spec.attention}"
+        if layout.gqa:
+            self.gqa(attn_path)
+            qkv: tuple[str, ...] = (GQA_NAME,)
+        else:
+            for proj in (spec.q_proj, spec.k_proj, spec.v_proj):
+                self.column(f"{attn_path}.{proj}")
+            qkv = (spec.q_proj, spec.k_proj, spec.v_proj)
+        self.row(f"{attn_path}.{spec.o_proj}")
+        attn = self.model.get_submodule(attn_path)
+        for norm in spec.qk_norms:  # shared by all heads, seen by the local ones: partial grads
+            for param in attn.get_submodule(norm).parameters():
+                mark_sequence_parallel_parameter(param)
+        attn.__class__ = parallel_attention_class(type(attn))
+        attn._nxd_qkv, attn._nxd_o, attn._nxd_qk_norms = qkv, spec.o_proj, spec.qk_norms
+        attn.num_key_value_groups = layout.local_heads // layout.local_kv_heads
+
+    def decoder_layer(self, layer_path: str) -> None:
+        from nxd_layers import mark_sequence_parallel_parameter
+
+        self.attention(layer_path)
+        for name in self.spec.mlp_column:
+            self.column(f"{layer_path}.{name}")
+        for name in self.spec.mlp_row:
+            self.row(f"{layer_path}.{name}")
+        if self.sp:
+            for name in self.spec.layer_norms:
+                for param in self.model.get_submodule(f"{layer_path}.{name}").parameters():
+                    mark_sequence_parallel_parameter(param)
+
+    def embeddings(self) -> None:
+        """Vocabulary-parallel embedding and LM head (tied ones stay one parameter)."""
+        from nxd_layers import ParallelEmbedding
+
+        spec, layout = self.spec, self.layout
+        old = self.model.get_submodule(spec.embed_tokens)
+        head = self.model.get_submodule(spec.lm_head)
+        tied = head.weight is old.weight
+        embedding = ParallelEmbedding(
+            old.num_embeddings,
+            old.embedding_dim,
+            padding_idx=old.padding_idx,
+            device="meta",
+            dtype=old.weight.dtype,
+            pad=old.num_embeddings % layout.tp != 0,
+        )
+        name = f"{spec.embed_tokens}.weight"
+        self.plan.sources[name] = self.shard(name, 0, embedding.num_embeddings)
+        self.model.set_submodule(spec.embed_tokens, embedding)
+        lm_head = self.column(spec.lm_head, pad=True)
+        if tied:
+            lm_head.weight = embedding.weight
+            self.plan.sources[f"{spec.lm_head}.weight"] = self.plan.sources[name]
+        # What PreTrainedModel.loss_function returns when set (a submodule: it holds no
+        # tensors, and the pipeline's capture sees a module call).
+        self.model._loss_function = ParallelCausalLMLoss(layout.vocab)
+
+
+def _scatter_sequence(module: nn.Module, args: tuple) -> tuple:
+    """Before the first decoder layer: this rank's slice of the sequence (dim 1)."""
+    from nxd_layers.mappings import scatter_to_sequence_parallel_region
+
+    return (scatter_to_sequence_parallel_region(args[0], 1), *args[1:])
+
+
+def _gather_sequence(module: nn.Module, args: tuple) -> tuple:
+    """Before a replicated LM head under SP: the whole sequence back (backward: the slice)."""
+    from nxd_layers.mappings import gather_from_sequence_parallel_region
+
+    return (gather_from_sequence_parallel_region(args[0], 1, to_model_parallel=False), *args[1:])
+
+
+def swap_layers(
+    model: nn.Module,
+    spec: ModelSpec,
+    layout: Layout,
+    *,
+    sequence_parallel: bool,
+    parallelize_embeddings: bool,
+    should_parallelize_layer: Callable[[nn.Module], bool] | None = None,
+) -> Plan:
+    """Swap ``model``'s layers in place for parallel ones on ``meta``; returns their sources.
+
+    The model's other tensors keep their values (in memory); their sources name themselves.
+    """
+    from nxd_layers import mark_sequence_parallel_parameter
+
+    plan = Plan()
+    originals = {
+        **dict(model.named_parameters(remove_duplicate=False)),
+        **dict(model.named_buffers(remove_duplicate=False)),
+    }
+    plan.memory = MemoryStore({n: t for n, t in originals.items() if not t.is_meta})
+    swapper = _Swapper(model, spec, layout, sequence_parallel, plan)
+    layers = model.get_submodule(spec.layers)
+    for index, layer in enumerate(layers):
+        if should_parallelize_layer is None or should_parallelize_layer(layer):
+            swapper.decoder_layer(f"{spec.layers}.{index}")
+    if parallelize_embeddings:
+        swapper.embeddings()
+    if sequence_parallel:
+        for param in model.get_submodule(spec.final_norm).parameters():
+            mark_sequence_parallel_parameter(param)
+        layers[0].register_forward_pre_hook(_scatter_sequence)
+        if not parallelize_embeddings:
+            model.get_submodule(spec.lm_head).register_forward_pre_hook(_gather_sequence)
+    buffers = {n for n, _ in model.named_buffers(remove_duplicate=False)}
+    for name, _ in [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]:
+        if name not in plan.sources:  # kept as is: the whole original tensor
+            plan.sources[name] = Source(name, memory=name in buffers)
+    plan.index(model)
+    logger.info(
+        "parallelised %s for TP=%d: %d local heads, %d local KV heads (multiplier %d)%s",
+        type(model).__name__,
+        layout.tp,
+        layout.local_heads,
+        layout.local_kv_heads,
+        layout.kv_size_multiplier,
+        ", sequence parallel" if sequence_parallel else "",
+    )
+    return plan
+
+
+def make_meta(model: nn.Module, *, buffers: bool) -> None:
+    """Move the model's remaining real parameters (and buffers) to ``meta``: their values are
+    read from the plan's sources when materialised (a lazy model's from its folder). Tied
+    parameters stay one parameter."""
+    replaced: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None and not param.is_meta:
+                if id(param) not in replaced:
+                    replaced[id(param)] = _meta_like(param)
+                module._parameters[name] = replaced[id(param)]
+        if buffers:
+            for name, buffer in list(module._buffers.items()):
+                if buffer is not None and not buffer.is_meta:
+                    module._buffers[name] = torch.empty_like(buffer, device="meta")

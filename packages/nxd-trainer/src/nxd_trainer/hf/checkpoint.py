@@ -1,0 +1,111 @@
+"""Sharded checkpoints of parallelised Hugging Face models, and export back to a HF folder.
+
+``save_model_sharded_checkpoint`` writes the nxd-ckpt format (safetensors + a JSON index with
+every tensor's global shape and how each rank's piece maps into it; no pickle), so the
+checkpoint loads at any TP/PP/DP degrees: ``load_model_sharded_checkpoint``, or
+``parallelize(checkpoint_dir=...)``. :func:`export_hf` assembles the full tensors one by one
+into a folder ``transformers``' ``from_pretrained`` loads, under the original names (the GQA
+projection's ``weight_q/k/v`` become ``q_proj/k_proj/v_proj.weight``; K/V replicas are stored
+once).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["export_hf", "load_model_sharded_checkpoint", "save_model_sharded_checkpoint"]
+
+logger = logging.getLogger(__name__)
+
+
+def save_model_sharded_checkpoint(
+    model: nn.Module,
+    output_dir: str | Path,
+    optimizer: torch.optim.Optimizer | None = None,
+    use_xser: bool = True,
+    async_save: bool = False,
+    num_local_ranks_per_step: int = 8,
+) -> None:
+    """Save ``model`` (and ``optimizer``) into ``output_dir`` (collective). ``use_xser`` is
+    accepted (the format writes tensor by tensor); ``num_local_ranks_per_step`` ranks of a
+    host write at once (1-32)."""
+    import nxd_ckpt
+
+    workers = min(max(int(num_local_ranks_per_step), 1), 32)
+    nxd_ckpt.save_checkpoint(
+        output_dir,
+        "",
+        model=model,
+        optimizer=optimizer,
+        num_workers=workers,
+        use_xser=use_xser,
+        async_save=async_save,
+    )
+
+
+def load_model_sharded_checkpoint(model: nn.Module, load_dir: str | Path) -> None:
+    """Load a checkpoint saved by :func:`save_model_sharded_checkpoint` (at any degrees)
+    into the parallelised ``model`` (collective)."""
+    import nxd_ckpt
+
+    nxd_ckpt.load_checkpoint(load_dir, model=model, load_rng=False)
+
+
+def _tag_dir(root: Path, tag: str | None) -> Path:
+    """The tag folder: ``root/tag``, ``root`` itself when it holds the index, else the newest
+    complete tag (by the time of its ``done`` marker, as nxd-ckpt orders them)."""
+    from nxd_ckpt.format import INDEX_NAME
+
+    if tag is not None:
+        return root / tag if tag else root
+    if (root / INDEX_NAME).is_file():
+        return root
+    complete = [p for p in root.iterdir() if (p / "done").is_file()] if root.is_dir() else []
+    if not complete:
+        raise FileNotFoundError(f"no complete checkpoint tag under {root}")
+    return max(complete, key=lambda p: ((p / "done").stat().st_mtime_ns, p.name))
+
+
+def export_hf(
+    checkpoint_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    tag: str | None = None,
+    tokenizer: Any = None,
+    max_shard_size: int | str = "5GB",
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Write the model of a sharded checkpoint as a Hugging Face folder (one process; host
+    memory near the largest tensor); returns ``out_dir``."""
+    import nxd_ckpt
+    from nxd_trainer.hf.manager import ParallelizersManager
+
+    tag_dir = _tag_dir(Path(checkpoint_dir), tag)
+    index = nxd_ckpt.read_index(tag_dir)
+    config = index.hf_config
+    if config is None:
+        raise ValueError(f"{tag_dir} holds no Hugging Face config: not a parallelised HF model")
+    parallelizer = ParallelizersManager.parallelizer_for_model(config["model_type"])
+    spec = parallelizer.spec
+    records = index.category("model")
+    for name in (f"{spec.embed_tokens}.weight", f"{spec.lm_head}.weight"):
+        record = records.get(name)
+        if record is not None and record.shape[0] != config["vocab_size"]:
+            raise NotImplementedError(
+                f"{name} was saved padded to {record.shape[0]} rows (vocab_size "
+                f"{config['vocab_size']} is not divisible by the TP degree); nxd-ckpt stores "
+                f"padded tensors as they are, so this export would not load in transformers"
+            )
+    return nxd_ckpt.export_hf(
+        tag_dir,
+        out_dir,
+        tokenizer=tokenizer,
+        max_shard_size=max_shard_size,
+        dtype=dtype,
+        name_map=parallelizer.hf_name,
+    )

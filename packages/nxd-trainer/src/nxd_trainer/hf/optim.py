@@ -1,0 +1,123 @@
+"""Optimizers for a model that is parallelised after the optimizer was written down.
+
+A training script often creates its optimizer from ``model.parameters()`` before the model is
+parallelised; parallelisation replaces those parameters (by shards, on another device, some
+on other pipeline ranks). optimum-neuron's two tools:
+
+* :func:`make_optimizer_constructor_lazy`: ``make_optimizer_constructor_lazy(AdamW)(params,
+  lr=...)`` records the class, the param groups and the hyper-parameters, touching no
+  parameter and creating no state;
+* :func:`optimizer_for_mp`: the optimizer over the parallel parameters, from a mapping
+  ``id(original parameter) -> parallel parameter`` (:func:`parameter_mapping` builds it):
+  every group keeps its hyper-parameters, its parameters are replaced, those not on this
+  rank (other pipeline stages) are left out. A lazy optimizer gives exactly the intended
+  optimizer; a regular one is rebuilt as its class with its groups (its state, if any, is
+  not carried over, as in optimum-neuron).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "LazyOptimizer",
+    "make_optimizer_constructor_lazy",
+    "optimizer_for_mp",
+    "original_parameter_ids",
+    "parameter_mapping",
+]
+
+
+class LazyOptimizer(torch.optim.Optimizer):
+    """An optimizer recorded, not built: ``optimizer_class``, ``param_groups``, ``defaults``.
+    Pass it to :func:`optimizer_for_mp`; stepping it is an error."""
+
+    def __init__(
+        self, optimizer_class: type[torch.optim.Optimizer], params: Any, **defaults: Any
+    ) -> None:
+        self.optimizer_class = optimizer_class
+        self.lazy_defaults = dict(defaults)
+        super().__init__(params, defaults)
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        raise RuntimeError(
+            f"this {self.optimizer_class.__name__} is lazy: build the real one with "
+            f"optimizer_for_mp(optimizer, parameter_mapping(...)) after parallelising the model"
+        )
+
+
+def make_optimizer_constructor_lazy(
+    optimizer_cls: type[torch.optim.Optimizer],
+) -> Callable[..., LazyOptimizer]:
+    """``optimizer_cls`` as a constructor of :class:`LazyOptimizer` (same arguments)."""
+    if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
+        raise TypeError(
+            f"optimizer_cls must be a torch.optim.Optimizer class, got {optimizer_cls!r}"
+        )
+
+    def constructor(params: Iterable[Any], **defaults: Any) -> LazyOptimizer:
+        return LazyOptimizer(optimizer_cls, params, **defaults)
+
+    constructor.__name__ = f"lazy_{optimizer_cls.__name__}"
+    return constructor
+
+
+def original_parameter_ids(model: nn.Module) -> dict[str, int]:
+    """``name -> id(parameter)`` of a model before parallelisation (every tied name)."""
+    return {name: id(p) for name, p in model.named_parameters(remove_duplicate=False)}
+
+
+def parameter_mapping(
+    original_ids: Mapping[str, int], parallel_model: nn.Module
+) -> dict[int, nn.Parameter]:
+    """``id(original parameter) -> parallel parameter`` for :func:`optimizer_for_mp`, from
+    :func:`original_parameter_ids` taken before parallelising and the parallel model (an
+    NxDPPModel: this rank's stages). The GQA projection's ``weight_q/k/v`` stand for the
+    original ``q_proj/k_proj/v_proj`` weights."""
+    from nxd_trainer.hf.manager import ParallelizersManager
+
+    named = getattr(parallel_model, "local_named_parameters", None)
+    pairs = list(named()) if callable(named) else list(parallel_model.named_parameters())
+    parallelizer = ParallelizersManager.parallelizer_for_model(_config_holder(parallel_model))
+    out: dict[int, nn.Parameter] = {}
+    for name, param in pairs:
+        original = original_ids.get(parallelizer.hf_name(name))
+        if original is not None:
+            out[original] = param
+    return out
+
+
+def _config_holder(model: nn.Module) -> Any:
+    """The model (or, in pipeline stages, the first submodule) with ``config.model_type``."""
+    for sub in model.modules():
+        if hasattr(sub, "config") and hasattr(sub.config, "model_type"):
+            return sub
+    raise TypeError(f"{type(model).__name__} holds no Hugging Face model (no config.model_type)")
+
+
+def optimizer_for_mp(
+    optimizer: torch.optim.Optimizer,
+    orig_param_to_parallel_param_on_xla: Mapping[int, nn.Parameter],
+) -> torch.optim.Optimizer:
+    """The optimizer for the parallel parameters (see the module docstring)."""
+    mapping = orig_param_to_parallel_param_on_xla
+    if isinstance(optimizer, LazyOptimizer):
+        optimizer_class, defaults = optimizer.optimizer_class, optimizer.lazy_defaults
+    else:
+        optimizer_class, defaults = type(optimizer), dict(optimizer.defaults)
+    groups = []
+    for group in optimizer.param_groups:
+        params = [mapping[id(p)] for p in group["params"] if id(p) in mapping]
+        if params:
+            hyper = {k: v for k, v in group.items() if k != "params"}
+            groups.append({**hyper, "params": params})
+    if not groups:
+        raise ValueError(
+            "none of the optimizer's parameters has a parallel counterpart on this rank: "
+            "check the mapping (parameter_mapping(original_parameter_ids(model), parallel))"
+        )
+    return optimizer_class(groups, **defaults)

@@ -1,0 +1,300 @@
+"""optimum-neuron's ``Parallelizer``: tensor (+ sequence, + pipeline) parallelism for an
+unmodified Hugging Face causal LM, in place.
+
+``parallelize`` runs, on every rank:
+
+1. checks (model family, degrees, heads, pipeline inputs) before any change or collective;
+2. the swap (:mod:`nxd_trainer.hf._swap`): linears and embedding become nxd's parallel layers
+   on ``meta``, the attention forward sees local heads, the loss runs on sharded logits;
+3. PP > 1: :class:`nxd_pipeline.NxDPPModel` (``tracer_cls="hf"``) cuts the layers evenly into
+   stages and keeps this rank's;
+4. in waves of ``num_local_ranks_per_step`` local ranks, this rank's tensors are allocated on
+   its device and filled: from the model's own (eager) weights, or from a Hugging Face folder
+   (``checkpoint_dir``, or the folder a model was lazily loaded from) reading only this rank's
+   rows/columns; an nxd-ckpt sharded checkpoint in ``checkpoint_dir`` is loaded after.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+import nxd_state
+from nxd_trainer.hf._sources import HF_INDEX_NAME, HF_WEIGHTS_NAME, FolderStore
+from nxd_trainer.hf._swap import GQA_NAME, Plan, layout_for, make_meta, swap_layers
+from nxd_trainer.hf.spec import ModelSpec
+
+__all__ = ["Parallelizer"]
+
+logger = logging.getLogger(__name__)
+
+LAZY_FOLDER = "_nxd_lazy_folder"
+"""Attribute of a model built under ``lazy_load_for_parallelism``: its Hugging Face folder."""
+
+
+def _is_hf_folder(path: Path) -> bool:
+    return (path / HF_WEIGHTS_NAME).is_file() or (path / HF_INDEX_NAME).is_file()
+
+
+def _local_ranks_per_step(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"num_local_ranks_per_step must be an int, got {value!r}")
+    if value <= 0:  # optimum-neuron: every local rank at once
+        return max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
+    return value
+
+
+class Parallelizer:
+    """Parallelises one model family; subclasses set :attr:`spec` (see
+    :mod:`nxd_trainer.hf.families`)."""
+
+    spec: ClassVar[ModelSpec]
+
+    # Checks -------------------------------------------------------------------------------
+    @classmethod
+    def check_model(cls, model: nn.Module) -> None:
+        """``model`` is a Hugging Face model of this family, not parallelised yet."""
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        if model_type != cls.spec.model_type:
+            raise ValueError(
+                f"{cls.__name__} parallelises model_type {cls.spec.model_type!r}, got "
+                f"{type(model).__name__} with model_type {model_type!r}"
+            )
+        from nxd_layers import BaseParallelLinear, ParallelEmbedding
+
+        if any(isinstance(m, (BaseParallelLinear, ParallelEmbedding)) for m in model.modules()):
+            raise ValueError(f"{type(model).__name__} already holds parallel layers")
+
+    # optimum-neuron's API ---------------------------------------------------------------------
+    @classmethod
+    def _parallelize(
+        cls,
+        model: nn.Module,
+        device: torch.device | None = None,
+        parallelize_embeddings: bool = True,
+        sequence_parallel_enabled: bool = False,
+        should_parallelize_layer_predicate_func: Callable[[nn.Module], bool] | None = None,
+        **parallel_layer_specific_kwargs: Any,
+    ) -> nn.Module:
+        """Swap the layers for parallel ones on ``meta`` (no values yet: :meth:`parallelize`
+        fills them). ``kv_size_multiplier`` is the one layer-specific keyword used."""
+        del device  # the layers are built on meta; parallelize allocates them
+        cls.check_model(model)
+        layout = layout_for(
+            model.config,
+            nxd_state.get_tensor_model_parallel_size(),
+            parallel_layer_specific_kwargs.get("kv_size_multiplier"),
+        )
+        plan = swap_layers(
+            model,
+            cls.spec,
+            layout,
+            sequence_parallel=sequence_parallel_enabled,
+            parallelize_embeddings=parallelize_embeddings,
+            should_parallelize_layer=should_parallelize_layer_predicate_func,
+        )
+        model._nxd_plan = plan  # parallelize reads it (and removes it)
+        return model
+
+    @classmethod
+    def parallelize(
+        cls,
+        model: nn.Module,
+        device: torch.device | None = None,
+        parallelize_embeddings: bool = True,
+        sequence_parallel_enabled: bool = False,
+        kv_size_multiplier: int | None = None,
+        pipeline_parallel_input_names: list[str] | tuple[str, ...] | None = None,
+        pipeline_parallel_num_microbatches: int = 1,
+        pipeline_parallel_use_zero1_optimizer: bool = False,
+        pipeline_parallel_gradient_checkpointing_enabled: bool = False,
+        checkpoint_dir: str | Path | None = None,
+        num_local_ranks_per_step: int = 8,
+    ) -> nn.Module:
+        """The parallelised model (an ``nxd_pipeline.NxDPPModel`` when PP > 1) with every
+        parameter holding its values (see the module docstring). Collective."""
+        from nxd_trainer._materialize import build_in_waves, materialize_meta_module
+
+        if not nxd_state.model_parallel_is_initialized():
+            raise RuntimeError(
+                "model parallelism is not initialised: call nxd_state.initialize_model_parallel"
+                "(tensor_model_parallel_size=..., pipeline_model_parallel_size=...) first"
+            )
+        state = nxd_state.get_parallel_state()
+        cls.check_model(model)
+        layout_for(model.config, state.tensor_parallel_size, kv_size_multiplier)
+        if sequence_parallel_enabled and state.tensor_parallel_size == 1:
+            raise ValueError("sequence_parallel_enabled=True needs tensor_parallel_size > 1")
+        if sequence_parallel_enabled and not cls.spec.supports_sequence_parallel:
+            raise ValueError(f"{cls.spec.model_type} does not support sequence parallelism")
+        pp = state.pipeline_parallel_size
+        if pp > 1:
+            cls._check_pipeline(model, pipeline_parallel_input_names)
+            if pipeline_parallel_gradient_checkpointing_enabled:
+                raise NotImplementedError(
+                    "pipeline_parallel_gradient_checkpointing_enabled: the torch.export "
+                    "capture of Hugging Face models (tracer_cls='hf') inlines the decoder "
+                    "layers' internals, so they cannot be recomputed; not supported yet"
+                )
+        factor = _local_ranks_per_step(num_local_ranks_per_step)
+        device = torch.device(device) if device is not None else nxd_state.current_device()
+        folder, sharded = cls._weights_source(model, checkpoint_dir)
+
+        def build() -> nn.Module:
+            cls._parallelize(
+                model,
+                parallelize_embeddings=parallelize_embeddings,
+                sequence_parallel_enabled=sequence_parallel_enabled,
+                kv_size_multiplier=kv_size_multiplier,
+            )
+            plan: Plan = model._nxd_plan
+            plan.folder = FolderStore(folder) if folder is not None else None
+            plan.deferred = sharded is not None
+            if plan.folder is not None or plan.deferred:
+                make_meta(model, buffers=False)  # values from the folder / the checkpoint
+            if pp == 1:
+                materialize_meta_module(model, device, plan.init_fn())
+                return nxd_state.move_model_to_device(model, device)
+            make_meta(model, buffers=True)
+            return cls._pipeline(
+                model,
+                plan,
+                device,
+                pipeline_parallel_input_names,
+                pipeline_parallel_num_microbatches,
+                pipeline_parallel_use_zero1_optimizer,
+            )
+
+        try:
+            parallel = build_in_waves(factor, build, device)
+        finally:
+            plan = model.__dict__.get("_nxd_plan")
+            if plan is not None:  # drop the references to the original full tensors
+                plan.memory.tensors.clear()
+                del model._nxd_plan
+        if sharded is not None:
+            import nxd_ckpt
+
+            nxd_ckpt.load_checkpoint(
+                sharded, model=parallel, num_workers=min(factor, 32), load_rng=False
+            )
+        return parallel
+
+    @classmethod
+    def _weights_source(
+        cls, model: nn.Module, checkpoint_dir: str | Path | None
+    ) -> tuple[Path | None, Path | None]:
+        """(Hugging Face folder to read from, nxd-ckpt checkpoint to load after)."""
+        lazy = model.__dict__.get(LAZY_FOLDER)
+        if checkpoint_dir is None:
+            return (Path(lazy) if lazy is not None else None), None
+        path = Path(checkpoint_dir)
+        if not path.is_dir():
+            raise FileNotFoundError(f"checkpoint_dir {path} is not a folder")
+        if _is_hf_folder(path):
+            FolderStore(path)  # a missing shard fails here, on every rank
+            return path, None
+        import nxd_ckpt
+
+        if not nxd_ckpt.has_checkpoint(path):
+            raise FileNotFoundError(
+                f"checkpoint_dir {path} is neither a Hugging Face folder ({HF_WEIGHTS_NAME} or "
+                f"{HF_INDEX_NAME}) nor an nxd-ckpt checkpoint with a complete tag"
+            )
+        return (Path(lazy) if lazy is not None else None), path
+
+    @classmethod
+    def _check_pipeline(cls, model: nn.Module, input_names: Any) -> None:
+        if not cls.spec.supports_pipeline_parallel:
+            raise ValueError(f"{cls.spec.model_type} does not support pipeline parallelism")
+        if not input_names or not all(isinstance(n, str) for n in input_names):
+            raise ValueError(
+                f"pipeline parallelism needs pipeline_parallel_input_names (the model's tensor "
+                f"inputs, e.g. ['input_ids', 'attention_mask', 'labels']), got {input_names!r}"
+            )
+        layers = len(model.get_submodule(cls.spec.layers))
+        pp = nxd_state.get_pipeline_model_parallel_size()
+        if layers < pp:
+            raise ValueError(f"{layers} decoder layers cannot fill {pp} pipeline stages")
+
+    @classmethod
+    def pipeline_cuts(cls, model: nn.Module, stages: int) -> list[str]:
+        """Cuts after layers ``k·L/p − 1`` (``L`` layers, ``p`` stages): equal stages."""
+        layers = len(model.get_submodule(cls.spec.layers))
+        return [f"{cls.spec.layers}.{(k + 1) * layers // stages - 1}" for k in range(stages - 1)]
+
+    @classmethod
+    def _pipeline(
+        cls,
+        model: nn.Module,
+        plan: Plan,
+        device: torch.device,
+        input_names: Any,
+        num_microbatches: int,
+        use_zero1_optimizer: bool,
+    ) -> nn.Module:
+        from nxd_pipeline import NxDPPModel
+
+        return NxDPPModel(
+            model,
+            num_microbatches=num_microbatches,
+            input_names=list(input_names),
+            pipeline_cuts=cls.pipeline_cuts(model, nxd_state.get_pipeline_model_parallel_size()),
+            tracer_cls="hf",
+            param_init_fn=plan.init_fn(),
+            use_zero1_optimizer=use_zero1_optimizer,
+            device=device,
+        )
+
+    # Optimizer -------------------------------------------------------------------------------
+    @classmethod
+    def optimizer_for_mp(
+        cls,
+        optimizer: torch.optim.Optimizer,
+        orig_param_to_parallel_param_on_xla: Mapping[int, nn.Parameter],
+    ) -> torch.optim.Optimizer:
+        """The optimizer over the parallel parameters (:func:`nxd_trainer.hf.optimizer_for_mp`)."""
+        from nxd_trainer.hf.optim import optimizer_for_mp
+
+        return optimizer_for_mp(optimizer, orig_param_to_parallel_param_on_xla)
+
+    # Checkpoints ------------------------------------------------------------------------------
+    @classmethod
+    def save_model_sharded_checkpoint(
+        cls,
+        model: nn.Module,
+        output_dir: str | Path,
+        optimizer: torch.optim.Optimizer | None = None,
+        use_xser: bool = True,
+        async_save: bool = False,
+        num_local_ranks_per_step: int = 8,
+    ) -> None:
+        from nxd_trainer.hf.checkpoint import save_model_sharded_checkpoint
+
+        save_model_sharded_checkpoint(
+            model, output_dir, optimizer, use_xser, async_save, num_local_ranks_per_step
+        )
+
+    @classmethod
+    def load_model_sharded_checkpoint(cls, model: nn.Module, load_dir: str | Path) -> None:
+        from nxd_trainer.hf.checkpoint import load_model_sharded_checkpoint
+
+        load_model_sharded_checkpoint(model, load_dir)
+
+    @classmethod
+    def hf_name(cls, name: str) -> str:
+        """The Hugging Face name of a parallel model's tensor (the GQA projection's parts are
+        ``q_proj`` / ``k_proj`` / ``v_proj`` there)."""
+        spec = cls.spec
+        for part, proj in (("q", spec.q_proj), ("k", spec.k_proj), ("v", spec.v_proj)):
+            for kind in ("weight", "bias"):
+                suffix = f".{GQA_NAME}.{kind}_{part}"
+                if name.endswith(suffix):
+                    return f"{name[: -len(suffix)]}.{proj}.{kind}"
+        return name
