@@ -7,6 +7,9 @@ then called on each module owning such a parameter (or a meta buffer the stages 
 does: it initialises that module's own parameters and must set its meta buffers (rotary
 tables...); a buffer still on ``meta`` afterwards is an error. The rest of the model stays on
 ``meta``: the rank never holds it.
+
+:func:`move_local_tensors` then moves what the local stages hold to the stages' device, one
+new tensor per old one, so weights tied inside the rank stay tied there too.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-__all__ = ["materialize_local_parameters", "model_device"]
+__all__ = ["materialize_local_parameters", "model_device", "move_local_tensors"]
 
 logger = logging.getLogger(__name__)
 
@@ -85,3 +88,39 @@ def model_device(*modules: nn.Module) -> torch.device:
     if param is None or param.device.type == "meta":
         return torch.device("cpu")
     return param.device
+
+
+@torch.no_grad()
+def move_local_tensors(modules: list[nn.Module], device: torch.device) -> int:
+    """Move every parameter and buffer of ``modules`` to ``device``; returns how many moved.
+
+    A parameter keeps its identity where torch allows it (``p.data = moved``: CPU <-> CUDA);
+    otherwise (XLA) it is replaced, once, in every module holding it: tied weights stay one
+    tensor (``module.to`` would convert each holder separately) and keep their attributes.
+    """
+    moved: dict[int, torch.Tensor] = {}
+    for module in modules:
+        for sub in module.modules():
+            for slots in (sub._parameters, sub._buffers):
+                for name, tensor in list(slots.items()):
+                    if tensor is None or tensor.device == device:
+                        continue
+                    if id(tensor) not in moved:
+                        moved[id(tensor)] = _moved(tensor, device)
+                    slots[name] = moved[id(tensor)]  # type: ignore[assignment]
+    if moved:
+        logger.info("moved %d local tensors to %s", len(moved), device)
+    return len(moved)
+
+
+def _moved(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    value = tensor.detach().to(device)
+    if not isinstance(tensor, nn.Parameter):
+        return value
+    try:
+        tensor.data = value
+        return tensor
+    except RuntimeError:  # incompatible tensor types (e.g. CPU -> XLA): a new parameter
+        new = nn.Parameter(value, requires_grad=tensor.requires_grad)
+        new.__dict__.update(tensor.__dict__)
+        return new

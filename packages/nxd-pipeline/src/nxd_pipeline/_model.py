@@ -20,12 +20,12 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-import nxd_state
 from nxd_pipeline._arguments import check_arguments
 from nxd_pipeline._build import PartitionFn, build_manual, build_traced
 from nxd_pipeline._inputs import signature, split_manual, split_traced
 from nxd_pipeline._local import LocalStagesMixin
 from nxd_pipeline._loss import LossSpec, select_loss
+from nxd_pipeline._materialize import move_local_tensors
 from nxd_pipeline._reduce import GradientReducer, sync_tied_weights
 from nxd_pipeline._runtime import StepRunner
 from nxd_pipeline._schedules import build_schedule, stage_to_rank
@@ -205,8 +205,7 @@ class NxDPPModel(LocalStagesMixin, nn.Module):
         rebuilt = self._built.materialize()
         if rebuilt is not None:
             self.stages = nn.ModuleDict({str(s): stage for s, stage in rebuilt.items()})
-        for stage in self.stages.values():
-            nxd_state.move_model_to_device(stage, self._built.device)
+        move_local_tensors(list(self.stages.values()), self._built.device)
         self._runner.stages = {int(s): m for s, m in self.stages.items()}
         named = self._all_local_names()
         state = self.parallel_state
