@@ -267,6 +267,10 @@ MISSING_NAMES = {
     "neuronx_distributed.modules.qkv_linear:GQAQKVColumnParallelLinear.initialize_weight_biases": (
         "NxD's Llama init_weights() re-initializes GQA layers with initialize_weight_biases()"
     ),
+    "neuronx_distributed.parallel_layers.layers:param_is_not_tensor_parallel_duplicate": "NxD's "
+    "layers module re-exports it from parallel_layers.utils (code imports it from layers)",
+    "neuronx_distributed.parallel_layers.layers:create_local_weight": "NxD's helper that slices "
+    "a full weight into this rank's (strided) shard; custom NxD layers and checkpoint code use it",
     "neuronx_distributed.utils.model_utils:preserve_parallel_attributes": "NxD's context manager "
     "restoring tensor_model_parallel/sequence_parallel_enabled/shared on parameters",
     "neuronx_distributed.utils.model_utils:reinit_model": "NxD's reinit_model(model, device, "
