@@ -309,7 +309,14 @@ def parallel_model_load(
             torch.__version__,
         )
         use_aoti = False
-    rank_lists = sorted({tuple(r) for e in manifest["ranks"] for r in e["groups"].values()})
+    rank_lists = sorted(
+        {
+            tuple(ranks)
+            for entry in manifest["ranks"]
+            for groups in (entry["groups"], entry.get("aoti_groups", {}))
+            for ranks in groups.values()
+        }
+    )
     pool = WorkerPool(
         tp_degree,
         device_type=device,

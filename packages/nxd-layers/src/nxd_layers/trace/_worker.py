@@ -62,6 +62,7 @@ class _Rank:
     programs: list[Any] = field(default_factory=list)
     runners: list[Callable[..., Any]] = field(default_factory=list)
     aoti_paths: list[Path] = field(default_factory=list)
+    aoti_groups: dict[str, list[int]] = field(default_factory=dict)  # names baked into them
 
 
 def _sync(device: torch.device) -> None:
@@ -124,6 +125,7 @@ def _export(state: _Rank, payload: dict[str, Any]) -> dict[str, Any]:
         return {"seconds": [], "groups": {}}
     seconds, groups = [], {}
     state.programs, state.runners, state.aoti_paths = [], [], []
+    state.aoti_groups = {}
     for index, args in enumerate(buckets):
         start = time.perf_counter()
         program = _programs.export_program(state.model, args)
@@ -135,6 +137,7 @@ def _export(state: _Rank, payload: dict[str, Any]) -> dict[str, Any]:
             path = workdir / _artifacts.program_file(state.rank, index, ".aoti.pt2")
             seconds[-1] += _programs.compile_aoti(program, path, payload["inductor_configs"])
             state.aoti_paths.append(path)
+            state.aoti_groups.update(_programs.collective_groups(program))
             state.runners.append(_programs.load_aoti(path))
         else:
             state.runners.append(_programs.runner(program, state.device))
@@ -176,21 +179,30 @@ def _save(state: _Rank, payload: dict[str, Any]) -> dict[str, Any]:
         if path.resolve() != target.resolve():
             target.write_bytes(path.read_bytes())
         entry["aoti"].append(target.name)
+    entry["aoti_groups"] = state.aoti_groups if state.aoti_paths else {}
     return entry
 
 
-def _group_names(rank_lists: list[list[int]], recorded: dict[str, list[int]]) -> dict[str, str]:
-    """Create (on every rank, in the manifest's order) a group per recorded rank list and map
-    each recorded name to this process's group of the same ranks."""
+_GROUPS_BY_RANKS: dict[tuple[int, ...], str] = {}  # this process's group names, by ranks
+_CREATED: set[tuple[int, ...]] = set()  # rank lists new_group was called for (members or not)
+
+
+def _group_names(
+    rank_lists: list[list[int]], recorded: dict[str, list[int]], create: bool = True
+) -> dict[str, str]:
+    """Map each recorded group name to this process's group of the same ranks, creating
+    (on every rank, in the manifest's order, once) a group per rank list first."""
     world = list(range(dist.get_world_size()))
-    by_ranks: dict[tuple[int, ...], str] = {tuple(world): dist.group.WORLD.group_name}
-    for ranks in rank_lists:
-        if list(ranks) == world:
-            continue
-        group = dist.new_group(list(ranks))
-        if dist.get_rank() in ranks:
-            by_ranks[tuple(ranks)] = group.group_name
-    return {name: by_ranks[tuple(ranks)] for name, ranks in recorded.items()}
+    _GROUPS_BY_RANKS.setdefault(tuple(world), dist.group.WORLD.group_name)
+    if create:
+        for ranks in rank_lists:
+            if tuple(ranks) in _CREATED or list(ranks) == world:
+                continue
+            _CREATED.add(tuple(ranks))
+            group = dist.new_group(list(ranks))  # every rank calls it, members or not
+            if dist.get_rank() in ranks:
+                _GROUPS_BY_RANKS[tuple(ranks)] = group.group_name
+    return {name: _GROUPS_BY_RANKS[tuple(ranks)] for name, ranks in recorded.items()}
 
 
 def _load(state: _Rank, payload: dict[str, Any]) -> dict[str, Any]:
@@ -211,9 +223,10 @@ def _load(state: _Rank, payload: dict[str, Any]) -> dict[str, Any]:
     _artifacts.restore_weights(programs, weights, entry.get("aliases", {}))
     state.programs = programs
     state.aoti_paths = [directory / name for name in entry.get("aoti", [])]
+    state.aoti_groups = entry.get("aoti_groups", {})
     aoti = entry.get("aoti", []) if payload["use_aoti"] else []
-    if aoti:
-        _programs.alias_groups(names)
+    if aoti:  # the packages call their groups by the names they were compiled with
+        _programs.alias_groups(_group_names(payload["rank_lists"], state.aoti_groups, create=False))
     state.runners = []
     for index, program in enumerate(programs):
         if aoti:
