@@ -9,7 +9,11 @@ AdamW. Measured in one run, each rank on one thread:
 * TP=2: the nxd_layers model vs the plain model parallelised by PyTorch DTensor
   (``parallelize_module`` with ColwiseParallel / RowwiseParallel on a gloo DeviceMesh);
 * bytes on the wire per decoder layer and step at TP=2 (nxd_state's counter, ring algorithm)
-  vs Megatron's minimum 8·b·s·h·(t−1)/t elements: 2 all-reduces of b·s·h forward and 2 backward.
+  vs Megatron's minimum 8·b·s·h·(t−1)/t elements: 2 all-reduces of b·s·h forward and 2 backward;
+* the gradient norm (``--part grad_norm``, one process): ``nxd_layers.get_grad_norm`` vs
+  ``torch.nn.utils.get_total_norm`` (what ``clip_grad_norm_`` computes) vs the elementwise
+  ``sum(g.abs().pow(p).sum())`` nxd_layers used before, on the gradients of a model shape
+  (float32 and bfloat16), calls alternating, ns per element.
 
 Steps of the compared models alternate, so machine noise hits both alike; medians are
 reported with their ratios in bench/results/tp_layers.json.
@@ -18,6 +22,7 @@ reported with their ratios in bench/results/tp_layers.json.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import statistics
@@ -294,14 +299,105 @@ def measure_layer_traffic(cfg: Config, tp: int) -> dict[str, float]:
     }
 
 
+# Gradient norm ------------------------------------------------------------------------------
+def _elementwise_norm(grads: list[torch.Tensor], p: float) -> torch.Tensor:
+    """The formula nxd_layers used before: sum of |g|^p per tensor, in float32."""
+    total = torch.zeros(())
+    for grad in grads:
+        total = total + grad.float().abs().pow(p).sum()
+    return total.pow(1.0 / p)
+
+
+def run_grad_norm(rounds: int = 30, threads: int = 1) -> dict[str, object]:
+    """ns per gradient element of three norms over the same gradients, calls alternating
+    (order rotated every round), medians and quartiles; float32 and bfloat16 gradients."""
+    from nxd_layers import get_grad_norm
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    h, ffn, layers, vocab = 512, 1408, 4, 4096
+    shapes = [(vocab, h)]
+    for _ in range(layers):
+        shapes += [(h,), (3 * h, h), (h, h), (h,), (2 * ffn, h), (h, ffn)]
+    shapes += [(h,), (vocab, h)]
+    out: dict[str, object] = {"threads": threads, "tensors": len(shapes), "norm_type": 2.0}
+    for dtype in (torch.float32, torch.bfloat16):
+        params = []
+        for shape in shapes:
+            param = nn.Parameter(torch.empty(shape, dtype=dtype))
+            param.grad = torch.randn(shape).to(dtype)
+            params.append(param)
+        grads = [p.grad for p in params]
+        numel = sum(g.numel() for g in grads)
+        calls = {
+            "nxd_get_grad_norm": functools.partial(
+                get_grad_norm, params, 2.0, tensor_parallel_group=None
+            ),
+            "torch_get_total_norm": functools.partial(torch.nn.utils.get_total_norm, grads, 2.0),
+            "elementwise_abs_pow_sum": functools.partial(_elementwise_norm, grads, 2.0),
+        }
+        values = {name: float(call()) for name, call in calls.items()}
+        times: dict[str, list[float]] = {name: [] for name in calls}
+        order = list(calls.items())
+        for i in range(rounds):
+            rotated = order[i % len(order) :] + order[: i % len(order)]
+            for name, call in rotated:
+                start = time.perf_counter()
+                call()
+                times[name].append((time.perf_counter() - start) / numel * 1e9)
+        summary = {}
+        for name, samples in times.items():
+            q1, median, q3 = statistics.quantiles(samples, n=4)
+            summary[name] = {
+                "ns_per_element_median": round(median, 4),
+                "q1": round(q1, 4),
+                "q3": round(q3, 4),
+                "value": values[name],
+            }
+        nxd = summary["nxd_get_grad_norm"]["ns_per_element_median"]
+        out[str(dtype).removeprefix("torch.")] = {
+            "elements": numel,
+            "measurements": summary,
+            "elementwise_over_nxd": round(
+                summary["elementwise_abs_pow_sum"]["ns_per_element_median"] / nxd, 3
+            ),
+            "nxd_over_torch": round(
+                nxd / summary["torch_get_total_norm"]["ns_per_element_median"], 3
+            ),
+        }
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict[str, object]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=Config.steps)
     parser.add_argument("--hidden", type=int, default=Config.hidden)
     parser.add_argument("--seq", type=int, default=Config.seq)
+    parser.add_argument(
+        "--part",
+        choices=("all", "steps", "grad_norm"),
+        default="all",
+        help="what to measure; a part updates its own entries of the results file",
+    )
     args = parser.parse_args(argv)
     cfg = Config(steps=args.steps, hidden=args.hidden, seq=args.seq)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    result: dict[str, object] = {}
+    if RESULTS.exists() and args.part != "all":
+        result = json.loads(RESULTS.read_text())
+    if args.part in ("all", "grad_norm"):
+        logger.info("gradient norm: get_grad_norm vs get_total_norm vs the elementwise formula")
+        result["grad_norm"] = run_grad_norm()
+    if args.part in ("all", "steps"):
+        result.update(run_steps(cfg))
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+    return result
+
+
+def run_steps(cfg: Config) -> dict[str, object]:
+    """Step times at TP=1 and TP=2 against the peers, and the TP=2 traffic."""
     logger.info("TP=1: nxd_layers vs plain torch.nn (%d steps each)", cfg.steps)
     tp1 = run_distributed(run_tp1, 1, asdict(cfg), timeout=600)[0]
     logger.info("TP=2: nxd_layers vs DTensor parallelize_module (%d steps each)", cfg.steps)
@@ -316,9 +412,6 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "tp2_traffic": tp2["traffic"],
         "goals": {"tp1_ratio_max": 1.02, "tp2_ratio_max": 0.8, "bytes_ratio": 1.0},
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
     return result
 
 

@@ -300,6 +300,57 @@ def run_zero1_arguments() -> list[str]:
     return messages
 
 
+def _float64_norm_power(grads: list[torch.Tensor], p: float) -> torch.Tensor:
+    """sum_i ||g_i||_p^p in float64 (max |g| for inf): the exact reference."""
+    if p == math.inf:
+        return max(g.double().abs().max() for g in grads if g.numel())
+    return sum(g.double().abs().pow(p).sum() for g in grads)
+
+
+@pytest.mark.parametrize("norm_type", [1.0, 2.0, 3.0, 0.5, math.inf])
+def test_grad_norm_in_one_process_matches_torch(norm_type: float) -> None:
+    """No process group: float32, bfloat16, float64 and empty gradients, K/V replica counts
+    (an int, and per-row for a fused QKV) against the float64 formula and torch's
+    ``clip_grad_norm_``. Tolerance: float32 accumulation of ~10^4 terms in a different order
+    than float64 (relative error ~1e-6): rtol 1e-5; torch's own bf16 norm is computed in
+    bf16, so it is compared on float32 copies of the gradients (torch refuses
+    empty gradients under the inf norm: they are left out of its list)."""
+    torch.manual_seed(3)
+    shapes = [(64, 32), (32,), (7, 5, 3), (0, 4), (1,)]
+    dtypes = [torch.float32, torch.bfloat16, torch.float64, torch.float32, torch.bfloat16]
+    params = []
+    for shape, dtype in zip(shapes, dtypes):
+        param = nn.Parameter(torch.zeros(shape, dtype=dtype))
+        param.grad = torch.randn(shape, dtype=torch.float32).to(dtype)
+        params.append(param)
+    expected = _float64_norm_power([p.grad for p in params], norm_type)
+    got = get_grad_norm(params, norm_type, tensor_parallel_group=None)
+    assert got.dtype == torch.float32
+    exact = expected if norm_type == math.inf else expected ** (1.0 / norm_type)
+    torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=0.0)
+    as_float = [nn.Parameter(p.detach().float()) for p in params if p.numel()]
+    for copy in as_float:  # torch's inf norm refuses empty tensors: they are left out
+        copy.grad = next(p.grad.float() for p in params if p.shape == copy.shape)
+    reference = torch.nn.utils.clip_grad_norm_(as_float, 1e9, norm_type=norm_type)
+    torch.testing.assert_close(got, reference, rtol=1e-5, atol=0.0)
+    # K/V replicas: an int count divides a tensor's share, a per-row tensor each row's.
+    kv, fused = nn.Parameter(torch.zeros(8, 4)), nn.Parameter(torch.zeros(4, 3))
+    kv.grad, fused.grad = torch.randn(8, 4), torch.randn(4, 3)
+    kv.tensor_model_parallel = fused.tensor_model_parallel = True
+    kv.tensor_parallel_replicas = 2
+    fused.tensor_parallel_replicas = torch.tensor([1.0, 1.0, 2.0, 4.0])
+    got = get_grad_norm([*params, kv, fused], norm_type, tensor_parallel_group=None)
+    if norm_type == math.inf:
+        want = max(expected, _float64_norm_power([kv.grad, fused.grad], norm_type))
+    else:
+        rows = fused.grad.double().abs().pow(norm_type).sum(dim=1)
+        counts = torch.tensor([1.0, 1.0, 2.0, 4.0], dtype=torch.float64)
+        want = expected + _float64_norm_power([kv.grad], norm_type) / 2 + (rows / counts).sum()
+        want = want ** (1.0 / norm_type)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=0.0)
+    assert float(get_grad_norm([], norm_type, tensor_parallel_group=None)) == 0.0
+
+
 def run_all(world: int) -> dict[str, list[str]]:
     """Cross entropy and clipping at TP=world; with 4 ranks also clipping at TP=2 x PP=2 (the
     PP group given, and NxD's call without it) and NxD's ZeRO-1 arguments at TP=2 x DP=2."""

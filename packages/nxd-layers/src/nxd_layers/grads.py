@@ -157,6 +157,68 @@ def _plan(
     return _Reduction(tp_group, groups)
 
 
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for float32 and lower precision, float64 for float64 (no narrowing)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _local_norm_power(
+    params: list[torch.Tensor],
+    p: float,
+    tp_rank: int,
+    tp_size: int,
+    force_spmd: bool,
+    device: torch.device,
+) -> torch.Tensor:
+    """This rank's share of ||g||_p^p (of max |g| for p = inf), a float32 scalar on ``device``.
+
+    sum_i w_i ||g_i||_p^p with w_i = (1 / tp_size for TP-replicated gradients under
+    ``force_spmd``) / (K/V replica count). Gradients are grouped by (device, dtype, w_i) and
+    each group's per-tensor norms come from one ``torch._foreach_norm`` call (one fused kernel
+    on CUDA, ``vector_norm`` without temporaries on CPU), accumulated in float32 (float64 for
+    float64 gradients); then sum_i w_i ||g_i||^p = w · ||(||g_1||, ..., ||g_k||)||_p^p per group.
+    A fused QKV weight with per-row replica counts takes row norms (``vector_norm`` over dim 1).
+    """
+    inf = p == math.inf
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    groups: dict[tuple[torch.device, torch.dtype, float], list[torch.Tensor]] = {}
+    for param in params:
+        if not param_is_not_shared(param):
+            continue
+        weight = 1.0
+        if not getattr(param, "tensor_model_parallel", False):
+            if inf or force_spmd:
+                weight = 1.0 / tp_size
+            elif tp_rank != 0:
+                continue
+        grad = param.grad.detach()
+        if grad.numel() == 0:  # no elements: adds nothing (and inf has no identity)
+            continue
+        replicas = getattr(param, "tensor_parallel_replicas", 1)
+        if inf:
+            weight = 1.0  # a maximum: copies and replicas do not change it
+        elif isinstance(replicas, torch.Tensor):  # per-row copy counts (fused QKV)
+            rows = torch.linalg.vector_norm(
+                grad.reshape(replicas.numel(), -1),
+                p,
+                dim=1,
+                dtype=_accumulation_dtype(grad.dtype),
+            )
+            share = (rows.pow(p) / replicas.to(rows.device, rows.dtype)).sum() * weight
+            total = total + share.to(device, torch.float32)
+            continue
+        else:
+            weight /= replicas
+        groups.setdefault((grad.device, grad.dtype, weight), []).append(grad)
+    for (_, dtype, weight), grads in groups.items():
+        norms = torch.stack(torch._foreach_norm(grads, p, dtype=_accumulation_dtype(dtype)))
+        if inf:
+            total = torch.maximum(total, norms.max().to(device, torch.float32))
+        else:
+            total = total + (norms.pow(p).sum() * weight).to(device, torch.float32)
+    return total
+
+
 def get_grad_norm(
     parameters: Iterable[torch.Tensor] | torch.Tensor,
     norm_type: float | int | str = 2,
@@ -187,27 +249,7 @@ def get_grad_norm(
     tp_rank = collectives.group_rank(tp_group) if tp_group is not None else 0
     tp_size = collectives.group_size(tp_group) if tp_group is not None else 1
     device = params[0].grad.device if params else torch.device("cpu")
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    for param in params:
-        if not param_is_not_shared(param):
-            continue
-        weight = 1.0
-        if not getattr(param, "tensor_model_parallel", False):
-            if p == math.inf or force_spmd:
-                weight = 1.0 / tp_size
-            elif tp_rank != 0:
-                continue
-        grad = param.grad.detach().float()
-        if p == math.inf:
-            total = torch.maximum(total, grad.abs().max() if grad.numel() else total)
-            continue
-        powered = grad.abs().pow(p)
-        replicas = getattr(param, "tensor_parallel_replicas", 1)
-        if isinstance(replicas, torch.Tensor):  # per-row copy counts (fused QKV)
-            rows = powered.reshape(replicas.numel(), -1).sum(dim=1)
-            total = total + (rows / replicas.to(rows.device)).sum() * weight
-        else:
-            total = total + powered.sum() * (weight / replicas)
+    total = _local_norm_power(params, p, tp_rank, tp_size, force_spmd, device)
     op = ReduceOp.MAX if p == math.inf else ReduceOp.SUM
     for group in plan.groups:
         collectives.all_reduce(total, group=group, op=op)
