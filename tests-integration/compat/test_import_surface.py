@@ -311,14 +311,20 @@ def test_parallel_cross_entropy_accepts_nxd_source_keywords() -> None:
     inspect.signature(parallel_cross_entropy).bind(vocab_parallel_logits=None, target=None)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason="gap: NxD's LoraConfig takes target_modules as a regex string (re.fullmatch on module "
-    "names) besides a list; NxD matches list entries by exact name or '.'+entry suffix, nxd by "
-    "substring",
-)
-def test_lora_config_accepts_a_regex_target() -> None:
-    from neuronx_distributed.modules.lora import LoraConfig
+def test_lora_targets_select_like_nxd() -> None:
+    """NxD's rule: a list entry is an exact name or a '.'+entry suffix; a string is a regex."""
+    from torch import nn
 
-    LoraConfig(enable_lora=True, target_modules=r".*\.(q|v)_proj")
+    from neuronx_distributed.modules.lora import LoraConfig, get_lora_model
+
+    def block() -> nn.Module:
+        model = nn.Module()
+        model.attn = nn.Module()
+        model.attn.q_proj, model.attn.v_proj = nn.Linear(4, 4), nn.Linear(4, 4)
+        model.attn_q_proj = nn.Linear(4, 4)
+        return model
+
+    by_list = get_lora_model(block(), LoraConfig(enable_lora=True, target_modules=["q_proj"]))
+    assert by_list.lora_module_names == ["attn.q_proj"]  # not attn_q_proj (no substring match)
+    regex = LoraConfig(enable_lora=True, target_modules=r".*\.(q|v)_proj")
+    assert get_lora_model(block(), regex).lora_module_names == ["attn.q_proj", "attn.v_proj"]

@@ -231,12 +231,32 @@ def test_only_adapters_and_selected_extras_train(
     assert total == sum(p.numel() for p in ours.module.parameters())
 
 
-def test_target_matching_is_keyword_in_name() -> None:
+def test_target_matching_follows_nxd_and_peft() -> None:
+    """An entry selects the module of that name or ending in ".<entry>" (not a substring); a
+    string is a regular expression over the whole name. PEFT selects the same modules."""
     model = nn.Sequential()
     model.add_module("attn_q_proj", nn.Linear(4, 4))
+    model.add_module("q_proj", nn.Linear(4, 4))
     model.add_module("mlp", nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
-    wrapped = LoRAModel(model, LoraConfig(lora_rank=2, target_modules=["q_proj", "mlp"]))
-    assert wrapped.lora_module_names == ["attn_q_proj", "mlp.0"]  # containers are skipped
+    by_list = LoRAModel(copy.deepcopy(model), LoraConfig(lora_rank=2, target_modules=["q_proj"]))
+    assert by_list.lora_module_names == ["q_proj"]  # not attn_q_proj
+    by_suffix = LoRAModel(copy.deepcopy(model), LoraConfig(lora_rank=2, target_modules=["0"]))
+    assert by_suffix.lora_module_names == ["mlp.0"]
+    regex = LoraConfig(lora_rank=2, target_modules=r".*q_proj")
+    assert LoRAModel(copy.deepcopy(model), regex).lora_module_names == ["attn_q_proj", "q_proj"]
+    for targets in (["q_proj", "0"], r".*q_proj"):
+        theirs = peft.get_peft_model(
+            copy.deepcopy(model), peft.LoraConfig(r=2, target_modules=targets)
+        )
+        mine = LoRAModel(copy.deepcopy(model), LoraConfig(lora_rank=2, target_modules=targets))
+        peft_selected = sorted(
+            name.removeprefix("base_model.model.")
+            for name, module in theirs.named_modules()
+            if name.endswith(("q_proj", "0")) and hasattr(module, "lora_A")
+        )
+        assert sorted(mine.lora_module_names) == peft_selected
+    with pytest.raises(ValueError, match="does not compile"):
+        LoraConfig(target_modules="(unclosed")
 
 
 def test_bad_targets_and_unsupported_layers_raise() -> None:

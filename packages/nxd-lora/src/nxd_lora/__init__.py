@@ -1,9 +1,9 @@
 """nxd-lora: LoRA on plain and tensor-parallel layers, with PEFT-compatible adapters.
 
 ``LoRAModel(module, LoraConfig(...))`` puts ``Y = X W^T + s · dropout(X) A^T B^T`` on every
-module whose name contains a ``target_modules`` keyword (``nn.Linear``, ``nn.Embedding``,
-``nn.Conv2d``, and nxd_layers' column/row-parallel and GQA QKV layers, split so that no
-full-size activation is gathered) and freezes the rest. Adapters gather into PEFT's format
+module ``target_modules`` selects (by name or ``.name`` suffix, or a regex): ``nn.Linear``,
+``nn.Embedding``, ``nn.Conv2d``, and nxd_layers' column/row-parallel and GQA QKV layers, split
+so that no full-size activation is gathered; the rest is frozen. Adapters gather into PEFT's format
 (``peft.PeftModel.from_pretrained`` loads them) and load back at any TP degree.
 """
 

@@ -1,12 +1,15 @@
-"""Which modules get LoRA: keyword matching on dotted module names, as NxD documents it.
+"""Which modules get LoRA: NxD's (and PEFT's) rule on dotted module names.
 
-A module is a target when one of ``target_modules`` occurs in its dotted name
-(``"q_proj"`` matches ``model.layers.0.self_attn.q_proj``) and its type can carry LoRA.
+A list entry selects the module of exactly that name or whose name ends with ``"." + entry``
+(``"q_proj"`` selects ``model.layers.0.self_attn.q_proj``, not ``...q_proj_extra`` nor the
+module ``proj``); a single string is a regular expression the whole name must match. Only
+modules whose type can carry LoRA are selected.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterable, Sequence
 
 from torch import nn
@@ -16,6 +19,7 @@ __all__ = [
     "default_target_modules",
     "match_modules",
     "peft_target_modules",
+    "selects",
 ]
 
 logger = logging.getLogger(__name__)
@@ -44,52 +48,55 @@ def default_target_modules(model: nn.Module) -> list[str]:
     return list(DEFAULT_TARGET_MODULES[model_type])
 
 
-def match_modules(
-    model: nn.Module, keywords: Sequence[str], supported: tuple[type, ...]
-) -> list[str]:
-    """Names of the modules of a ``supported`` type whose dotted name contains a keyword.
+def selects(targets: Sequence[str] | str, name: str) -> bool:
+    """Whether ``targets`` selects the module called ``name`` (see the module docstring)."""
+    if isinstance(targets, str):
+        return re.fullmatch(targets, name) is not None
+    return any(name == entry or name.endswith("." + entry) for entry in targets)
 
-    Raises when nothing matches, naming the keywords and a few module names; logs keywords
+
+def match_modules(
+    model: nn.Module, targets: Sequence[str] | str, supported: tuple[type, ...]
+) -> list[str]:
+    """Names of the modules of a ``supported`` type that ``targets`` selects.
+
+    Raises when nothing matches, naming the targets and a few module names; logs list entries
     that matched nothing while others did.
     """
-    names = []
-    used: set[str] = set()
-    for name, module in model.named_modules():
-        if not name or not isinstance(module, supported):
-            continue
-        hits = [keyword for keyword in keywords if keyword in name]
-        if hits:
-            names.append(name)
-            used.update(hits)
+    names = [
+        name
+        for name, module in model.named_modules()
+        if name and isinstance(module, supported) and selects(targets, name)
+    ]
     if not names:
         candidates = [n for n, m in model.named_modules() if n and isinstance(m, supported)]
         raise ValueError(
-            f"target_modules {list(keywords)} matched no module that LoRA supports; "
-            f"supported modules of this model include {candidates[:8]}"
+            f"target_modules {targets!r} matched no module that LoRA supports (an entry selects "
+            f"the module of that name or ending in '.<entry>'); supported modules of this model "
+            f"include {candidates[:8]}"
         )
-    unused = [keyword for keyword in keywords if keyword not in used]
-    if unused:
-        logger.warning("target_modules keywords %s matched no module", unused)
-    # A match inside another match (e.g. "attn" on a module and its child) wraps both: refuse.
+    if not isinstance(targets, str):
+        unused = [entry for entry in targets if not any(selects([entry], n) for n in names)]
+        if unused:
+            logger.warning("target_modules entries %s matched no module", unused)
+    # A module and its child both selected would wrap twice: refuse.
     nested = [(a, b) for a in names for b in names if b.startswith(a + ".")]
     if nested:
-        raise ValueError(f"target_modules match nested modules {nested[:4]}; use narrower keywords")
+        raise ValueError(f"target_modules select nested modules {nested[:4]}; be more specific")
     return names
 
 
 def peft_target_modules(
-    keywords: Sequence[str], targets: Iterable[str], all_names: Iterable[str]
-) -> list[str]:
-    """``target_modules`` for PEFT's ``adapter_config.json`` selecting exactly ``targets``.
+    targets: Sequence[str] | str, selected: Iterable[str], all_names: Iterable[str]
+) -> list[str] | str:
+    """``target_modules`` for PEFT's ``adapter_config.json`` selecting exactly ``selected``.
 
-    PEFT matches a list entry by exact name or ``name.endswith("." + entry)``. The keywords are
-    written when that rule selects the same modules among ``all_names``; otherwise the target
-    names themselves are written, so PEFT always adapts exactly the modules nxd adapted.
+    PEFT applies the same rule as nxd, so ``targets`` is written as is when it selects the same
+    modules among ``all_names`` (it may not when some selected modules could not carry LoRA);
+    otherwise the selected names themselves are written.
     """
-    wanted = set(targets)
-    peft_selected = {
-        name
-        for name in all_names
-        if any(name == key or name.endswith("." + key) for key in keywords)
-    }
-    return list(keywords) if peft_selected == wanted else sorted(wanted)
+    wanted = set(selected)
+    peft_selected = {name for name in all_names if selects(targets, name)}
+    if peft_selected == wanted:
+        return targets if isinstance(targets, str) else list(targets)
+    return sorted(wanted)

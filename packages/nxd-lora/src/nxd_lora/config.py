@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
@@ -54,9 +55,11 @@ class LoraConfig:
     bias: str = "none"
     """Which biases train: ``"none"``, ``"all"`` (every bias) or ``"lora_only"`` (LoRA layers')."""
 
-    target_modules: list[str] | None = None
-    """Keywords; a module whose dotted name contains one gets LoRA. ``None``: the model type's
-    default (``q_proj``/``v_proj`` for Llama-family models)."""
+    target_modules: list[str] | str | None = None
+    """The modules that get LoRA: a list entry selects the module of that name or whose dotted
+    name ends in ``"." + entry``; a string is a regular expression the whole name must match
+    (NxD's and PEFT's rule). ``None``: the model type's default (``q_proj``/``v_proj`` for
+    Llama-family models)."""
 
     use_rslora: bool = False
     """Rank-stabilised LoRA: scale by ``lora_alpha / sqrt(lora_rank)``, not ``/ lora_rank``."""
@@ -111,7 +114,7 @@ class LoraConfig:
             raise ValueError(
                 f"init_lora_weights must be one of {INIT_MODES}, got {self.init_lora_weights!r}"
             )
-        self.target_modules = _keyword_list("target_modules", self.target_modules)
+        self.target_modules = _target_modules(self.target_modules)
         self.modules_to_save = _keyword_list("modules_to_save", self.modules_to_save)
         if self.merge_sharded_lora and (self.save_lora_base or self.merge_lora):
             logger.info(
@@ -154,8 +157,8 @@ class LoraConfig:
         for name in _ADAPTER_FIELDS:
             mine, theirs = getattr(self, name), getattr(other, name)
             if name in ("target_modules", "modules_to_save"):
-                mine = sorted(mine) if mine is not None else None
-                theirs = sorted(theirs) if theirs is not None else None
+                mine = sorted(mine) if isinstance(mine, list) else mine
+                theirs = sorted(theirs) if isinstance(theirs, list) else theirs
             if mine != theirs:
                 out.append(f"{name}: {mine!r} vs {theirs!r}")
         return out
@@ -174,7 +177,7 @@ class LoraConfig:
     def to_peft_dict(
         self,
         *,
-        target_modules: list[str] | None = None,
+        target_modules: list[str] | str | None = None,
         base_model_name_or_path: str | None = None,
         task_type: str | None = None,
     ) -> dict[str, Any]:
@@ -188,7 +191,7 @@ class LoraConfig:
             "lora_alpha": self.lora_alpha,
             "lora_dropout": self.lora_dropout,
             "bias": self.bias,
-            "target_modules": list(targets) if targets is not None else None,
+            "target_modules": list(targets) if isinstance(targets, list) else targets,
             "use_rslora": self.use_rslora,
             "init_lora_weights": True if self.init_lora_weights == "default" else "gaussian",
             "modules_to_save": list(self.modules_to_save) if self.modules_to_save else None,
@@ -213,11 +216,6 @@ class LoraConfig:
             if peft.get(name) not in (None, plain):
                 raise ValueError(f"PEFT option {name}={peft[name]!r} is not supported by nxd_lora")
         targets = peft.get("target_modules")
-        if isinstance(targets, str):
-            raise ValueError(
-                f"PEFT target_modules given as a regex ({targets!r}) is not supported: "
-                "nxd_lora matches keywords, list the module names instead"
-            )
         init = peft.get("init_lora_weights", True)
         if init not in (True, "gaussian"):
             raise ValueError(f"PEFT init_lora_weights={init!r} is not supported (True, 'gaussian')")
@@ -227,13 +225,31 @@ class LoraConfig:
             "lora_alpha": peft["lora_alpha"],
             "lora_dropout": peft.get("lora_dropout", 0.0),
             "bias": peft.get("bias", "none"),
-            "target_modules": list(targets) if targets is not None else None,
+            "target_modules": targets
+            if targets is None or isinstance(targets, str)
+            else list(targets),
             "use_rslora": peft.get("use_rslora", False),
             "init_lora_weights": "default" if init is True else "gaussian",
             "modules_to_save": peft.get("modules_to_save"),
         }
         values.update(overrides)
         return cls(**values)
+
+
+def _target_modules(value: Any) -> list[str] | str | None:
+    """A list of module names, or one regular expression (checked to compile)."""
+    if isinstance(value, str):
+        if not value:
+            raise ValueError("target_modules must not be an empty string")
+        try:
+            re.compile(value)
+        except re.error as error:
+            raise ValueError(
+                f"target_modules {value!r} is a string, so a regular expression, and it does not "
+                f"compile: {error}"
+            ) from error
+        return value
+    return _keyword_list("target_modules", value)
 
 
 def _keyword_list(name: str, value: Any) -> list[str] | None:
