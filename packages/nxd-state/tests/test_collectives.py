@@ -261,8 +261,10 @@ def test_all_to_all_emulation_matches_definition_and_counts_native_volume(
 
 
 def reduce_scatter_emulated() -> dict:
+    """A backend with neither a reduce-scatter nor an all-to-all: the all-reduce emulation."""
     rank = dist.get_rank()
     C._NO_NATIVE_REDUCE_SCATTER.add(C._backend_name(None))
+    C._NO_NATIVE_ALL_TO_ALL.add(C._backend_name(None))
     with count_collectives() as counter:
         out = C.reduce_scatter(rank_tensor(rank, (4, 3)), dim=0)
     return {"out": out, "counter": counter.as_dict()}

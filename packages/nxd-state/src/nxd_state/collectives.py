@@ -176,7 +176,14 @@ def reduce_scatter(
     dim: int = 0,
     op: ReduceOp.RedOpType = ReduceOp.SUM,
 ) -> torch.Tensor:
-    """Y_r = chunk r of (op over ranks of X), X split into ``n`` equal chunks along ``dim``."""
+    """Y_r = chunk r of (op over ranks of X), X split into ``n`` equal chunks along ``dim``.
+
+    On gloo, which has no reduce-scatter of its own (torch runs ``reduce_scatter_tensor`` there
+    as an all-reduce of a copy, 2(n-1)/n·B on the wire), it is an all-to-all and a local
+    reduction: rank r receives chunk r of every rank's X, (n-1)/n·B sent per rank, the
+    reduce-scatter's own volume, and reduces the n chunks in rank order (sum, product, min,
+    max; other ops, and compiled or exported code, use ``reduce_scatter_tensor``).
+    """
     n = group_size(group)
     if n == 1:
         return tensor
@@ -189,6 +196,18 @@ def reduce_scatter(
     payload = nbytes(tensor)
     moved = tensor.movedim(dim, 0).contiguous()
     backend = _backend_name(group)
+    local = _LOCAL_REDUCTIONS.get(op)
+    if (
+        backend == "gloo"
+        and local is not None
+        and backend not in _NO_NATIVE_ALL_TO_ALL
+        and not torch.compiler.is_compiling()
+    ):
+        received = torch.empty_like(moved)  # rows [j·m, (j+1)·m): chunk r of rank j's X
+        dist.all_to_all_single(received, moved, group=group)
+        record("reduce_scatter", group, payload, (n - 1) / n * payload)
+        out = local(received.view(n, moved.shape[0] // n, *moved.shape[1:]))
+        return out.movedim(0, dim)
     if backend not in _NO_NATIVE_REDUCE_SCATTER:
         out = torch.empty(
             (moved.shape[0] // n, *moved.shape[1:]), dtype=tensor.dtype, device=tensor.device
@@ -200,13 +219,38 @@ def reduce_scatter(
                 raise
             _NO_NATIVE_REDUCE_SCATTER.add(backend)
         else:
-            record("reduce_scatter", group, payload, (n - 1) / n * payload)
+            # torch's gloo runs it as an all-reduce of a copy: count what went on the wire
+            ring = 2 * (n - 1) / n if backend == "gloo" else (n - 1) / n
+            record("reduce_scatter", group, payload, ring * payload)
             return out.movedim(0, dim)
     # Emulation: an all-reduce (what goes on the wire, and what is counted) and a slice.
     record("reduce_scatter", group, payload, 2 * (n - 1) / n * payload)
     reduced = moved.clone()
     dist.all_reduce(reduced, op=op, group=group)
     return reduced.chunk(n, dim=0)[group_rank(group)].contiguous().movedim(0, dim)
+
+
+def _sum_rows(rows: torch.Tensor) -> torch.Tensor:
+    out = rows[0].clone()
+    for row in rows[1:]:
+        out.add_(row)
+    return out
+
+
+def _prod_rows(rows: torch.Tensor) -> torch.Tensor:
+    out = rows[0].clone()
+    for row in rows[1:]:
+        out.mul_(row)
+    return out
+
+
+# Local reductions over dim 0 (one row per source rank, combined in rank order).
+_LOCAL_REDUCTIONS = {
+    ReduceOp.SUM: _sum_rows,
+    ReduceOp.PRODUCT: _prod_rows,
+    ReduceOp.MIN: lambda rows: rows.amin(dim=0),
+    ReduceOp.MAX: lambda rows: rows.amax(dim=0),
+}
 
 
 def all_to_all(
@@ -225,7 +269,10 @@ def all_to_all(
         )
     payload = nbytes(tensor)
     # (n, *chunk): row j is what this rank sends to group rank j, and receives from it.
-    send = torch.stack(tensor.chunk(n, dim=scatter_dim))
+    if scatter_dim == 0 and tensor.is_contiguous():  # the chunks already lie row by row
+        send = tensor.view(n, tensor.shape[0] // n, *tensor.shape[1:])
+    else:
+        send = torch.stack(tensor.chunk(n, dim=scatter_dim))
     received = torch.empty_like(send)
     backend = _backend_name(group)
     if backend not in _NO_NATIVE_ALL_TO_ALL:
@@ -237,9 +284,16 @@ def all_to_all(
             _NO_NATIVE_ALL_TO_ALL.add(backend)
         else:
             record("all_to_all", group, payload, (n - 1) / n * payload)
-            return torch.cat(received.unbind(0), dim=gather_dim)
+            return _concat_rows(received, gather_dim)
     record("all_to_all", group, payload, (n - 1) / n * payload)
     _all_to_all_pairwise(received, send, group)
+    return _concat_rows(received, gather_dim)
+
+
+def _concat_rows(received: torch.Tensor, gather_dim: int) -> torch.Tensor:
+    """cat(received[0], …, received[n-1]) along ``gather_dim`` (a view when it is dim 0)."""
+    if gather_dim == 0:
+        return received.view(-1, *received.shape[2:])
     return torch.cat(received.unbind(0), dim=gather_dim)
 
 
