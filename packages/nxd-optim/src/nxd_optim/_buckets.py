@@ -10,7 +10,7 @@ hyper-parameters apply to all of its buckets. A single-dtype group is one bucket
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -43,6 +43,10 @@ class DtypeBucket:
     views: ParamViews | None = None
     """The flat buffer the params are views of (``parameters_as_bucket_view``, CPU and CUDA),
     which the all-gather fills in place; None: the params keep their own storage."""
+
+    reduce_buffer: torch.Tensor | None = field(default=None, repr=False)
+    """Scratch: the flat gradient buffer kept between steps on CPU (see
+    ``NeuronZero1Optimizer._reduce_buffer``); None until the first step, and elsewhere."""
 
     def params(self, group_params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """This bucket's params, picked out of its group's ``params`` list."""

@@ -75,12 +75,23 @@ class FlatLayout:
         return self.shard_numel * self.num_shards
 
     def flatten(
-        self, tensors: Sequence[torch.Tensor | None], dtype: torch.dtype, device: torch.device
+        self,
+        tensors: Sequence[torch.Tensor | None],
+        dtype: torch.dtype,
+        device: torch.device,
+        *,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """F = [vec(t_1), …, vec(t_k), 0 …] in ``dtype``; a ``None`` tensor contributes zeros."""
+        """F = [vec(t_1), …, vec(t_k), 0 …] in ``dtype``; a ``None`` tensor contributes zeros.
+        ``out``: a buffer of ``padded_numel`` elements to write F into instead of a new one."""
         if len(tensors) != len(self.shapes):
             raise ValueError(f"layout holds {len(self.shapes)} tensors, got {len(tensors)}")
-        flat = torch.empty(self.padded_numel, dtype=dtype, device=device)
+        if out is not None and (out.shape != (self.padded_numel,) or out.dtype != dtype):
+            raise ValueError(
+                f"flatten: out is {out.dtype} of shape {tuple(out.shape)}, expected {dtype} of "
+                f"shape ({self.padded_numel},)"
+            )
+        flat = torch.empty(self.padded_numel, dtype=dtype, device=device) if out is None else out
         for tensor, start, numel in zip(tensors, self.offsets, self.numels):
             if tensor is None:
                 flat[start : start + numel].zero_()

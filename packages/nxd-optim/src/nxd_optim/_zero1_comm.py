@@ -5,16 +5,20 @@ needs Σ_k F^(k)[rS : (r+1)S] on rank r (the summed gradient shard) and, after t
 every rank's shard on every rank. Two ways to get the summed shard:
 
 * ``reduce_scatter``: rank r receives only its shard; (n-1)/n·B bytes sent per rank. Native on
-  NCCL and XLA.
-* ``all_reduce``: every rank receives the whole sum and keeps its slice; 2(n-1)/n·B sent.
+  NCCL and XLA; on gloo ``nxd_state.collectives.reduce_scatter`` is an all-to-all and a local
+  sum, the same volume (torch's own gloo reduce-scatter is an all-reduce of a copy).
+* ``all_reduce``: every rank receives the whole sum and keeps its slice; 2(n-1)/n·B sent, but
+  the clipping norm then needs no collective over the sharding group (every rank holds the
+  whole gradient), where a reduce-scatter needs one more, scalar, all-reduce.
 
-torch's gloo backend has no reduce-scatter of its own: ``reduce_scatter_tensor`` clones the
-input, all-reduces the clone and copies a chunk out. So on gloo the reduce-scatter already
-moves an all-reduce's bytes, plus two full-size copies; all-reducing our own temporary flat
-buffer in place and slicing moves the same bytes without the copies, and leaves the whole
-reduced gradient on every rank (the clipping norm then needs no collective over the sharding
-group). ``"auto"`` picks ``all_reduce`` on gloo and ``reduce_scatter`` elsewhere; the traffic
-counter of ``nxd_state.collectives`` records the op that really ran.
+``"auto"`` picks ``reduce_scatter`` except on gloo with fewer than
+:data:`GLOO_REDUCE_SCATTER_MIN_RANKS` ranks. Measured on the shared 2-core machine (whole
+ZeRO-1 steps of the benchmark's 2.4 MB model, paired per round, median ratio reduce-scatter /
+all-reduce, with and without clipping): 1.25 and 1.19 at 2 ranks, 0.95 and 0.91 at 3, 0.89 and
+0.82 at 4. At 2 ranks the all-to-all's receive buffer and the scalar norm collective cost more
+than the halved volume saves (gloo runs every collective through its worker threads, and on a
+loaded CPU a wake-up costs about as much as moving a megabyte). The traffic counter of
+``nxd_state.collectives`` records the op that ran and its bytes.
 
 A positive ``max_numel`` splits a collective into pieces of at most that many elements: the
 flat buffer is viewed as an (n, S) matrix and moved in column blocks, so each piece is itself
@@ -43,18 +47,20 @@ __all__ = [
 
 GradReduction = Literal["auto", "reduce_scatter", "all_reduce"]
 GRAD_REDUCTIONS = ("auto", "reduce_scatter", "all_reduce")
-# Backends whose reduce-scatter is an all-reduce in disguise (torch's ProcessGroupGloo).
-_EMULATED_REDUCE_SCATTER = frozenset({"gloo"})
+# Below this many ranks, "auto" all-reduces on gloo (see the module docstring).
+GLOO_REDUCE_SCATTER_MIN_RANKS = 3
 
 
 def resolve_grad_reduction(requested: str, group: ProcessGroup) -> str:
-    """``requested`` with ``"auto"`` replaced by the faster primitive for ``group``'s backend."""
+    """``requested`` with ``"auto"`` replaced by the faster primitive for ``group``'s backend
+    and size."""
     if requested not in GRAD_REDUCTIONS:
         raise ValueError(f"grad_reduction must be one of {GRAD_REDUCTIONS}, got {requested!r}")
     if requested != "auto":
         return requested
     backend = str(dist.get_backend(group)).lower()
-    return "all_reduce" if backend in _EMULATED_REDUCE_SCATTER else "reduce_scatter"
+    small = dist.get_world_size(group) < GLOO_REDUCE_SCATTER_MIN_RANKS
+    return "all_reduce" if backend == "gloo" and small else "reduce_scatter"
 
 
 def _column_blocks(shard_numel: int, max_numel: int, n: int) -> list[slice]:
