@@ -1,6 +1,7 @@
 """pad_model against the unpadded model in one process, on 2 and 4 gloo ranks: NxD's
 per-rank layout (each shard followed by its zeros) and ``head_aligned=True`` (whole zero
-heads), outputs and input gradients unchanged where the layout promises it.
+heads), outputs and input gradients unchanged where the layout promises it; every padded
+parameter marked with the ``TensorParallelPadding`` that undoes its padding.
 
 Tolerances (``_models.py``): fp32 with torch's defaults for Column -> GeLU -> Row (the same
 products, zero columns added), rtol=atol=1e-5 through attention; EXACT for copied weights.
@@ -8,6 +9,7 @@ products, zero columns added), rtol=atol=1e-5 through attention; EXACT for copie
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import sys
 import types
@@ -23,6 +25,7 @@ import nxd_state
 from nxd_layers import (
     ColumnParallelLinear,
     RowParallelLinear,
+    TensorParallelPadding,
     divide,
     full_tensor,
     get_number_of_extra_heads,
@@ -110,6 +113,7 @@ def check_pad_model_head_aligned() -> None:
     tp, _ = M.tp_rank()
     hidden, n_heads, hd = 16, 3, 4
     ref, par = _attention_model(hidden, n_heads, hd)
+    unpadded = {n: full_tensor(getattr(par.attention, n).weight) for n in "qkvo"}
     seen: list[tuple[str, float]] = []
     pad_model(
         par,
@@ -123,6 +127,14 @@ def check_pad_model_head_aligned() -> None:
     assert seen == [(name, 4 / 3) for name in [*linears, "PaddableAttention"]]
     assert par.attention.q.output_size == 4 * hd
     assert par.up.output_size == 32  # outside wrapped_classes: untouched
+    # The marks: which dim grew from which size, in which layout; unpad() gives the original.
+    for name in "qkvo":
+        weight = getattr(par.attention, name).weight
+        padding = weight.tensor_parallel_padding
+        dim = 1 if name == "o" else 0
+        assert padding == TensorParallelPadding(dim, 3 * hd, 4 * hd, "head_aligned", tp)
+        torch.testing.assert_close(padding.unpad(full_tensor(weight)), unpadded[name], **EXACT)
+    assert not hasattr(par.up.weight, "tensor_parallel_padding")
     x = torch.randn(B, S, hidden)
     torch.testing.assert_close(par(x), _reference_output(ref, x, hd), **BLOCK)
     # NxD's per-rank layout splits heads here (a rank's original shard is 1.5 or 0.75 heads),
@@ -131,6 +143,8 @@ def check_pad_model_head_aligned() -> None:
     pad_model(nxd_padded, tp, n_heads, wrapped_classes=(PaddableAttention,))
     assert not torch.allclose(nxd_padded(x), _reference_output(ref2, x, hd), **BLOCK)
     M.raises(lambda: pad_model(par, tp + 1, n_heads), f"tp_degree({tp + 1})")
+    M.raises(lambda: TensorParallelPadding(0, 3, 4, "middle", 2), "'middle'")
+    M.raises(lambda: TensorParallelPadding(0, 3, 4, "per_rank", 2), "tp_size(2)")
 
 
 def check_pad_model_nxd_layout() -> None:
@@ -147,6 +161,7 @@ def check_pad_model_nxd_layout() -> None:
         gathered = ColumnParallelLinear(hidden, width, gather_output=True)
         model = nn.ModuleDict({"up": up, "down": down, "gathered": gathered})
         before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        full_before = {k: full_tensor(v) for k, v in model.named_parameters()}
         x = torch.randn(B, S, hidden)
         x_ref, x_par = x.clone().requires_grad_(), x.clone().requires_grad_()
         out_ref, g_out_ref = down(F.gelu(up(x_ref))), gathered(x)
@@ -175,6 +190,21 @@ def check_pad_model_nxd_layout() -> None:
         torch.testing.assert_close(g_out[..., :local], g_out_ref.reshape(B, S, tp, local), **FP32)
         assert torch.count_nonzero(g_out[..., local:]) == 0
         assert after["gathered.bias"].shape == (new_local * tp,)
+        # The marks (the gathered Column's replicated bias included) describe this layout:
+        # unpad() of the full padded tensor is the full tensor before padding, bit for bit.
+        for name, param in model.named_parameters():
+            if name == "down.bias":  # a Row's bias is not padded
+                assert not hasattr(param, "tensor_parallel_padding")
+                continue
+            padding = param.tensor_parallel_padding
+            dim = 1 if name == "down.weight" else 0
+            assert padding == TensorParallelPadding(dim, width, new_local * tp, "per_rank", tp)
+            restored = padding.unpad(full_tensor(param))
+            torch.testing.assert_close(restored, full_before[name], **EXACT, msg=name)
+        twin = copy.deepcopy(model)  # the marks survive a copy, and JSON
+        assert twin.up.weight.tensor_parallel_padding == up.weight.tensor_parallel_padding
+        mark = up.weight.tensor_parallel_padding
+        assert TensorParallelPadding.from_dict(mark.to_dict()) == mark
 
 
 CHECKS: dict[str, Callable[[], None]] = {

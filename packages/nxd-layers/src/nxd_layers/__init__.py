@@ -41,7 +41,13 @@ from nxd_layers.grads import (
 )
 from nxd_layers.linear import BaseParallelLinear, ColumnParallelLinear, RowParallelLinear
 from nxd_layers.loss_functions import from_parallel_logits_to_logprobs, parallel_cross_entropy
-from nxd_layers.pad import get_number_of_extra_heads, pad_model
+from nxd_layers.pad import (
+    HEAD_ALIGNED,
+    PER_RANK,
+    TensorParallelPadding,
+    get_number_of_extra_heads,
+    pad_model,
+)
 from nxd_layers.qkv_linear import (
     GQAQKVColumnParallelLinear,
     get_kv_size_multiplier,
@@ -62,6 +68,8 @@ from nxd_state import move_model_to_device
 __version__ = _version("nxd-layers")
 
 __all__ = [
+    "HEAD_ALIGNED",
+    "PER_RANK",
     "BaseParallelConv",
     "BaseParallelLinear",
     "ColumnParallelLinear",
@@ -71,6 +79,7 @@ __all__ = [
     "OutputChannelParallelConv2d",
     "ParallelEmbedding",
     "RowParallelLinear",
+    "TensorParallelPadding",
     "__version__",
     "allreduce_sequence_parallel_gradients",
     "bucket_allreduce_gradients",

@@ -11,7 +11,10 @@ optimizers and checkpoints can treat it right without knowing the layer:
   shard (norm weights under sequence parallelism): its gradient must be summed over TP;
 * ``tensor_parallel_replicas``: how many copies of each element exist across the TP shards
   (K/V projections replicated by ``kv_size_multiplier``); 1 when absent; a 1-D tensor of
-  per-row counts along dim 0 for a fused QKV weight.
+  per-row counts along dim 0 for a fused QKV weight;
+* ``tensor_parallel_padding``: set by ``pad_model`` on the parameters it padded, a
+  :class:`nxd_layers.TensorParallelPadding` (the padded dim, its unpadded and padded global
+  sizes, the layout and the TP degree it was padded at).
 """
 
 from __future__ import annotations
@@ -79,7 +82,12 @@ def copy_tensor_model_parallel_attributes(
     destination_tensor: torch.Tensor, source_tensor: torch.Tensor
 ) -> None:
     """Copy the sharding attributes of ``source_tensor`` onto ``destination_tensor``."""
-    for name in (*_TP_ATTRIBUTE_DEFAULTS, "sequence_parallel_enabled", "tensor_parallel_replicas"):
+    for name in (
+        *_TP_ATTRIBUTE_DEFAULTS,
+        "sequence_parallel_enabled",
+        "tensor_parallel_replicas",
+        "tensor_parallel_padding",
+    ):
         if hasattr(source_tensor, name):
             setattr(destination_tensor, name, getattr(source_tensor, name))
 
