@@ -1,0 +1,312 @@
+"""``NeuronLTModule``: NxD's LightningModule, built on the trainer API.
+
+* ``setup`` builds the model with ``initialize_parallel_model(nxd_config, model_fn, *model_args,
+  **model_kwargs)`` (each rank its TP shards / PP stages, on its device);
+* ``configure_optimizers`` builds ``initialize_parallel_optimizer(nxd_config, opt_cls,
+  param_groups, **opt_kwargs)`` and ``scheduler_cls(optimizer, *scheduler_args,
+  **scheduler_kwargs)``;
+* optimisation is manual (NxD supports nothing else): each ``training_step`` runs one
+  micro-batch through ``model.run_train`` (forward + backward; the pipeline schedule at
+  PP > 1, where the loss exists on the last stage only), and every ``grad_accum_steps``
+  micro-batches the optimizer steps on their mean gradient, then the scheduler;
+* the step's loss, averaged over DP, is logged (``loss``, ``lr``, ``grad_norm``,
+  ``global_step``) from the ranks that hold it: the last pipeline stage, or every stage with
+  ``log_rank0`` (one broadcast per step); ranks without it log NaN. The progress bar and the
+  TensorBoard logger show one rank's (see :mod:`nxd_lightning.progress_bar`).
+
+A custom ``training_step`` calls the same two pieces::
+
+    def training_step(self, batch, batch_idx):
+        loss = self.train_micro_batch(batch)  # run_train + loss bookkeeping
+        self.finish_step(batch_idx)  # optimizer/scheduler step every grad_accum_steps
+        return loss
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+
+import nxd_state
+from nxd_lightning._grads import scale_accumulated_gradients
+from nxd_lightning._loss import reduce_step_loss
+from nxd_lightning._ranks import logging_pipeline_rank
+
+__all__ = ["NeuronLTModule"]
+
+
+def _check_callable(name: str, value: Any, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not callable(value):
+        raise TypeError(f"{name} must be callable, got {type(value).__qualname__}")
+
+
+def _run(fn: Callable[..., Any], batch: Any) -> Any:
+    """``fn`` on a batch: a mapping as keyword inputs, a tuple/list as positional ones."""
+    if isinstance(batch, Mapping):
+        return fn(**batch)
+    if isinstance(batch, (tuple, list)):
+        return fn(*batch)
+    return fn(batch)
+
+
+class NeuronLTModule(LightningModule):
+    """NxD's ``NeuronLTModule(model_fn, nxd_config, opt_cls, scheduler_cls, model_args=(),
+    model_kwargs={}, opt_args=(), opt_kwargs={}, scheduler_args=(), scheduler_kwargs={},
+    grad_accum_steps=1, log_rank0=False, manual_opt=True)`` (module docstring).
+
+    ``scheduler_cls`` may be None (no scheduler). ``opt_args`` are bound to ``opt_cls``'s
+    parameters after ``params``. ``manual_opt=False`` is refused, as NxD documents that only
+    manual optimisation is supported. NxD's later keywords ``train_batch_size`` and
+    ``logging_interval`` are accepted and kept as attributes.
+    """
+
+    def __init__(
+        self,
+        model_fn: Callable[..., torch.nn.Module],
+        nxd_config: dict[str, Any],
+        opt_cls: type[torch.optim.Optimizer],
+        scheduler_cls: Callable[..., Any] | None,
+        model_args: tuple = (),
+        model_kwargs: dict[str, Any] | None = None,
+        opt_args: tuple = (),
+        opt_kwargs: dict[str, Any] | None = None,
+        scheduler_args: tuple = (),
+        scheduler_kwargs: dict[str, Any] | None = None,
+        grad_accum_steps: int = 1,
+        log_rank0: bool = False,
+        manual_opt: bool = True,
+        *,
+        train_batch_size: int = 16,
+        logging_interval: int = 1,
+    ) -> None:
+        super().__init__()
+        if not manual_opt:
+            raise ValueError(
+                "NeuronLTModule(manual_opt=False): automatic optimization is not supported (as "
+                "in NxD); use manual_opt=True: the module's training_step runs each micro-batch "
+                "and steps the optimizer every grad_accum_steps"
+            )
+        if (
+            not isinstance(grad_accum_steps, int)
+            or isinstance(grad_accum_steps, bool)
+            or (grad_accum_steps < 1)
+        ):
+            raise ValueError(
+                f"grad_accum_steps must be a positive integer, got {grad_accum_steps!r}"
+            )
+        _check_callable("model_fn", model_fn)
+        _check_callable("scheduler_cls", scheduler_cls, allow_none=True)
+        if not (isinstance(opt_cls, type) and issubclass(opt_cls, torch.optim.Optimizer)):
+            raise TypeError(f"opt_cls must be a torch.optim.Optimizer subclass, got {opt_cls!r}")
+        from nxd_trainer import NxDConfig
+
+        config = NxDConfig.from_nxd(nxd_config)  # validates every key, builds no group
+        self.nxd_config = nxd_config if isinstance(nxd_config, Mapping) else config.to_nxd()
+        self.model_fn = model_fn
+        self.opt_cls = opt_cls
+        self.scheduler_cls = scheduler_cls
+        self.model_args = tuple(model_args)
+        self.model_kwargs = dict(model_kwargs or {})
+        self.opt_args = tuple(opt_args)
+        self.opt_kwargs = dict(opt_kwargs or {})
+        self.scheduler_args = tuple(scheduler_args)
+        self.scheduler_kwargs = dict(scheduler_kwargs or {})
+        self.grad_accum_steps = grad_accum_steps
+        self.log_rank0 = bool(log_rank0)
+        self.train_batch_size = train_batch_size
+        self.logging_interval = logging_interval
+        self.automatic_optimization = False
+        self._tensor_parallel_size = config.tensor_parallel_size
+        self._pipeline_parallel_size = config.pipeline_parallel_size
+        # What the last optimizer step reported (NxD's attribute names).
+        self.loss: torch.Tensor | None = None
+        self.lr: float | None = None
+        self.global_norm: torch.Tensor | None = None
+        self.should_print = False
+        self.averaged_loss: torch.Tensor | None = None
+        self._holds_loss = False
+        self.print_pp_rank = 0
+
+    # Building -------------------------------------------------------------------------------
+    def setup(self, stage: str | None = None) -> None:
+        if isinstance(getattr(self, "model", None), torch.nn.Module):
+            return  # fit, then validate: built once
+        from nxd_lightning.strategy import NxDStrategy
+
+        strategy = self.trainer.strategy
+        if not isinstance(strategy, NxDStrategy):
+            raise TypeError(
+                f"NeuronLTModule runs under NxDStrategy / NeuronXLAStrategy, got "
+                f"{type(strategy).__qualname__}"
+            )
+        wanted = (self._tensor_parallel_size, self._pipeline_parallel_size)
+        have = (strategy.tensor_parallel_size, strategy.pipeline_parallel_size)
+        if wanted != have:
+            raise ValueError(
+                f"the module's nxd_config has tensor_parallel_size={wanted[0]}, "
+                f"pipeline_parallel_size={wanted[1]} but the strategy runs {have[0]} and "
+                f"{have[1]}: give both the same config"
+            )
+        from nxd_trainer import initialize_parallel_model
+
+        self.model = initialize_parallel_model(
+            self.nxd_config, self.model_fn, *self.model_args, **self.model_kwargs
+        )
+        device = nxd_state.current_device()
+        self.averaged_loss = torch.zeros((), dtype=torch.float64, device=device)
+        self.print_pp_rank = logging_pipeline_rank(self.log_rank0)
+
+    def get_param_groups_by_weight_decay(self) -> list[dict[str, Any]]:
+        """NxD's default groups: weight decay 0.01, none for biases and ``LayerNorm`` weights.
+        Override for other groups."""
+        named = list(self.model.named_parameters())
+        no_decay = ("bias", "LayerNorm")
+        return [
+            {
+                "params": [p for n, p in named if not any(nd in n for nd in no_decay)],
+                "weight_decay": 0.01,
+            },
+            {
+                "params": [p for n, p in named if any(nd in n for nd in no_decay)],
+                "weight_decay": 0.0,
+            },
+        ]
+
+    def _optimizer_defaults(self) -> dict[str, Any]:
+        defaults = dict(self.opt_kwargs)
+        if self.opt_args:
+            names = list(inspect.signature(self.opt_cls).parameters)[1:]  # after params
+            if len(self.opt_args) > len(names):
+                raise TypeError(
+                    f"opt_args has {len(self.opt_args)} values but {self.opt_cls.__name__} "
+                    f"takes {len(names)} after params: {names}"
+                )
+            for name, value in zip(names, self.opt_args):
+                if name in defaults:
+                    raise TypeError(f"{name!r} given in both opt_args and opt_kwargs")
+                defaults[name] = value
+        return defaults
+
+    def configure_optimizers(self) -> Any:
+        from nxd_trainer import initialize_parallel_optimizer
+
+        optimizer = initialize_parallel_optimizer(
+            self.nxd_config,
+            self.opt_cls,
+            self.get_param_groups_by_weight_decay(),
+            **self._optimizer_defaults(),
+        )
+        optimizer.zero_grad()
+        if self.scheduler_cls is None:
+            return [optimizer]
+        scheduler = self.scheduler_cls(optimizer, *self.scheduler_args, **self.scheduler_kwargs)
+        return [optimizer], [{"scheduler": scheduler}]
+
+    # Training -------------------------------------------------------------------------------
+    def train_micro_batch(self, batch: Any) -> torch.Tensor | None:
+        """``model.run_train`` on one micro-batch (a mapping: keyword inputs; a tuple: positional
+        ones); returns its loss (None on pipeline ranks that do not hold it)."""
+        loss = _run(self.model.run_train, batch)
+        if isinstance(loss, list):  # return_mb_loss: the micro-batches' losses
+            loss = torch.stack([item.detach() for item in loss]).mean() if loss else None
+        if loss is not None:
+            assert self.averaged_loss is not None
+            self.averaged_loss += loss.detach().to(self.averaged_loss) / self.grad_accum_steps
+            self._holds_loss = True
+        return loss
+
+    def finish_step(self, batch_idx: int) -> bool:
+        """After micro-batch ``batch_idx``: every ``grad_accum_steps`` micro-batches, step the
+        optimizer on the mean gradient, zero it, step the scheduler and record the step's
+        loss (DP mean), learning rate and gradient norm. Returns whether it stepped."""
+        if (batch_idx + 1) % self.grad_accum_steps != 0:
+            return False
+        optimizer = self.optimizers()
+        assert not isinstance(optimizer, list), "NeuronLTModule configures one optimizer"
+        if self.grad_accum_steps > 1:
+            scale_accumulated_gradients(
+                optimizer.optimizer, self.model.parameters(), 1.0 / self.grad_accum_steps
+            )
+        self.lr = float(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        self.global_norm = getattr(optimizer.optimizer, "grad_norm", None)
+        optimizer.zero_grad()
+        scheduler = self.lr_schedulers()
+        if scheduler is not None:
+            scheduler.step()
+        assert self.averaged_loss is not None
+        held = self.averaged_loss if self._holds_loss else None
+        self.loss = reduce_step_loss(held, self.log_rank0)
+        self.averaged_loss.zero_()
+        self._holds_loss = False
+        self.should_print = True
+        nxd_state.mark_step()
+        return True
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
+        loss = self.train_micro_batch(batch)
+        self.finish_step(batch_idx)
+        return loss
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """Log the last optimizer step (once per step, not per micro-batch)."""
+        if not self.should_print:
+            return
+        self.should_print = False
+        loss = self.loss.item() if self.loss is not None else math.nan
+        self.log("loss", loss, prog_bar=True)
+        if self.lr is not None:
+            self.log("lr", self.lr, prog_bar=True)
+        if self.global_norm is not None:
+            self.log("grad_norm", float(self.global_norm))
+        self.log("global_step", float(self.global_step), prog_bar=True)
+
+    # Validation -------------------------------------------------------------------------------
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
+        """``model.run_eval`` on the batch; logs ``val_loss`` (DP mean, averaged over the epoch;
+        NaN on ranks that do not hold it)."""
+        from nxd_trainer import select_loss
+
+        output = _run(self.model.run_eval, batch)
+        if self._pipeline_parallel_size == 1:
+            pipe = self.model.trainer_config.pipeline_config
+            output = select_loss(output, pipe.output_loss_value_spec if pipe else None)
+        if isinstance(output, list):
+            output = torch.stack(output).mean() if output else None
+        loss = reduce_step_loss(output, self.log_rank0)
+        value = loss.item() if loss is not None else math.nan
+        self.log("val_loss", value, prog_bar=True, on_step=False, on_epoch=True)
+        return loss
+
+    # NxD's module API ---------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.model(*args, **kwargs)
+
+    def configure_gradient_clipping(self, *args: Any, **kwargs: Any) -> None:
+        """Nothing: the optimizer wrapper clips (``optimizer_config['grad_clipping']``)."""
+
+    def clip_gradients(self, *args: Any, **kwargs: Any) -> None:
+        """Nothing: the optimizer wrapper clips."""
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        """The model's local state dict under its original names (as NxD's)."""
+        return self.model.state_dict(*args, **kwargs)
+
+    def load_state_dict(  # type: ignore[override]
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        return self.model.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        """This rank's parameters (NxD's: the wrapped model's, original names)."""
+        model = self._modules.get("model")
+        if model is None:
+            return super().named_parameters(*args, **kwargs)
+        return model.named_parameters(*args, **kwargs)

@@ -1,9 +1,0 @@
-"""The skeleton installs, imports, and reports the version its metadata declares."""
-
-import importlib.metadata
-
-import nxd_lightning
-
-
-def test_version_matches_distribution_metadata() -> None:
-    assert nxd_lightning.__version__ == importlib.metadata.version("nxd-lightning")
