@@ -68,8 +68,12 @@ def _compare(model: NxDPPModel, expected: dict, label: str, store: Fp32Store | N
     return count
 
 
-def _accumulated(schedule: str, *, calls: int, store: bool = False, **kwargs: Any) -> int:
-    """``calls`` run_train calls on this rank's share of ``calls`` global batches."""
+def _accumulated(
+    schedule: str, *, calls: int, store: bool = False, late: bool = False, **kwargs: Any
+) -> int:
+    """``calls`` run_train calls on this rank's share of ``calls`` global batches. ``late``:
+    ``kwargs`` are set as attributes after construction (a wrapper claiming the DP reduction
+    later, as the trainer's optimizer does), not passed to the constructor."""
     state = nxd_state.get_parallel_state()
     dp, rank = state.data_parallel_size, state.data_parallel_rank
     torch.manual_seed(0)
@@ -81,8 +85,10 @@ def _accumulated(schedule: str, *, calls: int, store: bool = False, **kwargs: An
         num_microbatches=M,
         pipeline_cuts=["h.1"],
         schedule=schedule,
-        **kwargs,
+        **({} if late else kwargs),
     )
+    for name, value in kwargs.items() if late else ():
+        setattr(model, name, value)
     fp32 = Fp32Store([p for _, p in model.local_named_parameters()]) if store else None
     for batch in batches:
         mine = batch.chunk(dp)[rank]
@@ -148,6 +154,9 @@ def four_rank_checks() -> dict[str, int]:
         "pp2 dp2 tied x2 fp32 store": _accumulated("1f1b", calls=2, store=True),
         "pp2 dp2 optimizer wrapper": _accumulated("1f1b", calls=2, use_optimizer_wrapper=True),
         "pp2 dp2 zero1": _accumulated("1f1b", calls=2, use_zero1_optimizer=True),
+        "pp2 dp2 wrapper flag set later": _accumulated(
+            "1f1b", calls=2, late=True, use_optimizer_wrapper=True
+        ),
     }
 
 

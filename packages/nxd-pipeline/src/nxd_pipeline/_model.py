@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.distributed import ProcessGroup
 
 from nxd_pipeline._arguments import check_arguments
 from nxd_pipeline._build import PartitionFn, build_manual, build_traced
@@ -212,16 +213,21 @@ class NxDPPModel(LocalStagesMixin, nn.Module):
         for weight in self._built.tied:  # copies counted elsewhere: left out of grad norms
             if weight.name is not None and weight.first_rank != state.pipeline_parallel_rank:
                 named[weight.name].shared = True
-        averages = not (self.use_zero1_optimizer or self.use_optimizer_wrapper)
         self._reducer = GradientReducer(
             params=named,
             tied=self._built.tied,
             pipeline_group=state.pipeline_parallel_group,
-            data_parallel_group=(
-                state.data_parallel_group if averages and state.data_parallel_size > 1 else None
-            ),
             device=self._built.device,
         )
+        self._reducer.configure(named, self._data_parallel_reduction())
+
+    def _data_parallel_reduction(self) -> ProcessGroup | None:
+        """The group ``run_train`` averages gradients over: the DP group, unless ZeRO-1 or an
+        optimizer wrapper does it (read at every call: a wrapper may set the flag later)."""
+        state = self.parallel_state
+        if self.use_zero1_optimizer or self.use_optimizer_wrapper:
+            return None
+        return state.data_parallel_group if state.data_parallel_size > 1 else None
 
     def _all_local_names(self) -> dict[str, nn.Parameter]:
         """Every name of every local parameter (a tied one may have several)."""
@@ -229,9 +235,12 @@ class NxDPPModel(LocalStagesMixin, nn.Module):
         return {n: q for s in stages for n, q in s.named_parameters(remove_duplicate=False)}
 
     def _prepare_step(self) -> GradientReducer:
-        """Before the first step (every rank is there): NxD's sync of tied weight copies."""
+        """Before each step: the reductions as the flags say now (parameters added since, e.g.
+        adapters, included); before the first (every rank is there): NxD's sync of tied
+        weight copies."""
         self.move_model_to_device()
         assert self._reducer is not None
+        self._reducer.configure(self._all_local_names(), self._data_parallel_reduction())
         if not self._tied_synced:
             state = self.parallel_state
             sync_tied_weights(

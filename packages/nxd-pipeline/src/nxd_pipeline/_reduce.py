@@ -75,8 +75,10 @@ class GradientReducer:
     """Reduces each ``run_train`` call's own gradients (see the module docstring).
 
     ``tied``: the tied weights (in the same order on every pipeline rank), summed over
-    ``pipeline_group``; ``data_parallel_group``: when not None, every local gradient is then
-    averaged over it.
+    ``pipeline_group``; ``params``: the local parameters under every name. Before each call,
+    :meth:`configure` says whether every local gradient is then averaged over a
+    data-parallel group (the flags may change between calls, and parameters may be added,
+    e.g. adapters).
     """
 
     def __init__(
@@ -85,25 +87,41 @@ class GradientReducer:
         params: dict[str, nn.Parameter],
         tied: Sequence[TiedWeight],
         pipeline_group: ProcessGroup | None,
-        data_parallel_group: ProcessGroup | None,
         device: torch.device,
     ) -> None:
         self.tied = list(tied)
         self.tied_locals = _locals(self.tied, params)
         self.pipeline_group = pipeline_group
-        self.data_parallel_group = data_parallel_group
+        self.data_parallel_group: ProcessGroup | None = None
         self.device = device
-        reduced = [p for p in self.tied_locals if p is not None]
-        if data_parallel_group is not None:
-            reduced += list(params.values())
-        self.params = [p for p in dict.fromkeys(reduced) if p.requires_grad]
+        self.params: list[nn.Parameter] = []
+        self._current: set[int] = set()
+        self._hooked: set[int] = set()
         self._fresh: dict[nn.Parameter, torch.Tensor] = {}
         self._saved: dict[nn.Parameter, torch.Tensor | None] = {}
         self._active = False
-        self._handles = [p.register_post_accumulate_grad_hook(self._capture) for p in self.params]
+        self.configure(params, None)
+
+    def configure(
+        self, params: dict[str, nn.Parameter], data_parallel_group: ProcessGroup | None
+    ) -> None:
+        """The parameters this call reduces: the tied ones, and all of ``params`` when
+        ``data_parallel_group`` averages them. Hooks are registered once per parameter, the
+        first time it is reduced (at construction for the model's own: before an
+        optimizer's)."""
+        self.data_parallel_group = data_parallel_group
+        wanted = [p for p in self.tied_locals if p is not None]
+        if data_parallel_group is not None:
+            wanted += list(params.values())
+        self.params = [p for p in dict.fromkeys(wanted) if p.requires_grad]
+        self._current = {id(p) for p in self.params}
+        for param in self.params:
+            if id(param) not in self._hooked:
+                param.register_post_accumulate_grad_hook(self._capture)
+                self._hooked.add(id(param))
 
     def _capture(self, param: torch.Tensor) -> None:
-        if not self._active or param.grad is None:
+        if not self._active or param.grad is None or id(param) not in self._current:
             return
         fresh = self._fresh.get(param)  # type: ignore[call-overload]
         if fresh is None:
