@@ -20,6 +20,7 @@ from nxd_ckpt._stfile import FileReader, plan_file, write_planned
 from nxd_ckpt._tags import apply_num_kept, list_tags
 from nxd_ckpt.cli import main as cli
 from nxd_ckpt.format import ChunkRecord, FileRecord
+from nxd_layers import gqa_kv_replica_rows
 
 
 @pytest.mark.parametrize("shape", [(7,), (3, 5), (2, 3, 4), ()])
@@ -73,19 +74,26 @@ class _FakeGQA(nn.Module):
         self.tensor_parallel_size, self.kv_heads, self.head_dim = tp, 2, 2
         self.order = order
 
-    def _replicate(self, master: torch.Tensor) -> torch.Tensor:
+    def replicate(self, master: torch.Tensor) -> torch.Tensor:
         heads = master.reshape(2, 2, -1)
         if self.order == "interleave":  # [k0, k0, ..., k1, k1, ...]
             return heads.repeat_interleave(4, dim=0).reshape(-1, master.shape[1])
         return master.repeat(4, 1)  # NxD's [k0, k1, k0, k1, ...]
 
 
+class _FakeNxdGQA(_FakeGQA):
+    """nxd_layers' public map (head by head) or, without it, NxD's block-wise order."""
+
+    def kv_replica_rows(self) -> list[int]:
+        return gqa_kv_replica_rows(2, 2, 4)
+
+
 @pytest.mark.parametrize("order", ["interleave", "repeat"])
 def test_gqa_spec_maps_replicas_onto_the_unreplicated_projection(order: str) -> None:
     tp = 8
-    module = _FakeGQA(order, tp)
+    module = _FakeNxdGQA(order, tp) if order == "interleave" else _FakeGQA(order, tp)
     q, k = torch.randn(16, 3), torch.randn(4, 3)
-    replicated = module._replicate(k)
+    replicated = module.replicate(k)
     rebuilt_q, rebuilt_k = torch.zeros(16, 3), torch.zeros(4, 3)
     primaries = 0
     for rank in range(tp):

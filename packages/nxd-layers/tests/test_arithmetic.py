@@ -16,6 +16,7 @@ from nxd_layers import (
     get_kv_size_multiplier,
     get_number_of_extra_heads,
     get_padding_length,
+    gqa_kv_replica_rows,
     is_torch_version_greater_than_2,
     merge_shards,
     neuronx_gqa_rank_map,
@@ -121,3 +122,16 @@ def test_neuronx_gqa_rank_map() -> None:
         neuronx_gqa_rank_map(8, 4, 4, 2)
     with pytest.raises(ValueError, match=r"num_heads\(6\) must be divisible"):
         neuronx_gqa_rank_map(6, 2, 4, 2)
+
+
+def test_gqa_kv_replica_rows() -> None:
+    # 2 KV heads of 3 rows, each repeated twice head by head: [k0, k0, k1, k1].
+    assert gqa_kv_replica_rows(2, 3, 2) == [0, 1, 2, 0, 1, 2, 3, 4, 5, 3, 4, 5]
+    assert gqa_kv_replica_rows(3, 2, 1) == list(range(6))  # no replication
+    k = torch.randn(8, 5)  # 4 heads of 2 rows, multiplier 3: the rows a layer would hold
+    replicated = k[gqa_kv_replica_rows(4, 2, 3)]
+    heads = replicated.reshape(4, 3, 2, 5)
+    for copy in range(3):
+        assert torch.equal(heads[:, copy].reshape(8, 5), k)
+    with pytest.raises(ValueError, match=r"kv_size_multiplier\(0\) must be positive"):
+        gqa_kv_replica_rows(2, 3, 0)

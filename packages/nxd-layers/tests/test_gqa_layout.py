@@ -6,7 +6,8 @@ its checkpoint converter: K/V repeated block-wise (``W.repeat(4, 1)``, rank r ho
 r % 2) and Q head groups reordered so rank r holds Q group (r % 2) * 4 + r // 2. The test
 builds NxD's per-rank tensors from those rules and checks that NxD's rank r equals this
 layout's rank ``neuronx_gqa_rank_map(...)[r]`` for Q, K and V; it also checks NxD's
-``master_weight_q/k/v`` / ``master_weight_qkv`` and the layer against ``nn.Linear``.
+``master_weight_q/k/v`` / ``master_weight_qkv``, the public ``kv_replica_rows()`` map
+against the rows each rank holds, and the layer against ``nn.Linear``.
 
 Tolerance: exact for copies and slices; fp32 with torch's defaults (rtol=1.3e-6, atol=1e-5)
 for the projections (the same products, a few ulps).
@@ -49,6 +50,10 @@ def gqa_layout() -> dict[str, object]:
         head = masters[part].reshape(KV, HD, HIDDEN)[rank // MULT]
         torch.testing.assert_close(getattr(layer, f"weight_{part}"), head, **EXACT)
     torch.testing.assert_close(layer.weight_q, masters["q"].chunk(TP)[rank], **EXACT)
+    # The public replica-row map says which unreplicated rows each rank's K/V rows copy.
+    rows = torch.tensor(layer.kv_replica_rows()).chunk(TP)[rank]
+    for part in "kv":
+        torch.testing.assert_close(getattr(layer, f"weight_{part}"), masters[part][rows], **EXACT)
     # NxD's rank r holds what this layout's rank rank_map[r] holds.
     rank_map = neuronx_gqa_rank_map(HEADS, KV, TP, MULT)
     for part in "qkv":

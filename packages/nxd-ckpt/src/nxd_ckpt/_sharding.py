@@ -107,16 +107,15 @@ def _partitioned(
 def _replica_rows(module: nn.Module) -> list[int]:
     """For each row of the replicated K (or V) projection, its row in the unreplicated one.
 
-    Asks the module to replicate a column of row numbers, so the mapping is whatever
-    replication order the layer uses (nxd: head by head; NxD's ``repeat``: whole tensor).
+    nxd_layers' GQA layer says so itself (``kv_replica_rows()``: head by head); a layer
+    without that method is taken to replicate as NxD's does (the whole projection repeated
+    ``kv_size_multiplier`` times).
     """
+    rows = getattr(module, "kv_replica_rows", None)
+    if rows is not None:
+        return [int(row) for row in rows()]
     kv_size = int(module.output_sizes[1])
-    multiplier = int(module.kv_size_multiplier)
-    replicate = getattr(module, "_replicate", None)
-    if replicate is None:  # NxD's order: the whole projection repeated m times
-        return [row for _ in range(multiplier) for row in range(kv_size)]
-    probe = torch.arange(kv_size, dtype=torch.float64).reshape(kv_size, 1)
-    return [int(v) for v in replicate(probe).reshape(-1).tolist()]
+    return [row for _ in range(int(module.kv_size_multiplier)) for row in range(kv_size)]
 
 
 def _gqa_spec(

@@ -51,6 +51,7 @@ from nxd_layers.pad import (
 from nxd_layers.qkv_linear import (
     GQAQKVColumnParallelLinear,
     get_kv_size_multiplier,
+    gqa_kv_replica_rows,
     neuronx_gqa_rank_map,
 )
 from nxd_layers.utils import (
@@ -97,6 +98,7 @@ __all__ = [
     "get_kv_size_multiplier",
     "get_number_of_extra_heads",
     "get_padding_length",
+    "gqa_kv_replica_rows",
     "is_torch_version_greater_than_2",
     "mappings",
     "mark_sequence_parallel_parameter",

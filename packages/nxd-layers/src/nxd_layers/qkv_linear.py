@@ -30,7 +30,12 @@ from nxd_layers._linear_common import check_input, check_reduce_dtype
 from nxd_layers.linear import BaseParallelLinear
 from nxd_state import collectives
 
-__all__ = ["GQAQKVColumnParallelLinear", "get_kv_size_multiplier", "neuronx_gqa_rank_map"]
+__all__ = [
+    "GQAQKVColumnParallelLinear",
+    "get_kv_size_multiplier",
+    "gqa_kv_replica_rows",
+    "neuronx_gqa_rank_map",
+]
 
 
 def get_kv_size_multiplier(num_key_value_heads: int, tensor_parallel_size: int) -> int:
@@ -41,6 +46,29 @@ def get_kv_size_multiplier(num_key_value_heads: int, tensor_parallel_size: int) 
             f"tensor_parallel_size({tensor_parallel_size}) must be positive"
         )
     return tensor_parallel_size // math.gcd(num_key_value_heads, tensor_parallel_size)
+
+
+def gqa_kv_replica_rows(num_kv_heads: int, head_dim: int, kv_size_multiplier: int) -> list[int]:
+    """Entry i: the row of the unreplicated K (or V) projection that row i of the replicated
+    one copies, in this layout's head-by-head order.
+
+    With n = ``num_kv_heads``, d = ``head_dim`` and m = ``kv_size_multiplier``, the
+    replicated projection has n·m·d rows: heads ``[k_0] * m + [k_1] * m + ...``, so row
+    ``(h·m + c)·d + j`` (head h, copy c < m, row j < d of the head) is row ``h·d + j``. Rank r
+    of t holds rows ``[r·n·m·d/t, (r+1)·n·m·d/t)`` of it (checkpoints map them back with
+    this list; the first copy of each row is its primary).
+    """
+    if min(num_kv_heads, head_dim, kv_size_multiplier) <= 0:
+        raise ValueError(
+            f"num_kv_heads({num_kv_heads}), head_dim({head_dim}) and "
+            f"kv_size_multiplier({kv_size_multiplier}) must be positive"
+        )
+    return [
+        head * head_dim + row
+        for head in range(num_kv_heads)
+        for _ in range(kv_size_multiplier)
+        for row in range(head_dim)
+    ]
 
 
 class _SumReplicaGrads(torch.autograd.Function):
@@ -183,12 +211,15 @@ class GQAQKVColumnParallelLinear(BaseParallelLinear):
             for part, value in zip("qkv", parts):
                 setattr(self, f"master_{kind}_{part}", value)
 
+    def kv_replica_rows(self) -> list[int]:
+        """For each row of the replicated K (or V) projection (``kv_size ·
+        kv_size_multiplier`` rows, rank r holding the r-th of ``tp`` equal blocks), its row in
+        the unreplicated ``(kv_size, input_size)`` projection (:func:`gqa_kv_replica_rows`)."""
+        return gqa_kv_replica_rows(self.kv_heads, self.head_dim, self.kv_size_multiplier)
+
     def _replicate(self, master: torch.Tensor) -> torch.Tensor:
-        """Repeat each KV head ``m`` times in place: rows of head h -> m consecutive copies."""
-        heads = master.reshape(self.kv_heads, self.head_dim, *master.shape[1:])
-        return heads.repeat_interleave(self.kv_size_multiplier, dim=0).reshape(
-            -1, *master.shape[1:]
-        )
+        """The replicated K/V master: rows picked by :meth:`kv_replica_rows`."""
+        return master[torch.tensor(self.kv_replica_rows(), device=master.device)]
 
     def _parts(self, kind: str) -> tuple[torch.Tensor | None, ...]:
         if self.fuse_qkv:
