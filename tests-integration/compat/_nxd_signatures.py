@@ -151,9 +151,6 @@ KNOWN_MISSING: dict[tuple[str, str], str] = {
        "a process group)" for n in ("_debug_mode", "_debug_pp_size", "_debug_pp_rank")},
     **{(_CONFIG, n): f"neuronx_distributed_config rejects NxD's {n} (TypeError)"
        for n in ("context_parallel_size", "sequential_move_factor", "lnc_size")},
-    (f"{_NXD}.utils.model_utils:init_on_device", "force_custom_init_on_device"): (
-        "init_on_device has no force_custom_init_on_device"
-    ),
     (f"{_NXD}:save_checkpoint", "checkpoint_dir_str"): "save_checkpoint names its first "
     "parameter path; NxD's is checkpoint_dir_str (keyword calls fail)",
     (f"{_NXD}:has_checkpoint", "checkpoint_dir_str"): "has_checkpoint names its parameter path; "

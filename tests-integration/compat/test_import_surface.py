@@ -111,6 +111,12 @@ _GROUPS: list[tuple[str, str, list[str]]] = [
     (PL, "nxd_ckpt.legacy", ["save", "load"]),
     (f"{PL}.checkpointing", "nxd_ckpt.legacy", ["save", "load"]),
     (f"{NXD}.modules.qkv_linear", "nxd_layers", ["GQAQKVColumnParallelLinear"]),
+    (f"{NXD}.modules.qkv_linear", "nxd_state", ["destroy_kv_group", "get_kv_shared_group"]),
+    (f"{PL}.layers", "nxd_layers", ["param_is_not_tensor_parallel_duplicate"]),
+    (NXD, "nxd_trainer", ["save_checkpoint", "load_checkpoint"]),
+    (NXD, "nxd_trainer", ["has_checkpoint", "finalize_checkpoint"]),
+    (f"{NXD}.trace", "nxd_layers.trace", ["parallel_model_trace", "parallel_model_save"]),
+    (f"{NXD}.trace", "nxd_layers.trace", ["parallel_model_load", "TensorParallelModel"]),
     (f"{NXD}.utils.model_utils", "nxd_state", ["move_model_to_device", "get_local_world_size"]),
     (f"{NXD}.utils.adamw_fp32_optim_params", "nxd_optim", ["AdamW_FP32OptimParams"]),
     (f"{NXD}.optimizer", "nxd_optim", ["NeuronZero1Optimizer"]),
@@ -119,7 +125,7 @@ _GROUPS: list[tuple[str, str, list[str]]] = [
     (f"{NXD}.pipeline.model", "nxd_pipeline", ["NxDPPModel"]),
     (f"{NXD}.pipeline.comm", "nxd_pipeline", ["send", "recv_from"]),
     (f"{NXD}.pipeline.manual_pipe_stage", "nxd_pipeline", ["PipelineStageModule"]),
-    (f"{NXD}.modules.lora", "nxd_lora", ["LoraConfig", "LoraModel=LoRAModel", "get_lora_model"]),
+    (f"{NXD}.modules.lora", "nxd_lora", ["LoraConfig", "LoraModel=LoRAModel"]),
     (f"{NXD}.modules.lora.model", "nxd_lora", ["LoraModel=LoRAModel"]),
     (f"{NXD}.modules.lora.layer", "nxd_lora", ["LoraLayer", "LoraLinear", "LoraEmbedding"]),
     (f"{NXD}.modules.lora.layer", "nxd_lora", ["LoraConv2d"]),
@@ -159,6 +165,13 @@ COMPAT_DEFINED = [
     "neuronx_distributed.utils.model_utils:init_on_device",
     "neuronx_distributed.utils.model_utils:is_hf_pretrained_model",
     "neuronx_distributed.utils.model_utils:is_hf_transformers_available",
+    "neuronx_distributed.utils.model_utils:preserve_parallel_attributes",
+    "neuronx_distributed.utils.model_utils:reinit_model",
+    "neuronx_distributed.parallel_layers.layers:create_local_weight",
+    "neuronx_distributed.parallel_layers.utils:cast_if_autocast_enabled",
+    "neuronx_distributed.parallel_layers.utils:move_all_tensor_to_cpu",
+    "neuronx_distributed.parallel_layers.parallel_state:get_context_model_parallel_src_tgt_pairs",
+    "neuronx_distributed.modules.lora:get_lora_model",
     "neuronx_distributed.overrides.transformer_overrides:apply_rotary_pos_emb",
     "neuronx_distributed.overrides.transformer_overrides:rotate_half",
 ]
@@ -250,14 +263,6 @@ def test_lora_config_has_nxds_fields_and_defaults() -> None:
 
 # NxD names nxd does not have yet: one strict xfail each ------------------------------------------
 MISSING_NAMES = {
-    "neuronx_distributed:CheckpointIOState": "NxD's top level exports trainer.checkpoint's "
-    "CheckpointIOState (the async-save state object) with save_checkpoint",
-    "neuronx_distributed.parallel_layers.parallel_state:get_context_model_parallel_src_tgt_pairs": (
-        "NxD's Llama example imports it (ring attention send/recv pairs; empty at CP=1)"
-    ),
-    "neuronx_distributed.modules.qkv_linear:destroy_kv_group": "NxD's GQA tests reset the KV "
-    "groups through the qkv_linear module (older NxD keeps them there)",
-    "neuronx_distributed.modules.qkv_linear:get_kv_shared_group": "see qkv_linear.destroy_kv_group",
     "neuronx_distributed.parallel_layers.layers:ColumnParallelLinear.init_weight_cpu": "NxD's "
     "Llama init_weights() re-initializes Column/Row/ParallelEmbedding with init_weight_cpu()",
     "neuronx_distributed.parallel_layers.layers:RowParallelLinear.init_weight_cpu": "see "
@@ -267,21 +272,7 @@ MISSING_NAMES = {
     "neuronx_distributed.modules.qkv_linear:GQAQKVColumnParallelLinear.initialize_weight_biases": (
         "NxD's Llama init_weights() re-initializes GQA layers with initialize_weight_biases()"
     ),
-    "neuronx_distributed.parallel_layers.layers:param_is_not_tensor_parallel_duplicate": "NxD's "
-    "layers module re-exports it from parallel_layers.utils (code imports it from layers)",
-    "neuronx_distributed.parallel_layers.layers:create_local_weight": "NxD's helper that slices "
-    "a full weight into this rank's (strided) shard; custom NxD layers and checkpoint code use it",
-    "neuronx_distributed.utils.model_utils:preserve_parallel_attributes": "NxD's context manager "
-    "restoring tensor_model_parallel/sequence_parallel_enabled/shared on parameters",
-    "neuronx_distributed.utils.model_utils:reinit_model": "NxD's reinit_model(model, device, "
-    "param_init_fn)",
-    "neuronx_distributed.parallel_layers.utils:cast_if_autocast_enabled": "NxD helper used by "
-    "custom autograd functions written against parallel_layers.utils",
-    "neuronx_distributed.parallel_layers.utils:move_all_tensor_to_cpu": "NxD helper (XLA "
-    "tensors to CPU in a nested structure)",
-    "neuronx_distributed:trace": "listed in neuronx_distributed's lazy submodules, but the "
-    "module does not exist: getattr/hasattr raise ModuleNotFoundError, not AttributeError",
-    "neuronx_distributed:lightning": "see neuronx_distributed.trace",
+    "neuronx_distributed:lightning": "NxD's Lightning integration (nxd-lightning, in progress)",
 }
 
 

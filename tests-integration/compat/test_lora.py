@@ -166,3 +166,22 @@ def test_nxd_lora_gqa_adapter_keys(lora_results: list[dict[str, object]]) -> Non
     want = ["qkv_proj.lora_A.weight"] + [f"qkv_proj.lora_B.weight_{p}" for p in "kqv"]
     for result in lora_results:
         assert [k for k in result["gqa_keys"] if k != "lora_config"] == sorted(want)
+
+
+def _lora_on_an_nxd_model() -> list[str]:
+    import neuronx_distributed as nxd
+    from neuronx_distributed.modules.lora import LoraConfig, get_lora_model
+    from nxd_trainer.testing import TinyLM
+
+    config = nxd.neuronx_distributed_config(tensor_parallel_size=2)
+    model = nxd.initialize_parallel_model(config, TinyLM)
+    wrapped = get_lora_model(model, LoraConfig(enable_lora=True, target_modules=["q_proj"]))
+    assert wrapped is model  # NxD keeps the NxDModel and puts LoRA on what it wraps
+    return model.module.lora_module_names
+
+
+def test_get_lora_model_wraps_the_module_inside_an_nxd_model() -> None:
+    names = run_distributed(_lora_on_an_nxd_model, 2)
+    assert names[0] == names[1]
+    assert names[0]
+    assert all(name.endswith("q_proj") for name in names[0])

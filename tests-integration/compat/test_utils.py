@@ -7,6 +7,8 @@ import logging
 import pytest
 import torch
 
+from nxd_state.testing import run_distributed
+
 
 def test_rotary_override_equals_transformers_llama() -> None:
     from transformers.models.llama import modeling_llama
@@ -88,3 +90,63 @@ def test_init_on_meta_device_allocates_nothing() -> None:
     assert torch.ones(1).device.type == "cpu"  # untouched without include_buffers
     model.to_empty(device="cpu")
     assert model(torch.ones(2, 4)).shape == (2, 8)
+
+
+def test_reinit_model_keeps_ties_and_sharding_attributes() -> None:
+    from torch import nn
+
+    from neuronx_distributed.parallel_layers.utils import set_tensor_model_parallel_attributes
+    from neuronx_distributed.utils.model_utils import init_on_device, reinit_model
+
+    with init_on_device(torch.device("meta")):
+        model = nn.Module()
+        model.embed, model.head = nn.Embedding(8, 4), nn.Linear(4, 8, bias=False)
+        model.head.weight = model.embed.weight  # tied, as in a Llama with tie_word_embeddings
+    set_tensor_model_parallel_attributes(model.embed.weight, True, 0, 1)
+
+    def init(module: nn.Module) -> None:
+        if isinstance(module, nn.Embedding):
+            nn.init.constant_(module.weight, 0.5)
+
+    reinit_model(model, "cpu", init)
+    assert model.head.weight is model.embed.weight
+    assert model.embed.weight.device.type == "cpu"
+    assert model.embed.weight.partition_dim == 0
+    assert torch.equal(model.head.weight, torch.full((8, 4), 0.5))
+
+
+def test_autocast_cast_and_cpu_move_follow_nxd() -> None:
+    from neuronx_distributed.parallel_layers.utils import (
+        cast_if_autocast_enabled,
+        move_all_tensor_to_cpu,
+    )
+
+    x, ids = torch.ones(2), torch.arange(2)
+    assert cast_if_autocast_enabled(x, ids) == (x, ids)  # autocast off: the same objects
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cast_x, cast_ids = cast_if_autocast_enabled(x, ids)
+        (nested,) = cast_if_autocast_enabled({"a": [x]})
+    assert (cast_x.dtype, cast_ids.dtype) == (torch.bfloat16, torch.int64)  # floats only
+    assert nested["a"][0].dtype == torch.bfloat16
+    moved = move_all_tensor_to_cpu({"a": [x, (ids,)], "b": 3})
+    assert moved["b"] == 3
+    assert torch.equal(moved["a"][1][0], ids)
+    assert isinstance(moved["a"][1], tuple)
+
+
+def _create_local_weight_shards() -> list[list[float]]:
+    from neuronx_distributed.parallel_layers import parallel_state
+    from neuronx_distributed.parallel_layers.layers import create_local_weight
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    full = torch.arange(8.0).view(8, 1)
+    plain = create_local_weight(full, 0, 4, 1)
+    strided = create_local_weight(full, 0, 4, 2, out_weight=torch.empty(4, 1))
+    pairs = parallel_state.get_context_model_parallel_src_tgt_pairs()
+    return [plain.flatten().tolist(), strided.flatten().tolist(), pairs]
+
+
+def test_create_local_weight_slices_nxds_strided_layout() -> None:
+    rank0, rank1 = run_distributed(_create_local_weight_shards, 2)
+    assert rank0 == [[0, 1, 2, 3], [0, 1, 4, 5], []]  # stride 2: pieces 0 and 2 of size 2
+    assert rank1 == [[4, 5, 6, 7], [2, 3, 6, 7], []]  # no context-parallel pairs at CP=1

@@ -9,7 +9,7 @@ from nxd_state.parallel_state import *  # noqa: F403
 from nxd_state.parallel_state import __all__ as _state_all
 from nxd_state.parallel_state import get_parallel_state, model_parallel_is_initialized
 
-__all__ = [*_state_all, "rmsg"]
+__all__ = [*_state_all, "get_context_model_parallel_src_tgt_pairs", "rmsg"]
 
 
 def rmsg(message: str) -> str:
@@ -25,3 +25,10 @@ def rmsg(message: str) -> str:
     else:
         pp = tp = dp = -1
     return f"[rank_{rank}_pp{pp}_tp{tp}_dp{dp}] {message}"
+
+
+def get_context_model_parallel_src_tgt_pairs() -> list[list[int]]:
+    """The (source, target) rank pairs of ring attention's context-parallel exchange: none at
+    context-parallel size 1, the only size nxd supports."""
+    get_parallel_state()  # the same "not initialized" error as every getter
+    return []

@@ -1,5 +1,10 @@
 """NxD's ``neuronx_distributed.modules.lora``: LoRA from :mod:`nxd_lora`."""
 
+from __future__ import annotations
+
+from torch import nn
+
+import nxd_lora
 from nxd_lora import (
     LoraConfig,
     LoraConv2d,
@@ -10,7 +15,6 @@ from nxd_lora import (
     LoRAModel,
     LoraModel,
     LoraParallelLinear,
-    get_lora_model,
 )
 
 __all__ = [
@@ -25,3 +29,21 @@ __all__ = [
     "LoraParallelLinear",
     "get_lora_model",
 ]
+
+
+def get_lora_model(model: nn.Module, lora_config: LoraConfig | None) -> nn.Module:
+    """NxD's ``get_lora_model``: ``model`` with LoRA when ``lora_config`` enables it; an
+    ``NxDModel`` keeps its wrapper and gets LoRA on the module it wraps, as in NxD."""
+    if lora_config is None or not lora_config.enable_lora:
+        return model
+    from nxd_trainer import NxDModel
+
+    if isinstance(model, NxDModel):
+        if model.pp_enabled:
+            raise ValueError(
+                "get_lora_model: LoRA on a pipeline-parallel NxDModel is not supported; pass "
+                "lora_config to neuronx_distributed_config at pipeline_parallel_size=1"
+            )
+        model.module = nxd_lora.get_lora_model(model.module, lora_config)
+        return model
+    return nxd_lora.get_lora_model(model, lora_config)
