@@ -361,6 +361,20 @@ def gqa_parity() -> list[str]:
         assert set(mine) == set(theirs)
         for key in theirs:
             torch.testing.assert_close(mine[key], theirs[key], rtol=0, atol=0, msg=key)
+        # merge_sharded_lora keeps the layer's names, one copy of each K/V head (as NxD)
+        full = nxd_lora.gather_full_adapter_state_dict(par)
+        ref_b = [ref.module.get_submodule(f"{p}_proj").lora_B.weight for p in "qkv"]
+        want_b = (
+            {"qkv_proj.lora_B.weight_qkv": torch.cat(ref_b)}
+            if fused
+            else {f"qkv_proj.lora_B.weight_{p}": b for p, b in zip("qkv", ref_b)}
+        )
+        assert set(full) == {"qkv_proj.lora_A.weight", *want_b}
+        torch.testing.assert_close(
+            full["qkv_proj.lora_A.weight"], ref.module.q_proj.lora_A.weight, rtol=0, atol=0
+        )
+        for key, value in want_b.items():
+            torch.testing.assert_close(full[key], value.detach(), rtol=0, atol=0, msg=key)
         with torch.no_grad():
             before = par(x)
             par.merge_lora()

@@ -87,14 +87,29 @@ def gather_peft_state_dict(
 
 
 def gather_full_adapter_state_dict(model: LoRAModel) -> dict[str, torch.Tensor]:
-    """The adapter of the unsharded model: :func:`gather_peft_state_dict` under the model's own
-    names (no PEFT prefix, biases as ``<module>.bias``). Collective over TP: call on every rank
-    (NxD's ``merge_sharded_lora``).
+    """The adapter of the unsharded model under the model's own names (NxD's
+    ``merge_sharded_lora``): every TP shard all-gathered, K/V replicas of a GQA layer reduced to
+    one copy per head (``qkv_proj.lora_B.weight_q/_k/_v``, or ``weight_qkv`` when fused), biases
+    as ``<module>.bias``. Collective over TP: call on every rank.
     """
-    return {
-        model.original_name(key[len(PEFT_PREFIX) :]): tensor
-        for key, tensor in gather_peft_state_dict(model).items()
-    }
+    out: dict[str, torch.Tensor] = {}
+    for name, layer in model.lora_layers().items():
+        tensors = layer.peft_tensors(name)
+        if isinstance(layer, LoraGQAQKVParallelLinear):
+            modules = layer._peft_module_names(name)
+            out[f"{name}.lora_A.weight"] = tensors[f"{modules[0]}.lora_A.weight"]
+            parts = [tensors[f"{module}.lora_B.weight"] for module in modules]
+            if layer.lora_B.fuse_qkv:
+                out[f"{name}.lora_B.weight_qkv"] = torch.cat(parts)
+            else:
+                out.update({f"{name}.lora_B.weight_{p}": t for p, t in zip("qkv", parts)})
+        else:
+            out.update(tensors)
+    for name, param in _extra_parameters(model).items():
+        owner = name.rpartition(".base_layer.")[0]
+        group = getattr(model.module.get_submodule(owner), "tensor_parallel_group", None)
+        out[model.original_name(name)] = full_tensor(param, group=group).clone()
+    return out
 
 
 def peft_adapter_config(

@@ -96,8 +96,8 @@ class LoraConfig:
     merge_sharded_lora: bool = False
     """``state_dict()`` returns the adapter alone with every TP-sharded tensor all-gathered to
     its full size (a collective over TP: call it on every rank), named as in the unsharded
-    model; fused QKV adapters come out as separate ``q_proj``/``k_proj``/``v_proj`` tensors, as
-    PEFT names them. As in NxD, this turns ``save_lora_base`` and ``merge_lora`` off."""
+    model (a GQA QKV adapter keeps its ``lora_B.weight_q/_k/_v`` names with one copy of each
+    K/V head). As in NxD, this turns ``save_lora_base`` and ``merge_lora`` off."""
 
     def __post_init__(self) -> None:
         if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int):
