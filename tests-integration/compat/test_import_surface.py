@@ -289,19 +289,6 @@ def test_missing_nxd_name(nxd_path: str) -> None:
     assert resolve(nxd_path) is not None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason="gap: NxD's parallel_cross_entropy is (vocab_parallel_logits, target, "
-    "label_smoothing) in its source (the API reference says parallel_logits, labels); nxd takes "
-    "the reference's names only, so NxD-source keyword calls fail",
-)
-def test_parallel_cross_entropy_accepts_nxd_source_keywords() -> None:
-    from neuronx_distributed.parallel_layers.loss_functions import parallel_cross_entropy
-
-    inspect.signature(parallel_cross_entropy).bind(vocab_parallel_logits=None, target=None)
-
-
 def test_lora_targets_select_like_nxd() -> None:
     """NxD's rule: a list entry is an exact name or a '.'+entry suffix; a string is a regex."""
     from torch import nn

@@ -215,14 +215,18 @@ def test_nxd_layer_semantics() -> None:
     assert sorted(r["kv_head"] for r in results) == [0, 0, 1, 1]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="gap: NxD replicates KV heads block-wise (master.repeat(m, 1): TP rank r holds KV head "
-    "r % num_kv_heads); nxd_layers repeats each head in place (rank r holds head r // m) and maps "
-    "NxD checkpoints with neuronx_gqa_rank_map",
-)
-def test_gqa_replicated_kv_head_order_is_nxds() -> None:
-    assert [r["kv_head"] for r in _results()] == [rank % 2 for rank in range(TP)]
+def test_gqa_kv_head_order_and_the_map_to_nxds_layout() -> None:
+    """A deliberate difference (README, Porting from NxD): NxD repeats K/V block-wise (rank r
+    holds KV head r % kv_heads) and regroups Q heads in its checkpoints to match; nxd repeats each
+    head in place (rank r holds head r // m), which equals the unsharded attention with no
+    regrouping. ``neuronx_gqa_rank_map`` says which nxd rank holds what NxD's rank r holds."""
+    from nxd_layers import neuronx_gqa_rank_map
+
+    heads = [r["kv_head"] for r in _results()]
+    assert heads == [rank // 2 for rank in range(TP)]
+    mapping = neuronx_gqa_rank_map(8, 2, TP, 2)
+    nxd_heads_of_nxd_ranks = [rank % 2 for rank in range(TP)]  # NxD's block-wise order
+    assert [heads[mapping[r]] for r in range(TP)] == nxd_heads_of_nxd_ranks
 
 
 @pytest.mark.xfail(
