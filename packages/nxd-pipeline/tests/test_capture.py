@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -228,6 +229,68 @@ def test_hf_leaf_classes_by_name_keep_the_final_norm_as_a_call() -> None:
     flat = _chain(plan, model, {"input_ids": ids, "labels": ids, "use_cache": False})
     loss = torch.utils._pytree.tree_unflatten(list(flat), captured.output_spec).loss
     expected = reference(input_ids=ids, labels=ids, use_cache=False).loss
+    torch.testing.assert_close(loss, expected, **TOL)
+    loss.backward()
+    expected.backward()
+    for (name, param), (_, ref) in zip(model.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(param.grad, ref.grad, **TOL, msg=name)
+
+
+class _Box:
+    def __init__(self, value: torch.Tensor) -> None:
+        self.value = value
+
+
+class _Layer(nn.Module):
+    def __init__(self, boxed: bool) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.boxed = boxed
+
+    def forward(self, x: torch.Tensor) -> Any:
+        y = torch.tanh(self.linear(x))
+        return _Box(y) if self.boxed else y
+
+
+class _ExportNet(nn.Module):
+    """forward(input_ids, labels, use_cache) as the export route calls it."""
+
+    def __init__(self, boxed: bool = False, twice: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.layer = _Layer(boxed)
+        self.head = nn.Linear(8, 16)
+        self.boxed, self.twice = boxed, twice
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, use_cache: bool = False):
+        h = self.embed(input_ids)
+        for _ in range(2 if self.twice else 1):
+            h = self.layer(h).value if self.boxed else self.layer(h)
+        logits = self.head(h)
+        return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+@pytest.mark.parametrize(
+    ("boxed", "twice", "warning"),
+    [
+        (True, False, "exporting with every module inlined"),  # output not a pytree
+        (False, True, "module layer is called more than once; it stays inlined"),
+    ],
+)
+def test_modules_that_cannot_be_kept_as_calls_stay_inlined(
+    boxed: bool, twice: bool, warning: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    torch.manual_seed(0)
+    reference = _ExportNet(boxed, twice)
+    model = copy.deepcopy(reference)
+    with caplog.at_level("WARNING"):
+        captured = capture_graph(model, tracer_cls="hf", leaf_module_cls=[_Layer])
+    assert warning in caplog.text
+    assert captured.module_calls == []
+    plan = partition_graph(captured, model, [], num_stages=1)
+    ids = torch.randint(0, 16, (2, 5))
+    (loss,) = _chain(plan, model, {"input_ids": ids, "labels": ids, "use_cache": False})
+    expected = reference(ids, ids)
     torch.testing.assert_close(loss, expected, **TOL)
     loss.backward()
     expected.backward()

@@ -67,18 +67,26 @@ def modules_to_keep(module: nn.Module, classes: Sequence[type]) -> list[str]:
     return kept
 
 
-# torch.export takes seconds: graphs are reused for models of the same class, config and
-# parameter layout (the graph's attribute targets are resolved on the model at partition time).
+# torch.export takes seconds: graphs are reused for Hugging Face models of the same class,
+# config, attention implementation, mode and parameter layout (the graph's attribute targets
+# are resolved on the model at partition time). Other models are exported each time: their
+# graphs may depend on constructor arguments no key can see.
 _EXPORT_CACHE: dict[tuple[Any, ...], CapturedGraph] = {}
 
 
-def _cache_key(module: nn.Module, names: Sequence[str], keep: Sequence[str]) -> tuple[Any, ...]:
+def _cache_key(
+    module: nn.Module, names: Sequence[str], keep: Sequence[str]
+) -> tuple[Any, ...] | None:
+    config = getattr(module, "config", None)
+    if not callable(getattr(config, "to_json_string", None)):
+        return None
     layout = tuple(
         (name, tuple(t.shape), t.dtype, t.device.type)
         for name, t in [*module.named_parameters(), *module.named_buffers()]
     )
-    config = repr(getattr(module, "config", None))
-    return (type(module), config, layout, tuple(names), tuple(keep))
+    attention = getattr(config, "_attn_implementation", None)
+    described = (repr(config), attention, module.training)
+    return (type(module), described, layout, tuple(names), tuple(keep))
 
 
 def _export(
@@ -101,7 +109,7 @@ def export_graph(
     names = list(input_names) if input_names is not None else ["input_ids", "labels"]
     keep = modules_to_keep(module, keep_classes)
     key = _cache_key(module, names, keep)
-    if key in _EXPORT_CACHE:
+    if key is not None and key in _EXPORT_CACHE:
         logger.info("reusing the torch.export graph of an identical %s", type(module).__name__)
         return _EXPORT_CACHE[key]
     example = _example_inputs(module, names)
@@ -115,7 +123,22 @@ def export_graph(
         len(keep),
     )
     try:
-        exported = _export(module, {**example, **fixed}, dynamic, keep)
+        try:
+            exported = _export(module, {**example, **fixed}, dynamic, keep)
+        except Exception as error:
+            if not keep:
+                raise
+            # Preserving the calls constrains export (each kept module called once, with
+            # pytree inputs and outputs); without it the model may still export, inlined.
+            logger.warning(
+                "torch.export failed when keeping %s as module calls (%s: %s); exporting with "
+                "every module inlined (no activation checkpointing of them at PP > 1)",
+                keep[:4],
+                type(error).__name__,
+                str(error).splitlines()[0] if str(error) else "",
+            )
+            keep = []
+            exported = _export(module, {**example, **fixed}, dynamic, keep)
     except Exception as error:
         raise PipelineTraceError(
             f"torch.export could not capture {type(module).__name__} with inputs {names}: "
@@ -138,7 +161,8 @@ def export_graph(
         fixed_inputs=fixed,
         module_calls=restored,
     )
-    _EXPORT_CACHE[key] = captured
+    if key is not None:
+        _EXPORT_CACHE[key] = captured
     return captured
 
 
@@ -192,6 +216,10 @@ def _restore_module_call(
     if signature is None or not inside:
         logger.warning("module %s: no recorded call signature; it stays inlined", name)
         return False
+    if any(e.fqn.startswith(name + "@") for e in exported.module_call_graph):
+        # Called several times: its calls' nodes share one nn_module_stack entry.
+        logger.warning("module %s is called more than once; it stays inlined", name)
+        return False
     try:
         args, kwargs = pytree.tree_unflatten(
             [_argument(a, nodes) for a in signature.inputs], signature.in_spec
@@ -202,6 +230,11 @@ def _restore_module_call(
         return False
     # Every input exists before the module's first operation (export records execution
     # order), so the call goes there; its outputs replace the inlined results.
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    late = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, fx.Node)]
+    if any(order[a] >= order[inside[0]] for a in late):
+        logger.warning("module %s: an input is computed after it starts; it stays inlined", name)
+        return False
     with graph.inserting_before(inside[0]):
         call = graph.call_module(name, tuple(args), dict(kwargs))
         leaves = _leaf_accessors(graph, call, signature.out_spec)
