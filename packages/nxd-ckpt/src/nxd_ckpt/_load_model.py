@@ -22,6 +22,7 @@ from nxd_ckpt._items import DenseSource, TensorItem, pieces
 from nxd_ckpt._model_tensors import model_tensors
 from nxd_ckpt._plan import rank_local_name
 from nxd_ckpt._reader import CheckpointReader
+from nxd_ckpt._sharding import spec_for_stored_shape
 
 __all__ = ["check_keys", "load_json", "load_model", "load_rng"]
 
@@ -89,13 +90,14 @@ def load_model(
             missing.append(name)
             continue
         used.add(target)
-        if tuple(record.shape) != tuple(local.spec.global_shape):
+        spec = spec_for_stored_shape(local.spec, tuple(record.shape))
+        if spec is None:
             mismatched.append(
                 f"{local.name}: checkpoint {tuple(record.shape)}, model "
                 f"{tuple(local.spec.global_shape)}"
             )
             continue
-        requested.append((local, target))
+        requested.append((local, target, spec))
     for alias, first in aliases.items():  # tied names: present in the checkpoint or not
         target = index.resolve("model", alias)
         if target in stored:
@@ -106,10 +108,10 @@ def load_model(
             missing.append(alias)
     check_keys("model", sorted(stored), used, missing, mismatched, strict, str(reader.tag_dir))
     with slot():
-        for local, target in requested:
-            item = TensorItem(
-                "model", target, local.tensor.dtype, local.spec, DenseSource(local.tensor)
-            )
+        for local, target, spec in requested:
+            if spec.padded is not None:  # padding (zeros) is stored nowhere: zero it here
+                local.tensor.zero_()
+            item = TensorItem("model", target, local.tensor.dtype, spec, DenseSource(local.tensor))
             for piece in pieces(item):
                 reader.read_box("model", target, piece.global_box, out=piece.local)
 

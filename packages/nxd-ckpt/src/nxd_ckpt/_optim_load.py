@@ -32,6 +32,7 @@ from nxd_ckpt._optim_common import (
     zero1_inner,
 )
 from nxd_ckpt._reader import CheckpointReader
+from nxd_ckpt._sharding import spec_for_stored_shape
 from nxd_ckpt._stfile import dtype_from_name
 
 __all__ = ["load_optimizer"]
@@ -89,16 +90,21 @@ def _fill(reader: CheckpointReader, item: TensorItem) -> None:
 
 
 def _check(view: OptimizerView, saved: _Saved, names: list[str], strict: bool) -> None:
+    """Key and shape checks (collective); ``view.specs`` of a padded parameter whose state
+    was stored padded (older checkpoints) switch to its padded spec."""
     missing = [n for n in names if n not in saved.group_of]
     mismatched = []
     for name in names:
         for key in saved.keys.get(name, []):
             shape = tuple(saved.reader.record("optimizer", f"{name}/{key}").shape)
-            if shape != tuple(view.specs[name].global_shape):
+            spec = spec_for_stored_shape(view.specs[name], shape)
+            if spec is None:
                 mismatched.append(
                     f"{name}/{key}: checkpoint {shape}, model "
                     f"{tuple(view.specs[name].global_shape)}"
                 )
+            else:
+                view.specs[name] = spec
     check_keys(
         "optimizer",
         saved.names(),
@@ -180,8 +186,10 @@ def _load_plain(view: OptimizerView, saved: _Saved) -> None:
     masters: list[torch.Tensor] = []
     for index, (param, name) in enumerate(zip(inner_params, names)):
         entry: dict[str, Any] = {}
+        padded = view.specs[name].padded is not None  # its padding is stored nowhere: zeros
         for key in saved.tensor_keys(name, masters=True):
-            value = torch.empty(param.shape, dtype=saved.dtype(name, key))
+            allocate = torch.zeros if padded else torch.empty
+            value = allocate(param.shape, dtype=saved.dtype(name, key))
             _fill(
                 saved.reader,
                 TensorItem(

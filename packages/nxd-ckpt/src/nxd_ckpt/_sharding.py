@@ -11,6 +11,12 @@ GQA K/V projections replicate each KV head ``kv_size_multiplier`` times before s
 global tensor is the *unreplicated* one (what one process holds), and only the first copy of
 each head is "primary" (written). A fused ``weight_qkv`` is the concatenation [Q; K; V] of the
 global projections. Replicated (non-TP) tensors are one whole block held by every TP rank.
+
+A parameter padded by ``nxd_layers.pad_model`` (marked ``tensor_parallel_padding``) is stored
+*unpadded*: its global tensor is the one before padding, each block is cut to the runs of
+real data the mark names and moved to unpadded coordinates, and the zeros belong to no block
+(written nowhere, zero-filled on load). So it loads at any TP degree, padded or not, and
+exports without the padding.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from torch import nn
 
 from nxd_ckpt._boxes import Box
 
-__all__ = ["Block", "ShardSpec", "rank_local_spec", "spec_for_tensor"]
+__all__ = ["Block", "ShardSpec", "rank_local_spec", "spec_for_stored_shape", "spec_for_tensor"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +58,19 @@ class ShardSpec:
     """Recorded in the index: partition_dim, partition_stride, tp_size, GQA layout."""
     rank_local: bool = False
     """Sharding unknown (a plain state dict): saved per (TP, PP) rank, loads only there."""
+    padded: ShardSpec | None = None
+    """For a padded parameter (whose global tensor is the unpadded one): the spec of the
+    padded tensor, which checkpoints written before padding was recorded hold."""
+
+
+def spec_for_stored_shape(spec: ShardSpec, shape: tuple[int, ...]) -> ShardSpec | None:
+    """``spec`` if a stored tensor of global ``shape`` fits it; for a padded parameter, its
+    padded spec if the stored tensor is the padded one (older checkpoints); else None."""
+    if tuple(spec.global_shape) == tuple(shape):
+        return spec
+    if spec.padded is not None and tuple(spec.padded.global_shape) == tuple(shape):
+        return spec.padded
+    return None
 
 
 def _rows_blocks(shape: tuple[int, ...], runs: list[tuple[int, int, int, bool]]) -> list[Block]:
@@ -165,6 +184,36 @@ def _gqa_spec(
     return ShardSpec((global_rows, *local_shape[1:]), blocks, tp_replicated=False, info=info)
 
 
+def _unpadded(spec: ShardSpec, padding: Any, what: str) -> ShardSpec:
+    """The spec of the unpadded tensor from that of the padded one (see the module
+    docstring): blocks cut to ``padding.runs()`` along ``padding.dim`` and shifted there."""
+    dim = int(padding.dim)
+    if dim >= len(spec.global_shape) or spec.global_shape[dim] != padding.padded_size:
+        raise ValueError(
+            f"{what}: tensor_parallel_padding says dim {dim} was padded to "
+            f"{padding.padded_size}, but the tensor's global shape is {spec.global_shape}"
+        )
+    blocks = []
+    for block in spec.blocks:
+        start, length = block.global_offsets[dim], block.local.shape[dim]
+        for padded_start, unpadded_start, run in padding.runs():
+            lo, hi = max(start, padded_start), min(start + length, padded_start + run)
+            if lo >= hi:
+                continue
+            local_offsets, shape = list(block.local.offsets), list(block.local.shape)
+            global_offsets = list(block.global_offsets)
+            local_offsets[dim] += lo - start
+            shape[dim] = hi - lo
+            global_offsets[dim] = unpadded_start + lo - padded_start
+            blocks.append(
+                Block(Box(tuple(local_offsets), tuple(shape)), tuple(global_offsets), block.primary)
+            )
+    shape = list(spec.global_shape)
+    shape[dim] = int(padding.unpadded_size)
+    info = {**spec.info, "padding": padding.to_dict()}
+    return ShardSpec(tuple(shape), blocks, spec.tp_replicated, info, spec.rank_local, padded=spec)
+
+
 def _is_gqa(module: nn.Module | None) -> bool:
     return module is not None and all(
         hasattr(module, name) for name in ("kv_size_multiplier", "output_sizes", "fuse_qkv")
@@ -180,7 +229,23 @@ def spec_for_tensor(
     local_name: str = "",
 ) -> ShardSpec:
     """The spec of a parameter or buffer from its sharding attributes (and, for the GQA QKV
-    projection, its owning ``module``; ``local_name`` is its name inside that module)."""
+    projection, its owning ``module``; ``local_name`` is its name inside that module). A
+    tensor marked ``tensor_parallel_padding`` gets the spec of its unpadded tensor."""
+    spec = _padded_spec(tensor, tp_rank, tp_size, module, local_name)
+    padding = getattr(tensor, "tensor_parallel_padding", None)
+    if padding is None:
+        return spec
+    return _unpadded(spec, padding, local_name or f"tensor of shape {tuple(tensor.shape)}")
+
+
+def _padded_spec(
+    tensor: torch.Tensor,
+    tp_rank: int,
+    tp_size: int,
+    module: nn.Module | None,
+    local_name: str,
+) -> ShardSpec:
+    """The spec from the sharding attributes alone (padding not taken into account)."""
     shape = tuple(tensor.shape)
     if not getattr(tensor, "tensor_model_parallel", False):
         return ShardSpec(shape, [Block(Box.whole(shape), (0,) * len(shape))], tp_replicated=True)

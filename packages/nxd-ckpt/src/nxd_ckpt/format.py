@@ -89,7 +89,10 @@ class TensorRecord:
     sharding: dict[str, Any] = field(default_factory=dict)
     """As saved: ``partition_dim``, ``partition_stride``, ``tp_size``; ``layout: gqa_qkv`` with
     ``q_size``, ``kv_size``, ``kv_size_multiplier``, ``part`` for the GQA projection;
-    ``rank_local: true`` for tensors of unknown sharding (loadable at the same degrees only)."""
+    ``padding`` (``dim``, ``unpadded_size``, ``padded_size``, ``layout``, ``tp_size``: an
+    ``nxd_layers.TensorParallelPadding``) for a tensor padded by ``pad_model``, whose shape
+    and chunks are those of the unpadded tensor; ``rank_local: true`` for tensors of unknown
+    sharding (loadable at the same degrees only)."""
 
 
 @dataclass

@@ -134,6 +134,14 @@ def _saved_spec(
     for attribute in ("tensor_model_parallel", "partition_dim", "partition_stride"):
         if hasattr(target, attribute):
             setattr(probe, attribute, getattr(target, attribute))
+    padding = getattr(target, "tensor_parallel_padding", None)
+    if padding is not None:  # NxD's pad_model pads per rank, at the saved TP degree
+        sharded = getattr(target, "tensor_model_parallel", False)
+        saved_size = shape[padding.dim] * (size if sharded else 1)
+        if saved_size != padding.unpadded_size:
+            probe.tensor_parallel_padding = type(padding)(
+                padding.dim, padding.unpadded_size, saved_size, "per_rank", size
+            )
     if module is not None and int(getattr(module, "kv_size_multiplier", 1)) > 1:
         raise NotImplementedError(
             "NxD checkpoints of GQA layers with kv_size_multiplier > 1 are not converted yet "
