@@ -1,5 +1,6 @@
-"""Forkserver preloads for the rank processes, and the skip of ``xla`` tests without torch-xla
-(they run in the ``xla`` nox session)."""
+"""Forkserver preloads for the rank processes; the ``slow`` marker (heavier variants, run with
+``-m slow``); the skip of ``xla`` tests without torch-xla (they run in the ``xla`` nox
+session)."""
 
 import importlib.util
 
@@ -7,14 +8,32 @@ import pytest
 
 from nxd_state.testing import add_preload
 
-# Creating a torch optimizer imports torch._dynamo (seconds); the Llama tests import transformers.
-add_preload("torch._dynamo", "nxd_optim", "nxd_trainer", "transformers.models.llama.modeling_llama")
+# Creating a torch optimizer imports torch._dynamo (seconds); the HF tests import transformers'
+# model code (seconds per family).
+add_preload(
+    "torch._dynamo",
+    "nxd_optim",
+    "nxd_trainer",
+    "nxd_trainer.hf",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.mistral.modeling_mistral",
+    "transformers.models.qwen2.modeling_qwen2",
+    "transformers.models.qwen3.modeling_qwen3",
+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "slow: heavier variants; selected with -m slow")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if importlib.util.find_spec("torch_xla") is not None:
-        return
-    skip = pytest.mark.skip(reason="torch-xla is not installed here; run `nox -s xla`")
+    skips = []
+    if importlib.util.find_spec("torch_xla") is None:
+        reason = "torch-xla is not installed here; run `nox -s xla`"
+        skips.append(("xla", pytest.mark.skip(reason=reason)))
+    if "slow" not in (config.getoption("-m") or ""):
+        skips.append(("slow", pytest.mark.skip(reason="slow variant: run with -m slow")))
     for item in items:
-        if "xla" in item.keywords:
-            item.add_marker(skip)
+        for keyword, skip in skips:
+            if keyword in item.keywords:
+                item.add_marker(skip)

@@ -5,7 +5,7 @@ On TP rank r the Q projection yields the heads ``[r·h/t, (r+1)·h/t)`` and K/V 
 model's on those heads::
 
     Q, K, V = X W_q^T, X W_k^T, X W_v^T           # (B, S, n_local·d) each
-    Q, K = rope(norm_q(Q)), rope(norm_k(K))       # per head; norms where the family has them
+    Q, K = rope(norm_q(Q)), rope(norm_k(K))       # per head, where the family has the norms
     O = softmax(Q K^T · d^-1/2 + mask) V          # K/V heads shared by n_q / n_kv local Q heads
     Y = O W_o^T                                   # row-parallel: summed over TP
 
@@ -15,7 +15,8 @@ span the whole sequence; and it calls ``q_proj`` / ``k_proj`` / ``v_proj`` separ
 the GQA projection is one module. So the attention class is swapped for a subclass with this
 forward (same module, same parameters, names unchanged); rotary embedding and the attention
 kernels (eager, SDPA ...) are the family's own functions. Dropout on attention probabilities
-draws from the TP-distinct RNG stream (each rank holds other heads).
+draws from the TP-distinct RNG stream (each rank holds other heads). Q/K norm weights are
+shared by all heads: each rank's gradient is the part of its heads, summed over TP in backward.
 """
 
 from __future__ import annotations
@@ -67,8 +68,8 @@ class ParallelAttentionMixin:
         k = k.view(b, s, -1, head_dim)  # (B, S, nkv_local, hd)
         v = v.view(b, s, -1, head_dim)
         if self._nxd_qk_norms:
-            q = getattr(self, self._nxd_qk_norms[0])(q)
-            k = getattr(self, self._nxd_qk_norms[1])(k)
+            q = _head_norm(getattr(self, self._nxd_qk_norms[0]), q)
+            k = _head_norm(getattr(self, self._nxd_qk_norms[1]), k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, n, S, hd)
         cos, sin = position_embeddings
         q, k = family.apply_rotary_pos_emb(q, k, cos, sin)
@@ -95,6 +96,16 @@ class ParallelAttentionMixin:
             )
         out = out.reshape(b, s, -1).contiguous()  # (B, S, nh_local·hd)
         return getattr(self, self._nxd_o)(out), weights
+
+
+def _head_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``norm(x)`` on this rank's heads with its weights entering through an identity whose
+    backward sums over TP: every rank holds the norm's whole gradient (the sum of the heads'
+    parts), whatever optimizer steps it."""
+    from nxd_layers.mappings import copy_to_tensor_model_parallel_region
+
+    weights = {n: copy_to_tensor_model_parallel_region(p) for n, p in norm.named_parameters()}
+    return torch.func.functional_call(norm, weights, (x,))
 
 
 def parallel_attention_class(cls: type[nn.Module]) -> type[nn.Module]:

@@ -29,6 +29,9 @@ class ParallelCausalLMLoss(nn.Module):
     def __init__(self, vocab_size: int) -> None:
         super().__init__()
         self.vocab_size = vocab_size
+        # The vocabulary size as a buffer the forward reads: a module without tensors is left
+        # out of the pipeline's torch.export graph, which must keep this one as a call.
+        self.register_buffer("vocab_limit", torch.tensor(vocab_size), persistent=False)
 
     def forward(
         self,
@@ -45,9 +48,8 @@ class ParallelCausalLMLoss(nn.Module):
         logits = logits.float()  # (B, S, V_local), as Hugging Face upcasts
         local = logits.shape[-1]
         start = nxd_state.get_tensor_model_parallel_rank() * local
-        if start + local > self.vocab_size:  # this rank holds padding columns
-            columns = torch.arange(start, start + local, device=logits.device)
-            logits = logits.masked_fill(columns >= self.vocab_size, float("-inf"))
+        columns = torch.arange(start, start + local, device=logits.device)
+        logits = logits.masked_fill(columns >= self.vocab_limit, float("-inf"))  # padding
         if shift_labels is None:
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         shift_labels = shift_labels.to(logits.device).contiguous()

@@ -263,8 +263,6 @@ class _Swapper:
         attn.add_module(GQA_NAME, layer)
 
     def attention(self, layer_path: str) -> None:
-        from nxd_layers import mark_sequence_parallel_parameter
-
         spec, layout = self.spec, self.layout
         attn_path = f"{layer_path}.{spec.attention}"
         if layout.gqa:
@@ -276,9 +274,6 @@ class _Swapper:
             qkv = (spec.q_proj, spec.k_proj, spec.v_proj)
         self.row(f"{attn_path}.{spec.o_proj}")
         attn = self.model.get_submodule(attn_path)
-        for norm in spec.qk_norms:  # shared by all heads, seen by the local ones: partial grads
-            for param in attn.get_submodule(norm).parameters():
-                mark_sequence_parallel_parameter(param)
         attn.__class__ = parallel_attention_class(type(attn))
         attn._nxd_qkv, attn._nxd_o, attn._nxd_qk_norms = qkv, spec.o_proj, spec.qk_norms
         attn.num_key_value_groups = layout.local_heads // layout.local_kv_heads
@@ -350,6 +345,7 @@ def swap_layers(
     """Swap ``model``'s layers in place for parallel ones on ``meta``; returns their sources.
 
     The model's other tensors keep their values (in memory); their sources name themselves.
+    At TP = 1 nothing is swapped (the plan still says where every tensor comes from).
     """
     from nxd_layers import mark_sequence_parallel_parameter
 
@@ -362,9 +358,9 @@ def swap_layers(
     swapper = _Swapper(model, spec, layout, sequence_parallel, plan)
     layers = model.get_submodule(spec.layers)
     for index, layer in enumerate(layers):
-        if should_parallelize_layer is None or should_parallelize_layer(layer):
+        if layout.tp > 1 and (should_parallelize_layer is None or should_parallelize_layer(layer)):
             swapper.decoder_layer(f"{spec.layers}.{index}")
-    if parallelize_embeddings:
+    if parallelize_embeddings and layout.tp > 1:
         swapper.embeddings()
     if sequence_parallel:
         for param in model.get_submodule(spec.final_norm).parameters():
@@ -372,8 +368,11 @@ def swap_layers(
         layers[0].register_forward_pre_hook(_scatter_sequence)
         if not parallelize_embeddings:
             model.get_submodule(spec.lm_head).register_forward_pre_hook(_gather_sequence)
-    buffers = {n for n, _ in model.named_buffers(remove_duplicate=False)}
-    for name, _ in [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]:
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    for name, buffer in buffers.items():  # buffers of new modules (the loss's)
+        if name not in plan.memory.tensors and not buffer.is_meta:
+            plan.memory.tensors[name] = buffer
+    for name, _ in [*model.named_parameters(remove_duplicate=False), *buffers.items()]:
         if name not in plan.sources:  # kept as is: the whole original tensor
             plan.sources[name] = Source(name, memory=name in buffers)
     plan.index(model)

@@ -230,6 +230,18 @@ class Parallelizer:
         return [f"{cls.spec.layers}.{(k + 1) * layers // stages - 1}" for k in range(stages - 1)]
 
     @classmethod
+    def pipeline_leaves(cls, model: nn.Module) -> list[type]:
+        """Module classes the pipeline's capture keeps as calls: the decoder layer, and every
+        parallel layer and the parallel loss outside it. torch.export would otherwise inline
+        their forward into plain operations, dropping the custom backward (the TP collectives
+        of the gradients) of their autograd functions."""
+        from nxd_layers import BaseParallelLinear, ParallelEmbedding
+        from nxd_trainer.hf._loss import ParallelCausalLMLoss
+
+        layer = type(model.get_submodule(cls.spec.layers)[0])
+        return [layer, ParallelEmbedding, BaseParallelLinear, ParallelCausalLMLoss]
+
+    @classmethod
     def _pipeline(
         cls,
         model: nn.Module,
@@ -247,6 +259,7 @@ class Parallelizer:
             input_names=list(input_names),
             pipeline_cuts=cls.pipeline_cuts(model, nxd_state.get_pipeline_model_parallel_size()),
             tracer_cls="hf",
+            leaf_module_cls=cls.pipeline_leaves(model),
             param_init_fn=plan.init_fn(),
             use_zero1_optimizer=use_zero1_optimizer,
             device=device,

@@ -55,8 +55,8 @@ class ModelSpec:
 
     qk_norms: tuple[str, ...] = ()
     """Per-head norms of Q and K inside the attention module (Qwen3: ``("q_norm",
-    "k_norm")``): replicated over TP, each rank applies them to its own heads, so their
-    gradients are partial sums, summed over TP like sequence-parallel weights' (marked so)."""
+    "k_norm")``): replicated over TP, each rank applies them to its own heads, so a gradient
+    hook sums their partial gradients over TP."""
 
     mlp_column: tuple[str, ...] = ("mlp.gate_proj", "mlp.up_proj")
     """MLP input projections inside a decoder layer (column-parallel)."""

@@ -1,0 +1,123 @@
+"""A parallelised Hugging Face model trained at TP=2 x PP=2 (4 ranks) follows the one-process
+run: 3 AdamW steps of every family (tied embeddings across the first and last stage for
+Qwen2, replicated KV heads for Mistral), through ``Parallelizer.parallelize`` with
+``pipeline_parallel_input_names`` (``NxDPPModel``, ``tracer_cls="hf"``, 2 micro-batches).
+
+Every step's loss and, after the last, every parameter (gathered over TP, each held by the
+rank of its stage) equal the unsharded model's. Tolerance rtol 1e-4 / atol 1e-5: fp32
+re-association (TP splits the matmul sums, the pipeline averages two micro-batch means
+instead of one mean) amplified by AdamW's normalised steps (see ``_recipe.TOL``); a gradient
+missing its TP reduction or a tied gradient not summed across stages is off by ~lr.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from nxd_state.testing import run_distributed
+
+
+def _load(name: str) -> Any:
+    key = f"nxd_trainer_tests_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, Path(__file__).with_name(f"{name}.py"))
+        assert spec is not None
+        assert spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module
+        spec.loader.exec_module(module)
+    return sys.modules[key]
+
+
+H = _load("_hf")
+TOL = {"rtol": 1e-4, "atol": 1e-5}
+STEPS = 3
+ADAMW = {"lr": 1e-2, "eps": 1e-4}  # eps: see _recipe.ADAMW
+
+
+def _train_reference(model: torch.nn.Module) -> dict[str, Any]:
+    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
+    losses = []
+    for step in range(STEPS):
+        ids = H.batch(seed=10 + step)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "params": {n: p.detach() for n, p in model.named_parameters()}}
+
+
+def train_pipelined(families: list[str]) -> dict[str, Any]:
+    import nxd_state
+    from nxd_trainer.hf import ParallelizersManager
+
+    nxd_state.initialize_model_parallel(
+        tensor_model_parallel_size=2, pipeline_model_parallel_size=2
+    )
+    out = {}
+    for family in families:
+        reference = H.model(family)
+        cfg = reference.config
+        parallelizer = ParallelizersManager.parallelizer_for_model(reference)
+        model = parallelizer.parallelize(
+            copy.deepcopy(reference),
+            pipeline_parallel_input_names=["input_ids", "labels"],
+            pipeline_parallel_num_microbatches=2,
+        )
+        optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
+        losses = []
+        for step in range(STEPS):
+            ids = H.batch(seed=10 + step)
+            loss = model.run_train(input_ids=ids, labels=ids)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(None if loss is None else float(loss))
+        params = {}
+        for name, param in model.local_named_parameters():
+            hf_name = parallelizer.hf_name(name)
+            if cfg.tie_word_embeddings and hf_name == "lm_head.weight":  # the last stage's copy
+                hf_name = "model.embed_tokens.weight"
+            params.setdefault(hf_name, []).append(H.full(param, param.detach(), name, cfg))
+        out[family] = {"losses": losses, "params": params, "expected": _train_reference(reference)}
+    return out
+
+
+@pytest.mark.parametrize(
+    "families",
+    [
+        pytest.param(["llama", "qwen2"], id="llama-qwen2"),
+        pytest.param(["mistral", "qwen3"], id="mistral-qwen3", marks=pytest.mark.slow),
+    ],
+)
+def test_trains_at_tp2_pp2_like_one_process(families: list[str]) -> None:
+    """Llama, and Qwen2 with its embedding tied to the head across the first and last
+    stage; Mistral (KV heads replicated) and Qwen3 (Q/K norms) under ``-m slow``."""
+    results = run_distributed(train_pipelined, 4, families)
+    for family in families:
+        expected = results[0][family]["expected"]
+        covered = set()
+        for rank, result in enumerate(results):
+            got = result[family]
+            if got["losses"][0] is not None:  # the last stage's ranks
+                torch.testing.assert_close(
+                    torch.tensor(got["losses"]), torch.tensor(expected["losses"]), **TOL
+                )
+            for name, values in got["params"].items():
+                for value in values:
+                    torch.testing.assert_close(
+                        value,
+                        expected["params"][name],
+                        **TOL,
+                        msg=lambda m, n=name, r=rank, f=family: f"{f} rank {r} {n}: {m}",
+                    )
+                covered.add(name)
+        assert covered == set(expected["params"]), (family, set(expected["params"]) - covered)
+        assert any(r[family]["losses"][0] is not None for r in results)
