@@ -169,6 +169,7 @@ def lightning_run(
     trainer_kwargs: dict[str, Any] | None = None,
     fit_kwargs: dict[str, Any] | None = None,
     capture: bool = False,
+    validate: Any = None,
     **config_extra: Any,
 ) -> dict[str, Any]:
     """NeuronLTModule + NxDStrategy + Lightning's Trainer on this rank."""
@@ -201,17 +202,25 @@ def lightning_run(
     }
     kwargs.update(trainer_kwargs or {})
     if trainer_kwargs and "callbacks" in trainer_kwargs:
-        kwargs["callbacks"] = [recorder, *trainer_kwargs["callbacks"]]
+        kwargs["callbacks"] = [recorder, NeuronTQDMProgressBar(), *trainer_kwargs["callbacks"]]
     trainer = Trainer(**kwargs)
-    stderr = io.StringIO()
-    with contextlib.redirect_stderr(stderr) if capture else contextlib.nullcontext():
+    output = io.StringIO()  # Lightning's TQDM bars write to stdout
+    redirect = contextlib.ExitStack()
+    if capture:
+        redirect.enter_context(contextlib.redirect_stdout(output))
+        redirect.enter_context(contextlib.redirect_stderr(output))
+    with redirect:
         trainer.fit(module, **({"train_dataloaders": loader(batch)} | (fit_kwargs or {})))
+    val_loss = None
+    if validate is not None:
+        val_loss = trainer.validate(module, dataloaders=validate, verbose=False)[0]["val_loss"]
     return {
+        "val_loss": val_loss,
         "losses": recorder.losses,
         "grad_norms": recorder.grad_norms,
         "params": {n: p.detach().clone() for n, p in module.model.named_parameters()},
         "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
-        "stderr": stderr.getvalue(),
+        "output": output.getvalue(),
         "global_step": trainer.global_step,
     }
 

@@ -9,7 +9,7 @@
   micro-batch through ``model.run_train`` (forward + backward; the pipeline schedule at
   PP > 1, where the loss exists on the last stage only), and every ``grad_accum_steps``
   micro-batches the optimizer steps on their mean gradient, then the scheduler;
-* the step's loss, averaged over DP, is logged (``loss``, ``lr``, ``grad_norm``,
+* the step's loss, averaged over DP, is logged in the step (``loss``, ``lr``, ``grad_norm``,
   ``global_step``) from the ranks that hold it: the last pipeline stage, or every stage with
   ``log_rank0`` (one broadcast per step); ranks without it log NaN. The progress bar and the
   TensorBoard logger show one rank's (see :mod:`nxd_lightning.progress_bar`).
@@ -18,7 +18,8 @@ A custom ``training_step`` calls the same two pieces::
 
     def training_step(self, batch, batch_idx):
         loss = self.train_micro_batch(batch)  # run_train + loss bookkeeping
-        self.finish_step(batch_idx)  # optimizer/scheduler step every grad_accum_steps
+        if self.finish_step(batch_idx):  # optimizer/scheduler step every grad_accum_steps
+            self.log_step()
         return loss
 """
 
@@ -251,22 +252,22 @@ class NeuronLTModule(LightningModule):
         return True
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
+        self.should_print = False
         loss = self.train_micro_batch(batch)
-        self.finish_step(batch_idx)
+        if self.finish_step(batch_idx):
+            self.log_step()
         return loss
 
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        """Log the last optimizer step (once per step, not per micro-batch)."""
-        if not self.should_print:
-            return
-        self.should_print = False
+    def log_step(self) -> None:
+        """Log the last optimizer step: ``loss`` (NaN on ranks that do not hold it), ``lr``,
+        ``grad_norm`` (with clipping) and ``global_step``; the first two on the progress bar."""
         loss = self.loss.item() if self.loss is not None else math.nan
         self.log("loss", loss, prog_bar=True)
         if self.lr is not None:
             self.log("lr", self.lr, prog_bar=True)
         if self.global_norm is not None:
             self.log("grad_norm", float(self.global_norm))
-        self.log("global_step", float(self.global_step), prog_bar=True)
+        self.log("global_step", float(self.global_step))
 
     # Validation -------------------------------------------------------------------------------
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
