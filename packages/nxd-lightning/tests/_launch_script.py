@@ -1,0 +1,49 @@
+"""A training script as a user writes it, started with ``python _launch_script.py OUT``:
+Lightning's own launcher (``start_method="popen"``) starts the second process. TP=2 on 2 CPU
+processes; every rank writes ``OUT/rank<r>.json`` with its step losses (null where not held)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import torch
+from lightning.pytorch import Trainer
+
+from nxd_lightning import NeuronLTModule, NeuronTQDMProgressBar, NxDStrategy
+
+spec = importlib.util.spec_from_file_location("_recipe", Path(__file__).with_name("_recipe.py"))
+assert spec is not None
+assert spec.loader is not None
+R = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(R)
+
+STEPS = 3
+
+
+def main(out: Path) -> None:
+    # NxDConfig builds no process group: the config can be made before Lightning launches.
+    config = R.config("tiny_lm", 2, 1)
+    module = NeuronLTModule(R.tiny_lm, config, torch.optim.AdamW, None, opt_kwargs=R.ADAMW)
+    recorder = R.LossRecorder()
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=NxDStrategy(config),
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        callbacks=[recorder, NeuronTQDMProgressBar()],
+    )
+    trainer.fit(module, train_dataloaders=R.loader())
+    rank = torch.distributed.get_rank()
+    (out / f"rank{rank}.json").write_text(
+        json.dumps({"losses": recorder.losses, "world": torch.distributed.get_world_size()})
+    )
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

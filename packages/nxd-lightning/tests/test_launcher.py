@@ -1,0 +1,50 @@
+"""End to end through Lightning's own launcher: ``python script.py`` with
+``Trainer(accelerator="cpu", devices=2, strategy=NxDStrategy(...))`` starts the second process
+itself (the default ``"popen"`` start method re-runs the script), TP=2 on gloo, and the losses
+equal one process's."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HERE = Path(__file__).parent
+
+
+def load_recipe() -> Any:
+    spec = importlib.util.spec_from_file_location("_nxd_lightning_recipe", HERE / "_recipe.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+R = load_recipe()
+
+
+def test_lightning_launcher_runs_tp2_like_one_process(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
+    done = subprocess.run(
+        [sys.executable, str(HERE / "_launch_script.py"), str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=float(os.environ.get("NXD_TEST_TIMEOUT", "180")) * 2,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["world"] for r in ranks] == [2, 2]
+    reference = R.single_process_run("tiny_lm", 3, dp=1)
+    for rank in ranks:  # TP=2: both ranks hold the loss
+        torch.testing.assert_close(
+            torch.tensor(rank["losses"]), torch.tensor(reference["losses"]), **R.TOL
+        )
