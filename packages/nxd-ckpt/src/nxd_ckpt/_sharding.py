@@ -29,7 +29,15 @@ from torch import nn
 
 from nxd_ckpt._boxes import Box
 
-__all__ = ["Block", "ShardSpec", "rank_local_spec", "spec_for_stored_shape", "spec_for_tensor"]
+__all__ = [
+    "Block",
+    "ShardSpec",
+    "gqa_spec",
+    "is_gqa",
+    "rank_local_spec",
+    "spec_for_stored_shape",
+    "spec_for_tensor",
+]
 
 
 @dataclass(frozen=True)
@@ -137,15 +145,22 @@ def _replica_rows(module: nn.Module) -> list[int]:
     return [row for _ in range(int(module.kv_size_multiplier)) for row in range(kv_size)]
 
 
-def _gqa_spec(
-    module: nn.Module, local_name: str, local_shape: tuple[int, ...], rank: int, tp: int
+def gqa_spec(
+    q_size: int,
+    kv_size: int,
+    multiplier: int,
+    replica_rows: list[int],
+    local_name: str,
+    local_shape: tuple[int, ...],
+    rank: int,
+    tp: int,
 ) -> ShardSpec:
-    """The GQA QKV projection's weights and biases (see the module docstring)."""
-    q_size, kv_size = (int(s) for s in module.output_sizes)
-    multiplier = int(module.kv_size_multiplier)
+    """The GQA QKV projection's weights and biases (see the module docstring): the layout
+    of rank ``rank`` of ``tp`` when K/V are replicated ``multiplier`` times, row i of the
+    replicated K (or V) copying row ``replica_rows[i]``; ``local_name`` ends in ``_q``,
+    ``_k``, ``_v`` or ``_qkv``."""
     q_local = q_size // tp
     kv_local = kv_size * multiplier // tp
-    replica_rows = _replica_rows(module) if multiplier > 1 else list(range(kv_size))
     seen: set[int] = set()
     primary_of = []  # replicated row -> first occurrence?
     for row in replica_rows:
@@ -184,6 +199,16 @@ def _gqa_spec(
     return ShardSpec((global_rows, *local_shape[1:]), blocks, tp_replicated=False, info=info)
 
 
+def _gqa_spec(
+    module: nn.Module, local_name: str, local_shape: tuple[int, ...], rank: int, tp: int
+) -> ShardSpec:
+    """:func:`gqa_spec` with the layout of ``module`` (a GQA QKV projection)."""
+    q_size, kv_size = (int(s) for s in module.output_sizes)
+    multiplier = int(module.kv_size_multiplier)
+    replica_rows = _replica_rows(module) if multiplier > 1 else list(range(kv_size))
+    return gqa_spec(q_size, kv_size, multiplier, replica_rows, local_name, local_shape, rank, tp)
+
+
 def _unpadded(spec: ShardSpec, padding: Any, what: str) -> ShardSpec:
     """The spec of the unpadded tensor from that of the padded one (see the module
     docstring): blocks cut to ``padding.runs()`` along ``padding.dim`` and shifted there."""
@@ -214,7 +239,8 @@ def _unpadded(spec: ShardSpec, padding: Any, what: str) -> ShardSpec:
     return ShardSpec(tuple(shape), blocks, spec.tp_replicated, info, spec.rank_local, padded=spec)
 
 
-def _is_gqa(module: nn.Module | None) -> bool:
+def is_gqa(module: nn.Module | None) -> bool:
+    """Whether ``module`` is a GQA QKV projection (by the attributes nxd-ckpt reads)."""
     return module is not None and all(
         hasattr(module, name) for name in ("kv_size_multiplier", "output_sizes", "fuse_qkv")
     )
@@ -249,7 +275,7 @@ def _padded_spec(
     shape = tuple(tensor.shape)
     if not getattr(tensor, "tensor_model_parallel", False):
         return ShardSpec(shape, [Block(Box.whole(shape), (0,) * len(shape))], tp_replicated=True)
-    if _is_gqa(module) and local_name.startswith(("weight_", "bias_")):
+    if is_gqa(module) and local_name.startswith(("weight_", "bias_")):
         return _gqa_spec(module, local_name, shape, tp_rank, tp_size)  # type: ignore[arg-type]
     dim = int(getattr(tensor, "partition_dim", 0))
     stride = int(getattr(tensor, "partition_stride", 1))

@@ -9,8 +9,9 @@ imported. ``user_content.pt`` and ``scheduler.pt`` may hold arbitrary objects: t
 only with ``allow_pickle=True``.
 
 The files become an in-memory index (for each saved rank t of T, the blocks of its tensor
-under the target's sharding attributes), so loading reshards to any TP degree with the same
-code as this package's own format. Optimizer state (plain, or torch-xla ZeRO-1's
+under the target's sharding attributes, with NxD's per-rank padding and GQA head order mapped
+as :mod:`nxd_ckpt._nxd_layout` says), so loading reshards to any TP degree with the same code
+as this package's own format. Optimizer state (plain, or torch-xla ZeRO-1's
 ``base_state`` sharded along dim 0 per parameter, unpadded with ``shape_info``) maps
 positions to parameter names through the target optimizer, at the saved pipeline degree.
 """
@@ -30,10 +31,11 @@ from nxd_ckpt import _jsonstate
 from nxd_ckpt._boxes import Box
 from nxd_ckpt._context import RankContext, current_context
 from nxd_ckpt._load_model import load_model
+from nxd_ckpt._nxd_layout import SavedGQA, saved_gqa_layouts, saved_spec
 from nxd_ckpt._optim_common import encode_scalar, resolve_optimizer
 from nxd_ckpt._optim_load import load_optimizer
 from nxd_ckpt._reader import CheckpointReader
-from nxd_ckpt._sharding import ShardSpec, spec_for_tensor
+from nxd_ckpt._sharding import ShardSpec
 from nxd_ckpt._stfile import dtype_name
 from nxd_ckpt.format import CheckpointIndex, ChunkRecord, TensorRecord
 
@@ -125,31 +127,6 @@ class _TorchSource:
         return tensor[box.shifted(origin).slices()]
 
 
-def _saved_spec(
-    target: torch.Tensor, module: Any, local_name: str, shape: tuple[int, ...], t: int, size: int
-) -> ShardSpec:
-    """How saved rank t of ``size``'s tensor of ``shape`` maps into the global tensor, under
-    the sharding attributes of the target parameter."""
-    probe = torch.empty(shape, device="meta")
-    for attribute in ("tensor_model_parallel", "partition_dim", "partition_stride"):
-        if hasattr(target, attribute):
-            setattr(probe, attribute, getattr(target, attribute))
-    padding = getattr(target, "tensor_parallel_padding", None)
-    if padding is not None:  # NxD's pad_model pads per rank, at the saved TP degree
-        sharded = getattr(target, "tensor_model_parallel", False)
-        saved_size = shape[padding.dim] * (size if sharded else 1)
-        if saved_size != padding.unpadded_size:
-            probe.tensor_parallel_padding = type(padding)(
-                padding.dim, padding.unpadded_size, saved_size, "per_rank", size
-            )
-    if module is not None and int(getattr(module, "kv_size_multiplier", 1)) > 1:
-        raise NotImplementedError(
-            "NxD checkpoints of GQA layers with kv_size_multiplier > 1 are not converted yet "
-            "(NxD replicates K/V block-wise and regroups heads per rank)"
-        )
-    return spec_for_tensor(probe, tp_rank=t, tp_size=size, module=module, local_name=local_name)
-
-
 def _chunks(spec: ShardSpec, relative: str, key: str, t: int, p: int) -> list[ChunkRecord]:
     if spec.tp_replicated and t != 0:
         return []
@@ -184,6 +161,11 @@ def _model_index(tag_dir: Path, model: Any, ctx: RankContext):
     targets, _ = model_tensors(model, ctx)
     by_name = {local.name: local for local in targets}
     modules = {n: m for stage in _stages(model) for n, m in stage.named_modules()}
+    first_rank: dict[str, Any] = {}  # TP rank 0 of every stage: the saved GQA layouts
+    for (t, _), path in files.items():
+        if t == 0:
+            first_rank.update(sources[f"model/{path.name}"].tensors)
+    layouts = saved_gqa_layouts(modules, first_rank, size)
     records: dict[str, TensorRecord] = {}
     for (t, p), path in sorted(files.items()):
         relative = f"model/{path.name}"
@@ -194,7 +176,8 @@ def _model_index(tag_dir: Path, model: Any, ctx: RankContext):
                 records.setdefault(name, TensorRecord(list(shape), dtype_name(tensor.dtype)))
                 continue
             prefix, _, leaf = name.rpartition(".")
-            spec = _saved_spec(local.tensor, modules.get(prefix), leaf, shape, t, size)
+            module = modules.get(prefix)
+            spec = saved_spec(local.tensor, module, prefix, leaf, shape, t, size, layouts)
             record = records.get(name)
             if record is None or not record.chunks:
                 record = TensorRecord(list(spec.global_shape), dtype_name(tensor.dtype))
@@ -204,11 +187,17 @@ def _model_index(tag_dir: Path, model: Any, ctx: RankContext):
         tag=tag_dir.name, save_id="nxd", parallel={"tensor_parallel_size": size}
     )
     index.tensors["model"] = records
-    return index, sources, size, modules
+    return index, sources, size, modules, layouts
 
 
 def _optimizer_index(
-    tag_dir: Path, optimizer: Any, model: Any, ctx: RankContext, size: int, modules: dict
+    tag_dir: Path,
+    optimizer: Any,
+    model: Any,
+    ctx: RankContext,
+    size: int,
+    modules: dict,
+    layouts: dict[str, SavedGQA],
 ):
     """Optimizer state of an NxD tag as global tensors named ``<param>/<key>``."""
     files = _scan(tag_dir / "optim")
@@ -249,8 +238,15 @@ def _optimizer_index(
                 meta["scalars"].setdefault(name, {})[state_key] = encode_scalar(tensor, key)
                 continue
             prefix, _, leaf = name.rpartition(".")
-            spec = _saved_spec(
-                targets[name], modules.get(prefix), leaf, tuple(tensor.shape), t, size
+            spec = saved_spec(
+                targets[name],
+                modules.get(prefix),
+                prefix,
+                leaf,
+                tuple(tensor.shape),
+                t,
+                size,
+                layouts,
             )
             full = f"{name}/{state_key}"
             record = records.setdefault(
@@ -320,10 +316,10 @@ def load_nxd_checkpoint(
     ctx = current_context()
     if model is None:
         raise ValueError("loading an NxD checkpoint needs model= (partition dims come from it)")
-    index, sources, size, modules = _model_index(tag_dir, model, ctx)
+    index, sources, size, modules, layouts = _model_index(tag_dir, model, ctx)
     if optimizer is not None:
         records, meta, optimizer_sources = _optimizer_index(
-            tag_dir, optimizer, model, ctx, size, modules
+            tag_dir, optimizer, model, ctx, size, modules, layouts
         )
         index.tensors["optimizer"] = records
         index.optimizer = meta
