@@ -8,10 +8,11 @@ module resolves an optimizer into one of two shapes:
   flattens params into buckets (one per param group, or per dtype within a group): the
   bucket's params p_1 … p_k lie end to end in a flat vector zero-padded to n·S elements
   (S = ceil(Σ numel / n)), DP rank r holds elements [rS, (r+1)S) as its master shard, and the
-  inner optimizer keeps state tensors shaped like that shard (nxd_optim's layout, read by
-  :func:`zero1_buckets`, the one place that knows nxd_optim's internals).
+  inner optimizer keeps state tensors shaped like that shard (nxd_optim's public
+  ``dtype_buckets``, read by :func:`zero1_buckets`).
 * ``plain``: any ``torch.optim`` optimizer, or ``NxDOptimizer`` without ZeRO-1 (whose inner
-  optimizer steps fp32 master copies of low-precision params).
+  optimizer steps fp32 master copies of low-precision params, read by
+  :func:`nxd_optimizer_masters`: the one place that knows a private attribute of nxd_optim).
 
 Parameter names come from the model; without a model, ``pp<r>.group<i>.<j>`` positions.
 """
@@ -33,6 +34,7 @@ __all__ = [
     "OptimizerView",
     "ZeroBucket",
     "flat_pieces",
+    "nxd_optimizer_masters",
     "resolve_optimizer",
     "zero1_buckets",
     "zero1_inner",
@@ -95,35 +97,24 @@ def zero1_inner(zero: Any) -> torch.optim.Optimizer:
 
 
 def zero1_buckets(zero: Any) -> list[ZeroBucket]:
-    """The flat buffers of an nxd_optim ZeRO-1 optimizer.
-
-    nxd_optim exposes no public accessor for its shards yet: this reads its dtype buckets
-    (``_buckets``: group index, positions, master), or, from the first releases, one flat
-    buffer per param group (``_masters``), and checks each shard's size against the layout.
-    """
+    """The flat buffers of an nxd_optim ZeRO-1 optimizer, from its public ``dtype_buckets``
+    (group index, positions in the group, master shard), each shard's size checked against
+    the layout this module reads."""
     if getattr(zero, "inited", True) is False:
         raise RuntimeError(
             "the ZeRO-1 optimizer has not sharded its params yet (lazy_init): call init_zero()"
         )
+    if not hasattr(type(zero), "dtype_buckets"):
+        raise RuntimeError(
+            f"{type(zero).__name__} has no dtype_buckets: nxd-ckpt needs nxd_optim's ZeRO-1 "
+            f"optimizer with its public dtype_buckets (nxd-optim >= 0.1.0)"
+        )
     n, rank = int(zero.sharding_size), int(zero.sharding_rank)
     groups = zero.param_groups
-    raw = getattr(zero, "_buckets", None)
-    if raw is not None:
-        buckets = [
-            ZeroBucket(
-                b.group_index,
-                [groups[b.group_index]["params"][i] for i in b.positions],
-                b.master,
-                n,
-                rank,
-            )
-            for b in raw
-        ]
-    else:
-        buckets = [
-            ZeroBucket(i, list(group["params"]), master, n, rank)
-            for i, (group, master) in enumerate(zip(groups, zero._masters))
-        ]
+    buckets = [
+        ZeroBucket(b.group_index, b.params(groups[b.group_index]["params"]), b.master, n, rank)
+        for b in zero.dtype_buckets
+    ]
     for bucket in buckets:
         expected = shard_numel(bucket.shapes, n)
         if bucket.master.dim() != 1 or bucket.master.numel() != expected:
@@ -133,6 +124,40 @@ def zero1_buckets(zero: Any) -> list[ZeroBucket]:
                 f"{bucket.shapes} over {n} ranks: nxd_optim's layout is not the one nxd-ckpt reads"
             )
     return buckets
+
+
+def nxd_optimizer_masters(wrapper: Any) -> dict[torch.Tensor, torch.Tensor]:
+    """{model param: fp32 master} of an ``NxDOptimizer`` without ZeRO-1 (low-precision params
+    stepped through fp32 copies).
+
+    nxd_optim exposes no public accessor for these yet, so this reads the wrapper's private
+    ``_masters`` and checks loudly that it is what nxd-ckpt expects: a dict from the
+    wrapper's own parameters to floating-point tensors of the same shape that the inner
+    optimizer steps.
+    """
+    masters = getattr(wrapper, "_masters", None)
+    if masters is None:
+        return {}
+    if not isinstance(masters, dict):
+        raise RuntimeError(
+            f"NxDOptimizer._masters is a {type(masters).__name__}, not the dict of "
+            f"{{param: fp32 master}} nxd-ckpt reads: nxd_optim's layout changed"
+        )
+    stepped = {id(p) for group in wrapper.optimizer.param_groups for p in group["params"]}
+    for param, master in masters.items():
+        if (
+            not isinstance(master, torch.Tensor)
+            or not master.is_floating_point()
+            or tuple(master.shape) != tuple(param.shape)
+            or id(master) not in stepped
+        ):
+            raise RuntimeError(
+                f"NxDOptimizer._masters maps a parameter of shape {tuple(param.shape)} to "
+                f"{type(master).__name__} {tuple(getattr(master, 'shape', ()))}, which is not "
+                f"a same-shaped floating-point master stepped by the inner optimizer: "
+                f"nxd_optim's layout is not the one nxd-ckpt reads"
+            )
+    return masters
 
 
 @dataclass
@@ -213,9 +238,7 @@ def resolve_optimizer(optimizer: Any, model: Any, ctx: RankContext) -> Optimizer
     model_param: dict[int, torch.Tensor] = {}
     masters_in_ckpt = False
     if wrapper is not None:
-        # NxDOptimizer keeps {model param: fp32 master} for low-precision params (nxd_optim
-        # exposes no public accessor for it yet).
-        masters: dict[torch.Tensor, torch.Tensor] = getattr(wrapper, "_masters", {})
+        masters = nxd_optimizer_masters(wrapper)
         model_param = {id(master): param for param, master in masters.items()}
         masters_in_ckpt = bool(masters) and bool(wrapper.config.use_master_weights_in_ckpt)
     inner_params = [p for group in core.param_groups for p in group["params"]]
