@@ -19,17 +19,24 @@ VOCAB, SEQ, BATCH = 96, 8, 2
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 
-def config(family: str, *, vocab: int = VOCAB, kv_heads: int | None = None) -> Any:
+def config(
+    family: str,
+    *,
+    vocab: int = VOCAB,
+    kv_heads: int | None = None,
+    heads: int = 4,
+    hidden: int = 32,
+) -> Any:
     """A 2-layer, hidden-32 config; Mistral with 1 KV head (GQA replication already at TP=2),
     Qwen2 with tied embeddings and Q/K/V biases, Qwen3 with Q/K norms and head_dim 16."""
     import transformers
 
     common = {
         "vocab_size": vocab,
-        "hidden_size": 32,
+        "hidden_size": hidden,
         "intermediate_size": 48,
         "num_hidden_layers": 2,
-        "num_attention_heads": 4,
+        "num_attention_heads": heads,
         "max_position_embeddings": 32,
         "attn_implementation": "eager",
     }
