@@ -45,6 +45,7 @@ NXD_KEYS = (
     "model_init_config",
     "lora_config",
     "mixed_precision_config",
+    "parallelize_hf_models",
 )
 
 
@@ -111,6 +112,11 @@ class NxDConfig:
     mixed_precision_config: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
     """:class:`~nxd_trainer.MixedPrecisionConfig`, resolved against ZeRO-1 on creation."""
 
+    parallelize_hf_models: bool = True
+    """nxd: at ``tensor_parallel_size > 1``, a Hugging Face model of a supported family that
+    ``model_fn`` returns unparallelised is parallelised by :mod:`nxd_trainer.hf` (TP, SP with
+    ``sequence_parallel``, the pipeline's leaves). False: the model is used as returned."""
+
     def __post_init__(self) -> None:
         # Sections given as NxD's dicts (or None) become their dataclasses.
         self.pipeline_config = PipelineConfig.from_nxd(self.pipeline_config)
@@ -129,6 +135,7 @@ class NxDConfig:
                 f"pad_model must be True, False or 'head_aligned', got {self.pad_model!r}"
             )
         check_bool("config", "sequence_parallel", self.sequence_parallel)
+        check_bool("config", "parallelize_hf_models", self.parallelize_hf_models)
         _check_activation_checkpoint(self.activation_checkpoint_config)
         if self.lora_config is not None:
             from nxd_lora import LoraConfig
@@ -273,6 +280,7 @@ def neuronx_distributed_config(
     mixed_precision_config: dict[str, Any] | None = None,
     *,
     expert_parallel_size: int = 1,
+    parallelize_hf_models: bool = True,
     **unknown: Any,
 ) -> dict[str, Any]:
     """NxD's config: validate every setting, initialise model parallelism, return NxD's dict.
@@ -283,6 +291,8 @@ def neuronx_distributed_config(
     "meta_device_init": False, "param_init_fn": None}``, master weights and fp32 gradient
     accumulation on exactly with ZeRO-1. Without a process group one is created
     (``nxd_state.init_distributed``: ``env://`` under torchrun, else a world of one).
+    nxd's keywords: ``expert_parallel_size`` (1 only) and ``parallelize_hf_models`` (see
+    :attr:`NxDConfig.parallelize_hf_models`).
     """
     if unknown:
         reject_unknown_keys("neuronx_distributed_config argument", unknown, NXD_KEYS, TypeError)
@@ -298,6 +308,7 @@ def neuronx_distributed_config(
         model_init_config=model_init_config,
         lora_config=lora_config,
         mixed_precision_config=mixed_precision_config,
+        parallelize_hf_models=parallelize_hf_models,
     )
     initialize_model_parallel(config)
     logger.info("NxD config: %s", config)

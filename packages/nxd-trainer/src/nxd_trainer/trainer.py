@@ -3,7 +3,8 @@
 The model is built in this order (each step explained where it happens):
 
 1. ``model_fn(*args, **kwargs)``, on the meta device with ``meta_device_init``, in waves of
-   ``sequential_move_factor`` local ranks (host memory);
+   ``sequential_move_factor`` local ranks (host memory); at TP > 1 a Hugging Face model of a
+   supported family gets nxd's parallel layers (:mod:`nxd_trainer._hf_auto`), filled below;
 2. PP > 1: :class:`nxd_pipeline.NxDPPModel` traces it, keeps this rank's stages and
    materialises only their parameters (``param_init_fn``); PP = 1: the meta parameters are
    materialised, or the eager model is moved, onto this rank's device;
@@ -27,6 +28,7 @@ import torch
 from torch import fx, nn
 
 import nxd_state
+from nxd_trainer._hf_auto import prepare_hf_model
 from nxd_trainer._lora import wrap_lora
 from nxd_trainer._materialize import as_module_init, build_in_waves, materialize_meta_module
 from nxd_trainer._model_info import ModelInfo, resolve_classes
@@ -89,6 +91,7 @@ def _pipeline_kwargs(
     info: ModelInfo,
     init: Callable[[nn.Module], None] | None,
     device: torch.device,
+    extra_leaves: list[type] | None = None,
 ) -> dict[str, Any]:
     """NxDPPModel's arguments from ``pipeline_config``."""
     pipe = config.pipeline_config
@@ -105,6 +108,8 @@ def _pipeline_kwargs(
     leaves = resolve_classes(
         "pipeline_config['leaf_module_cls']", pipe.leaf_module_cls or [], model
     )
+    if extra_leaves:  # a parallelised HF model: its layer, parallel layers and loss
+        leaves = tuple(dict.fromkeys([*leaves, *extra_leaves]))
     if pipe.deallocate_pipeline_outputs:
         logger.info("deallocate_pipeline_outputs: nxd frees sent activations already")
     # The DP reduction happens once per step: here only when the config says no optimizer
@@ -143,18 +148,27 @@ def _build_local(
     init = as_module_init(config.param_init_fn, device)
     model = _call_model_fn(config, model_fn, args, kwargs)
     info = ModelInfo.of(model)
-    if config.pipeline_parallel_size > 1:
-        from nxd_pipeline import NxDPPModel
+    plan = prepare_hf_model(config, model, info)
+    if plan is not None:
+        init = plan.init_fn(fallback=init)
+    try:
+        if config.pipeline_parallel_size > 1:
+            from nxd_pipeline import NxDPPModel
 
-        return NxDPPModel(model, **_pipeline_kwargs(config, model, info, init, device)), model, info
-    if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):
-        if init is None:
-            raise ValueError(
-                "model_fn returned a model with meta-device tensors but no param_init_fn is set "
-                "(model_init_config['param_init_fn'])"
-            )
-        materialize_meta_module(model, device, init)
-    return nxd_state.move_model_to_device(model, device), model, info
+            leaves = plan.leaves if plan is not None else None
+            kwargs_pp = _pipeline_kwargs(config, model, info, init, device, leaves)
+            return NxDPPModel(model, **kwargs_pp), model, info
+        if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):
+            if init is None:
+                raise ValueError(
+                    "model_fn returned a model with meta-device tensors but no param_init_fn "
+                    "is set (model_init_config['param_init_fn'])"
+                )
+            materialize_meta_module(model, device, init)
+        return nxd_state.move_model_to_device(model, device), model, info
+    finally:
+        if plan is not None:  # drop the references to the original full tensors
+            plan.memory.tensors.clear()
 
 
 def _check_sequence_parallel(config: NxDConfig, original: nn.Module) -> None:

@@ -91,7 +91,7 @@ def _runs(rows: tuple[int, ...]) -> Iterator[tuple[int, int]]:
 class Store:
     """Original tensors by name."""
 
-    def names(self) -> set[str]:
+    def has(self, name: str) -> bool:
         raise NotImplementedError
 
     @contextmanager
@@ -107,8 +107,8 @@ class MemoryStore(Store):
     def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
         self.tensors = tensors
 
-    def names(self) -> set[str]:
-        return set(self.tensors)
+    def has(self, name: str) -> bool:
+        return name in self.tensors
 
     @contextmanager
     def view(self, name: str) -> Iterator[tuple[Any, tuple[int, ...]]]:
@@ -140,8 +140,8 @@ class FolderStore(Store):
             )
         self.weight_map = weight_map
 
-    def names(self) -> set[str]:
-        return set(self.weight_map)
+    def has(self, name: str) -> bool:
+        return name in self.weight_map
 
     @contextmanager
     def view(self, name: str) -> Iterator[tuple[Any, tuple[int, ...]]]:

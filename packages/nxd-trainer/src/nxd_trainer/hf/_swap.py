@@ -21,7 +21,7 @@ from torch import nn
 import nxd_state
 from nxd_trainer.hf._attention import parallel_attention_class
 from nxd_trainer.hf._loss import ParallelCausalLMLoss
-from nxd_trainer.hf._sources import FolderStore, MemoryStore, Source
+from nxd_trainer.hf._sources import FolderStore, MemoryStore, Source, Store
 from nxd_trainer.hf.spec import ModelSpec
 
 __all__ = ["Layout", "Plan", "layout_for", "make_meta", "swap_layers"]
@@ -103,6 +103,8 @@ class Plan:
     """Values come later (a sharded checkpoint): tensors without a source stay uninitialised."""
     names: dict[int, str] = field(default_factory=dict)
     """id(module) -> its name in the parallelised model (set by :meth:`index`)."""
+    leaves: list[type] = field(default_factory=list)
+    """Module classes a pipeline capture must keep as calls (set for PP > 1)."""
 
     def index(self, model: nn.Module) -> None:
         self.names = {id(m): name for name, m in model.named_modules()}
@@ -122,7 +124,7 @@ class Plan:
                 continue
             full = f"{prefix}.{name}" if prefix else name
             source = self.sources.get(full)
-            if source is None:
+            if source is None or not self.store(source).has(source.name):
                 unsourced.append(full)
                 continue
             value = self.read(source)
@@ -137,12 +139,11 @@ class Plan:
                 tensor.copy_(value)
         return unsourced
 
+    def store(self, source: Source) -> Store:
+        return self.memory if source.memory or self.folder is None else self.folder
+
     def read(self, source: Source) -> torch.Tensor:
-        store = self.memory if source.memory or self.folder is None else self.folder
-        if source.name not in store.names():
-            where = "the model" if store is self.memory else f"the folder {self.folder.folder}"  # type: ignore[union-attr]
-            raise KeyError(f"{where} has no tensor {source.name!r}")
-        with store.view(source.name) as (view, shape):
+        with self.store(source).view(source.name) as (view, shape):
             return source.read(view, shape)
 
     def init_fn(
@@ -158,7 +159,10 @@ class Plan:
             if fallback is not None:
                 fallback(module)
             elif not self.deferred:
-                raise ValueError(f"{unsourced[:4]} have no source of values")
+                where = f"the folder {self.folder.folder}" if self.folder else "the model"
+                raise ValueError(
+                    f"{unsourced[:4]}: no values for them in {where} (and no param_init_fn)"
+                )
 
         return init
 

@@ -1,0 +1,71 @@
+"""``initialize_parallel_model`` on a Hugging Face model: parallelised by :mod:`nxd_trainer.hf`.
+
+At ``tensor_parallel_size > 1`` a model of a supported family that ``model_fn`` returns with
+plain ``nn.Linear`` layers would otherwise be replicated on every TP rank. Unless the config
+says ``parallelize_hf_models=False``, its layers are swapped for parallel ones (sequence
+parallel with ``sequence_parallel``), then filled like any meta-device model: by the
+``param_init_fn`` the trainer hands to the materialisation (PP = 1) or to ``NxDPPModel``
+(PP > 1), which here reads each rank's part of the model's own weights, or of the folder a
+model built under ``lazy_load_for_parallelism`` came from; tensors without a source (a
+model built on ``meta`` by ``meta_device_init``) go to the config's ``param_init_fn``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from torch import nn
+
+from nxd_trainer._model_info import ModelInfo
+from nxd_trainer.config import NxDConfig
+
+__all__ = ["prepare_hf_model"]
+
+logger = logging.getLogger(__name__)
+
+
+def _already_parallel(model: nn.Module) -> bool:
+    from nxd_layers import BaseParallelLinear, ParallelEmbedding
+
+    return any(isinstance(m, (BaseParallelLinear, ParallelEmbedding)) for m in model.modules())
+
+
+def prepare_hf_model(config: NxDConfig, model: nn.Module, info: ModelInfo) -> Any:
+    """Swap ``model``'s layers when the rules above say so; returns the fill plan (its
+    ``init_fn`` is the param_init_fn to use, ``leaves`` the pipeline's extra leaf classes),
+    or None when the model is left as it is."""
+    if not (config.parallelize_hf_models and info.is_hf and config.tensor_parallel_size > 1):
+        return None
+    if _already_parallel(model):
+        return None
+    from nxd_trainer.hf import ParallelizersManager
+    from nxd_trainer.hf._sources import FolderStore
+    from nxd_trainer.hf._swap import make_meta
+    from nxd_trainer.hf.parallelizer import LAZY_FOLDER
+
+    model_type = getattr(model.config, "model_type", None)
+    if model_type not in ParallelizersManager.get_supported_model_types():
+        raise ValueError(
+            f"tensor_parallel_size={config.tensor_parallel_size} with a Hugging Face "
+            f"{info.class_name} (model_type {model_type!r}): nxd parallelises "
+            f"{ParallelizersManager.get_supported_model_types()}; build the model from nxd's "
+            f"TP layers, or set parallelize_hf_models=False to use it replicated as returned"
+        )
+    if config.pad_model:
+        raise ValueError(
+            "pad_model with a Hugging Face model that nxd parallelises: its heads must divide "
+            "tensor_parallel_size (pad_model pads models built from TP layers)"
+        )
+    parallelizer = ParallelizersManager.parallelizer_for_model(model)
+    parallelizer._parallelize(model, sequence_parallel_enabled=config.sequence_parallel)
+    plan = model.__dict__.pop("_nxd_plan")
+    folder = model.__dict__.get(LAZY_FOLDER)
+    if folder is not None:
+        plan.folder = FolderStore(folder)
+        make_meta(model, buffers=False)
+    if config.pipeline_parallel_size > 1:
+        make_meta(model, buffers=True)
+        plan.leaves = parallelizer.pipeline_leaves(model)
+    logger.info("parallelised the Hugging Face %s with %s", info.class_name, parallelizer.__name__)
+    return plan
