@@ -117,6 +117,9 @@ _GROUPS: list[tuple[str, str, list[str]]] = [
     (NXD, "nxd_trainer", ["has_checkpoint", "finalize_checkpoint"]),
     (f"{NXD}.trace", "nxd_layers.trace", ["parallel_model_trace", "parallel_model_save"]),
     (f"{NXD}.trace", "nxd_layers.trace", ["parallel_model_load", "TensorParallelModel"]),
+    (f"{NXD}.lightning", "nxd_lightning", ["NeuronLTModule", "NeuronXLAStrategy"]),
+    (f"{NXD}.lightning", "nxd_lightning", ["NeuronXLAPrecisionPlugin", "NeuronTQDMProgressBar"]),
+    (f"{NXD}.lightning", "nxd_lightning", ["NeuronTensorBoardLogger"]),
     (f"{NXD}.utils.model_utils", "nxd_state", ["move_model_to_device", "get_local_world_size"]),
     (f"{NXD}.utils.adamw_fp32_optim_params", "nxd_optim", ["AdamW_FP32OptimParams"]),
     (f"{NXD}.optimizer", "nxd_optim", ["NeuronZero1Optimizer"]),
@@ -272,7 +275,6 @@ MISSING_NAMES = {
     "neuronx_distributed.modules.qkv_linear:GQAQKVColumnParallelLinear.initialize_weight_biases": (
         "NxD's Llama init_weights() re-initializes GQA layers with initialize_weight_biases()"
     ),
-    "neuronx_distributed:lightning": "NxD's Lightning integration (nxd-lightning, in progress)",
 }
 
 
