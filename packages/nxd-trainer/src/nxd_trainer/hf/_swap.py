@@ -345,11 +345,13 @@ def swap_layers(
     sequence_parallel: bool,
     parallelize_embeddings: bool,
     should_parallelize_layer: Callable[[nn.Module], bool] | None = None,
+    swap_at_tp1: bool = False,
 ) -> Plan:
     """Swap ``model``'s layers in place for parallel ones on ``meta``; returns their sources.
 
     The model's other tensors keep their values (in memory); their sources name themselves.
-    At TP = 1 nothing is swapped (the plan still says where every tensor comes from).
+    At TP = 1 nothing is swapped (the plan still says where every tensor comes from), unless
+    ``swap_at_tp1`` (benchmarks: the parallel layers' own cost).
     """
     from nxd_layers import mark_sequence_parallel_parameter
 
@@ -361,10 +363,11 @@ def swap_layers(
     plan.memory = MemoryStore({n: t for n, t in originals.items() if not t.is_meta})
     swapper = _Swapper(model, spec, layout, sequence_parallel, plan)
     layers = model.get_submodule(spec.layers)
+    swap = layout.tp > 1 or swap_at_tp1
     for index, layer in enumerate(layers):
-        if layout.tp > 1 and (should_parallelize_layer is None or should_parallelize_layer(layer)):
+        if swap and (should_parallelize_layer is None or should_parallelize_layer(layer)):
             swapper.decoder_layer(f"{spec.layers}.{index}")
-    if parallelize_embeddings and layout.tp > 1:
+    if parallelize_embeddings and swap:
         swapper.embeddings()
     if sequence_parallel:
         for param in model.get_submodule(spec.final_norm).parameters():
