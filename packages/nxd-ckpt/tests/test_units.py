@@ -198,11 +198,11 @@ def test_num_kept_removes_stale_incomplete_tags_but_keeps_newer_ones(tmp_path: P
         save_checkpoint(tmp_path, tag, model=model)
     (tmp_path / "new-broken").mkdir()  # an interrupted save, newer than every complete tag
     (tmp_path / "new-broken" / "checkpoint").write_text("1")
-    # Tags are ordered by marker mtime; a coarse-clock filesystem (CI's) can give all five the
-    # same stamp, so pin the order the test describes, one second apart.
-    markers = ["old-broken/checkpoint", "a/done", "b/done", "c/done", "new-broken/checkpoint"]
-    for seconds, marker in enumerate(markers, start=1_700_000_000):
-        os.utime(tmp_path / marker, (seconds, seconds))
+    # Tags are ordered by the time recorded in their markers; the hand-made ones hold "1" (no
+    # time), so they fall back to mtime, which on Linux ticks coarsely: pin both ends.
+    first = min(int((tmp_path / t / "done").read_text()) for t in "abc")
+    os.utime(tmp_path / "old-broken" / "checkpoint", ns=(first - 10**9, first - 10**9))
+    os.utime(tmp_path / "new-broken" / "checkpoint", ns=(first + 10**12, first + 10**12))
     removed = apply_num_kept(tmp_path, 2)
     assert sorted(removed) == ["a", "old-broken"]
     assert [(t.name, t.complete) for t in list_tags(tmp_path)] == [

@@ -1,8 +1,11 @@
 """Tag folders: markers, finding the newest complete tag, and deleting old ones safely.
 
 A tag is *complete* when its ``done`` marker exists; ``done`` is written only after the index
-names a fully written save. Tags are ordered by the modification time of ``done`` (a re-save
-rewrites it), ties by name. Deleting a tag removes ``done`` first, then the files, then the
+names a fully written save. Tags are ordered by the time written inside ``done`` (nanoseconds
+since the epoch; a re-save rewrites it), or its modification time for markers that hold no
+time (older saves, NxD's); ties by name. The recorded time matters because file timestamps
+on Linux tick at the kernel's coarse clock (a few milliseconds), so quick saves could tie.
+Deleting a tag removes ``done`` first, then the files, then the
 folders, so an interrupted deletion never leaves a tag that looks complete.
 """
 
@@ -11,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,13 +39,17 @@ class TagInfo:
     path: Path
     complete: bool
     order: tuple[int, str]
-    """(mtime_ns of ``done``, or of the ``checkpoint`` marker when incomplete; name)."""
+    """(time of ``done``, or of the ``checkpoint`` marker when incomplete, in ns; name)."""
 
 
-def _mtime(path: Path) -> int:
+def _stamp(path: Path) -> int:
+    """The time recorded in a marker (ns), else its modification time; 0 when it is gone."""
     try:
-        return path.stat().st_mtime_ns
-    except FileNotFoundError:
+        text = path.read_text().strip()
+        recorded = int(text) if text.isdigit() else 0
+        # "1" (older markers) is no time: anything before 2001 falls back to the mtime.
+        return recorded if recorded > 10**18 else path.stat().st_mtime_ns
+    except (FileNotFoundError, UnicodeDecodeError):
         return 0
 
 
@@ -59,7 +67,7 @@ def list_tags(path: Path) -> list[TagInfo]:
             continue
         complete = done.exists()
         name = "" if folder == path else folder.name
-        stamp = _mtime(done) if complete else _mtime(start)
+        stamp = _stamp(done) if complete else _stamp(start)
         found.append(TagInfo(name, folder, complete, (stamp, name)))
     return sorted(found, key=lambda tag: tag.order)
 
@@ -100,13 +108,13 @@ def begin_tag(folder: Path) -> None:
     """Create the tag folder and its start marker (kept if the tag exists)."""
     folder.mkdir(parents=True, exist_ok=True)
     if not (folder / START_MARKER).exists():  # informational: not worth an fsync
-        write_text_atomic(folder / START_MARKER, "1", durable=False)
+        write_text_atomic(folder / START_MARKER, str(time.time_ns()), durable=False)
 
 
 def mark_done(folder: Path) -> None:
-    """``done``, made durable by a folder fsync (its content is never read; the index it
-    vouches for was made durable before)."""
-    write_text_atomic(folder / DONE_MARKER, "1", durable=False)
+    """``done`` holding the completion time (ns), made durable by a folder fsync (the index
+    it vouches for was made durable before)."""
+    write_text_atomic(folder / DONE_MARKER, str(time.time_ns()), durable=False)
     fsync_dir(folder)
 
 
