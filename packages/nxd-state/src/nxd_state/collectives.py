@@ -2,9 +2,12 @@
 
 The wrappers hide what backends lack and skip communication on groups of one. A missing native
 op is detected once per backend (the backend refuses it before any byte moves) and emulated
-from then on: reduce-scatter as an all-reduce and a slice (gloo before torch 2.6), all-to-all
-as pairwise sends and receives (a backend without ``all_to_all_single``; gloo through torch
-2.11 also lacks the list form ``all_to_all``, which is why the tensor form is the one used).
+from then on: reduce-scatter as an all-reduce and a slice (a backend with neither a
+reduce-scatter nor an all-to-all), all-to-all as pairwise sends and receives (a backend without
+``all_to_all_single``; gloo through torch 2.11 also lacks the list form ``all_to_all``, which
+is why the tensor form is the one used). On gloo, where torch's reduce-scatter is an all-reduce
+of a copy and its all-gather stages through a buffer of its own, :func:`reduce_scatter` is an
+all-to-all and a local reduction, and :func:`all_gather` with ``out`` is n broadcasts in place.
 
 An opt-in :class:`CollectiveCounter` records calls and bytes per op and per group, so
 benchmarks can compare traffic with theory. Two byte counts are kept per call:
