@@ -1,6 +1,7 @@
 """A training script as a user writes it, started with ``python _launch_script.py OUT``:
 Lightning's own launcher (``start_method="popen"``) starts the second process. TP=2 on 2 CPU
-processes; every rank writes ``OUT/rank<r>.json`` with its step losses (null where not held)."""
+processes, on a stock Hugging Face Llama (parallelized by ``initialize_parallel_model``); every
+rank writes ``OUT/rank<r>.json`` with its step losses (null where not held)."""
 
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ STEPS = 3
 
 def main(out: Path) -> None:
     # NxDConfig builds no process group: the config can be made before Lightning launches.
-    config = R.config("tiny_lm", 2, 1)
-    module = NeuronLTModule(R.tiny_lm, config, torch.optim.AdamW, None, opt_kwargs=R.ADAMW)
+    config = R.config("hf_llama", 2, 1)
+    module = NeuronLTModule(R.hf_llama, config, torch.optim.AdamW, None, opt_kwargs=R.ADAMW)
     recorder = R.LossRecorder()
     trainer = Trainer(
         accelerator="cpu",
@@ -41,7 +42,13 @@ def main(out: Path) -> None:
     trainer.fit(module, train_dataloaders=R.loader())
     rank = torch.distributed.get_rank()
     (out / f"rank{rank}.json").write_text(
-        json.dumps({"losses": recorder.losses, "world": torch.distributed.get_world_size()})
+        json.dumps(
+            {
+                "losses": recorder.losses,
+                "world": torch.distributed.get_world_size(),
+                "tp_layers": R.tp_layers(module.model),
+            }
+        )
     )
 
 

@@ -3,9 +3,10 @@
 Not a test module: test files load it by path (``load_recipe``), since rank processes find
 functions by file and pytest's importlib mode does not put this folder on ``sys.path``.
 
-Models: ``nxd_trainer.testing.TinyLM`` (a causal LM built from nxd's TP layers, deterministic
-weights at any TP degree) for every layout with TP, and a tiny Hugging Face
-``LlamaForCausalLM`` for PP (the pipeline captures it with torch.export). Data: SAMPLES
+Models: a tiny, unmodified Hugging Face ``LlamaForCausalLM`` built from a config (nxd-trainer's
+HF parallelizer swaps its layers at TP > 1; the pipeline captures it with torch.export at
+PP > 1), and ``nxd_trainer.testing.TinyLM`` (a causal LM written with nxd's TP layers,
+deterministic weights at any TP degree: the NxD way of writing a TP model). Data: SAMPLES
 sequences of SEQ tokens. Lightning wraps a training loader in ``DistributedSampler(shuffle=True,
 seed=0)`` over the strategy's DP rank and size (``set_epoch`` every epoch); the trainer-API loop
 reads through the same sampler, and the one-process run reads each step's union of the DP
@@ -73,6 +74,8 @@ def tiny_lm(**kwargs: Any) -> torch.nn.Module:
 
 
 def hf_llama() -> torch.nn.Module:
+    """A stock ``LlamaForCausalLM`` (GQA: 4 query heads, 2 KV heads; random weights from seed 0,
+    so every rank builds the same full model and the parallelizer keeps its slices)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -219,10 +222,18 @@ def lightning_run(
         "losses": recorder.losses,
         "grad_norms": recorder.grad_norms,
         "params": {n: p.detach().clone() for n, p in module.model.named_parameters()},
+        "tp_layers": tp_layers(module.model),
         "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
         "output": output.getvalue(),
         "global_step": trainer.global_step,
     }
+
+
+def tp_layers(model: torch.nn.Module) -> int:
+    """How many of nxd's TP layers the trained model holds (0: replicated over TP)."""
+    from nxd_layers import BaseParallelLinear, ParallelEmbedding
+
+    return sum(isinstance(m, (BaseParallelLinear, ParallelEmbedding)) for m in model.modules())
 
 
 def trainer_api_run(

@@ -1,4 +1,5 @@
-"""Forkserver preloads for the rank processes and the ``slow`` marker (heavier variants)."""
+"""Forkserver preloads for the rank processes, and the ``slow`` marker: heavier variants that run
+only when selected with ``-m slow``."""
 
 import pytest
 
@@ -10,6 +11,7 @@ add_preload(
     "torch._dynamo",
     "lightning.pytorch",
     "nxd_trainer",
+    "nxd_trainer.hf",
     "nxd_lightning",
     "transformers.models.llama.modeling_llama",
 )
@@ -17,5 +19,14 @@ add_preload(
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
-        "markers", "slow: heavier variants (more processes or steps); run with -m slow"
+        "markers", "slow: heavier variants (more processes or steps); selected with -m slow"
     )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if "slow" in (config.getoption("-m") or ""):
+        return
+    skip = pytest.mark.skip(reason="slow variant: run with -m slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
