@@ -1,5 +1,7 @@
 """Async save: same bytes as a sync save, a snapshot taken at save time, errors never lost;
-and a full disk during a save (sync or async) leaves the previous tag loadable."""
+and a full disk during a save (sync or async) leaves the previous tag loadable. With
+``async_copy="before_step"`` the copy happens after the call returns and the next optimizer
+step waits for it (still a snapshot); a change outside a step is refused, not saved torn."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +18,7 @@ import torch
 from torch import nn
 
 import nxd_ckpt
-from nxd_ckpt import _stfile, finalize_checkpoint, load_checkpoint, save_checkpoint
+from nxd_ckpt import _saver, _stfile, finalize_checkpoint, load_checkpoint, save_checkpoint
 from nxd_state.testing import run_distributed
 
 
@@ -67,13 +70,23 @@ def _two_rank_sync_and_async(path: str) -> None:
     save_checkpoint(path, "sync", model=model, optimizer=optimizer)
     torch.manual_seed(1)
     save_checkpoint(path, "async", model=model, optimizer=optimizer, async_save=True)
-    train_step(model, optimizer, 1)  # training goes on while the save is written
+    torch.manual_seed(1)
+    save_checkpoint(
+        path,
+        "deferred",
+        model=model,
+        optimizer=optimizer,
+        async_save=True,
+        async_copy="before_step",
+    )
+    train_step(model, optimizer, 1)  # training goes on (its ZeRO-1 step waits for the copy)
     finalize_checkpoint()
 
 
 def test_async_equals_sync_on_two_ranks_with_zero1(tmp_path: Path) -> None:
     run_distributed(_two_rank_sync_and_async, 2, str(tmp_path))
     assert _assert_same_bytes(tmp_path / "sync", tmp_path / "async") == 2  # both DP ranks write
+    assert _assert_same_bytes(tmp_path / "sync", tmp_path / "deferred") == 2
 
 
 def test_async_save_is_a_snapshot_and_the_next_save_waits(tmp_path: Path) -> None:
@@ -89,6 +102,77 @@ def test_async_save_is_a_snapshot_and_the_next_save_waits(tmp_path: Path) -> Non
     assert torch.equal(loaded[0].weight, expected)
     load_checkpoint(tmp_path, "b", model=loaded)
     assert torch.equal(loaded[0].weight, expected + 1.0)
+
+
+def _slow_deferred_copy(monkeypatch: pytest.MonkeyPatch, events: list[tuple[str, float]]) -> None:
+    """The background copy starts 0.3 s late, so the caller's next step comes first."""
+    real = _saver.copy_deferred
+
+    def copy(copies: list) -> None:
+        time.sleep(0.3)
+        real(copies)
+        events.append(("copied", time.perf_counter()))
+
+    monkeypatch.setattr(_saver, "copy_deferred", copy)
+
+
+def test_deferred_copy_is_a_snapshot_taken_before_the_next_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """async_copy="before_step": the call returns before copying parameters and optimizer
+    state; the next optimizer.step waits for the copy (same bytes as a sync save of the
+    state at save time); buffers changed by the next forward were copied at once."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.Linear(64, 8))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 32)).sum().backward()
+    optimizer.step()
+    torch.manual_seed(5)
+    save_checkpoint(tmp_path, "sync", model=model, optimizer=optimizer)
+    events: list[tuple[str, float]] = []
+    _slow_deferred_copy(monkeypatch, events)
+    torch.manual_seed(5)
+    save_checkpoint(
+        tmp_path,
+        "deferred",
+        model=model,
+        optimizer=optimizer,
+        async_save=True,
+        async_copy="before_step",
+    )
+    events.append(("returned", time.perf_counter()))
+    before = model[0].weight.detach().clone()
+    model(torch.randn(4, 32)).sum().backward()  # changes BatchNorm's running stats at once
+    optimizer.step()  # waits for the copy
+    events.append(("stepped", time.perf_counter()))
+    finalize_checkpoint()
+    assert [name for name, _ in sorted(events, key=lambda e: e[1])] == [
+        "returned",
+        "copied",
+        "stepped",
+    ]
+    assert not torch.equal(model[0].weight, before)  # the step did run
+    assert _assert_same_bytes(tmp_path / "sync", tmp_path / "deferred") == 1
+
+
+def test_deferred_copy_refuses_a_change_outside_a_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = _model()
+    original = model[0].weight.detach().clone()
+    save_checkpoint(tmp_path, "good", model=model)
+    _slow_deferred_copy(monkeypatch, [])
+    save_checkpoint(tmp_path, "torn", model=model, async_save=True, async_copy="before_step")
+    with torch.no_grad():
+        model[0].weight.add_(1.0)  # not an optimizer step: the copy would be torn
+    with pytest.raises(RuntimeError, match=r"\['model 0.weight'\] changed in place after"):
+        finalize_checkpoint()
+    assert not (tmp_path / "torn" / "done").exists()
+    loaded = _model(seed=2)
+    load_checkpoint(tmp_path, model=loaded)  # the newest complete tag: "good"
+    assert torch.equal(loaded[0].weight, original)
+    with pytest.raises(ValueError, match="async_copy must be one of"):
+        save_checkpoint(tmp_path, "x", model=model, async_save=True, async_copy="later")
 
 
 def _full_disk(after_bytes: int):

@@ -66,6 +66,9 @@ class TensorItem:
     source: DenseSource | FlatSource
     dp_replicated: bool = True
     """Every data-parallel rank holds the same data (False for ZeRO-1 shards)."""
+    stable: bool = False
+    """Changed in place only by optimizer steps (parameters, optimizer state): an async save
+    with ``async_copy="before_step"`` may copy it after returning, before the next step."""
 
 
 @dataclass

@@ -67,6 +67,7 @@ def _zero1_items(view: OptimizerView) -> tuple[list[TensorItem], dict]:
                         view.specs[name],
                         source,
                         dp_replicated=False,
+                        stable=True,
                     )
                 )
     for gi, group in enumerate(zero.param_groups):
@@ -88,8 +89,9 @@ def _plain_items(view: OptimizerView) -> tuple[list[TensorItem], dict]:
         spec = view.specs[name]
         for key, value in state_dict["state"].get(index, {}).items():
             if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == param.shape:
+                source = DenseSource(value)
                 item = TensorItem(
-                    "optimizer", f"{name}/{key}", value.dtype, spec, DenseSource(value)
+                    "optimizer", f"{name}/{key}", value.dtype, spec, source, stable=True
                 )
                 items.append(item)
             else:
@@ -97,7 +99,12 @@ def _plain_items(view: OptimizerView) -> tuple[list[TensorItem], dict]:
         if view.masters_in_ckpt and id(param) in view.model_param:
             items.append(
                 TensorItem(
-                    "optimizer", f"{name}/{MASTER_KEY}", param.dtype, spec, DenseSource(param)
+                    "optimizer",
+                    f"{name}/{MASTER_KEY}",
+                    param.dtype,
+                    spec,
+                    DenseSource(param),
+                    stable=True,
                 )
             )
     position = 0

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 
 from nxd_ckpt import _jsonstate
 from nxd_ckpt._boxes import Box
@@ -39,6 +40,8 @@ class WriteChunk:
     box: Box
     data: torch.Tensor
     """A view of the local data (any device; made contiguous on CPU when written)."""
+    stable: bool = False
+    """A view of a tensor changed only by optimizer steps (see ``TensorItem.stable``)."""
 
     @property
     def key(self) -> str:
@@ -71,9 +74,11 @@ class RankPlan:
         for piece in pieces(item):
             if is_writer(item, piece, ctx.tp_rank, ctx.tp_size, ctx.dp_rank, ctx.dp_size):
                 data = piece.local
+                stable = item.stable
                 if data.dtype != item.dtype:
-                    data = data.to(item.dtype)
-                self.chunks.append(WriteChunk(item.category, item.name, piece.global_box, data))
+                    data, stable = data.to(item.dtype), False  # a copy: a snapshot already
+                chunk = WriteChunk(item.category, item.name, piece.global_box, data, stable)
+                self.chunks.append(chunk)
 
 
 def _whole(category: str, name: str, tensor: torch.Tensor) -> TensorItem:
@@ -92,8 +97,16 @@ def _add_model(plan: RankPlan, model: Any) -> None:
     tensors, aliases = model_tensors(model, plan.ctx)
     for local in tensors:
         name = rank_local_name(local.name, plan.ctx) if local.spec.rank_local else local.name
+        stable = isinstance(local.tensor, nn.Parameter)  # buffers may change in forward
         plan.add(
-            TensorItem("model", name, local.tensor.dtype, local.spec, DenseSource(local.tensor))
+            TensorItem(
+                "model",
+                name,
+                local.tensor.dtype,
+                local.spec,
+                DenseSource(local.tensor),
+                stable=stable,
+            )
         )
     if aliases:
         plan.aliases["model"] = aliases

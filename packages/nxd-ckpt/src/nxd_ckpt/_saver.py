@@ -25,12 +25,12 @@ from pathlib import Path
 
 import torch
 
-from nxd_ckpt import _tags
+from nxd_ckpt import _step_gate, _tags
 from nxd_ckpt._context import RankContext, agree
 from nxd_ckpt._plan import RankPlan
 from nxd_ckpt._slots import host_slot
 from nxd_ckpt._stfile import FilePlan, write_text_atomic
-from nxd_ckpt._write import manifest_path, merge_manifests, write_rank
+from nxd_ckpt._write import DeferredCopy, copy_deferred, manifest_path, merge_manifests, write_rank
 from nxd_ckpt.format import INDEX_NAME
 
 __all__ = ["SaveJob", "pending_job", "wait_pending"]
@@ -55,6 +55,8 @@ class SaveJob:
     num_workers: int
     file_plan: FilePlan | None = None
     staged: list[torch.Tensor] | None = None
+    deferred: list[DeferredCopy] | None = None
+    """Chunks still to copy into ``staged`` before writing (the next optimizer step waits)."""
     commit_timeout_s: float = 3600.0
     written: threading.Event = field(default_factory=threading.Event)
     cancel: threading.Event = field(default_factory=threading.Event)
@@ -76,6 +78,12 @@ class SaveJob:
 
     def write(self) -> None:
         try:
+            try:  # the deferred copy first (no I/O before it): the next step waits for it
+                if self.deferred:
+                    copy_deferred(self.deferred)
+            finally:
+                self.deferred = None
+                _step_gate.open_gate()
             self.prepare()
             with host_slot(self.num_workers, self.ctx.local_rank, f"rank {self.ctx.rank} save"):
                 write_rank(self.plan, self.tag_dir, self.data_dir, self.file_plan, self.staged)
@@ -89,6 +97,7 @@ class SaveJob:
     def _mark_failed(self, error: BaseException) -> None:
         """Tell rank 0 to stop waiting for this rank (best effort: the disk may be full)."""
         try:
+            self.data_dir.mkdir(parents=True, exist_ok=True)  # the copy may fail before it
             path = self.data_dir / f"failed_rank_{self.ctx.rank:05d}"
             path.write_text("".join(traceback.format_exception_only(type(error), error)))
         except OSError:
@@ -146,13 +155,20 @@ class SaveJob:
         agree(self.commit_error, f"committing checkpoint {self.tag_dir}")
 
     def start_async(self) -> None:
+        if self.deferred:
+            _step_gate.close()
+
         def body() -> None:
             self.write()
             if self.ctx.rank == 0 and self.write_error is None:
                 self.commit()
 
         self.thread = threading.Thread(target=body, name=f"nxd-ckpt-save-{self.tag}")
-        self.thread.start()
+        try:
+            self.thread.start()
+        except BaseException:
+            _step_gate.open_gate()  # no thread will copy: steps must not wait forever
+            raise
 
     def finish(self, collective: bool) -> None:
         """Join the background save; raise its error (on every rank when ``collective``)."""

@@ -11,11 +11,13 @@ from __future__ import annotations
 import json
 import logging
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from nxd_ckpt._memcopy import copy_into
 from nxd_ckpt._plan import RankPlan, WriteChunk
 from nxd_ckpt._stfile import FilePlan, plan_file, write_planned, write_text_atomic
 from nxd_ckpt.format import (
@@ -27,7 +29,15 @@ from nxd_ckpt.format import (
     TensorRecord,
 )
 
-__all__ = ["StagingBuffer", "file_plan_for", "manifest_path", "merge_manifests", "write_rank"]
+__all__ = [
+    "DeferredCopy",
+    "StagingBuffer",
+    "copy_deferred",
+    "file_plan_for",
+    "manifest_path",
+    "merge_manifests",
+    "write_rank",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +56,34 @@ def _ordered_chunks(plan: RankPlan, file_plan: FilePlan) -> list[WriteChunk]:
     return [by_key[entry.key] for entry in file_plan.entries]
 
 
+@dataclass
+class DeferredCopy:
+    """A chunk an async save copies after returning (``async_copy="before_step"``)."""
+
+    name: str
+    target: torch.Tensor
+    source: torch.Tensor
+    version: int
+    """``source._version`` at save time: any in-place change since bumps it."""
+
+
+def copy_deferred(copies: list[DeferredCopy]) -> None:
+    """Copy the deferred chunks into the host buffer, then check that none was changed in
+    place since the save call (a torn snapshot is an error naming the tensor)."""
+    for copy in copies:
+        copy_into(copy.target, copy.source)
+    changed = sorted({copy.name for copy in copies if copy.source._version != copy.version})
+    if changed:
+        more = f" and {len(changed) - 10} more" if len(changed) > 10 else ""
+        raise RuntimeError(
+            f"async checkpoint (async_copy='before_step'): {changed[:10]}{more} changed in "
+            f"place after save_checkpoint returned and before they were copied, outside an "
+            f"optimizer step; the checkpoint would not be a snapshot and was not written. "
+            f"Change them only in optimizer steps while such a save is pending, or use "
+            f"async_copy='before_return'"
+        )
+
+
 class StagingBuffer:
     """One host buffer a rank's chunks are copied into for an async save (pinned when the
     data is on CUDA); reused by later saves of the same or a smaller size."""
@@ -60,22 +98,35 @@ class StagingBuffer:
     def release(self) -> None:
         self._buffer = None
 
-    def stage(self, plan: RankPlan, file_plan: FilePlan) -> list[torch.Tensor]:
-        """Copy every chunk into the buffer (this is the only blocking part of an async save)."""
+    def stage(
+        self, plan: RankPlan, file_plan: FilePlan, *, defer: bool = False
+    ) -> tuple[list[torch.Tensor], list[DeferredCopy]]:
+        """Views of the buffer holding every chunk, in file order, and the copies left to do.
+
+        Every chunk is copied now (the blocking part of an async save), except, with
+        ``defer``, the CPU chunks of tensors only optimizer steps change (``stable``): those
+        are returned as :class:`DeferredCopy` for the save thread (before the next step).
+        """
         on_cuda = any(c.data.device.type == "cuda" for c in plan.chunks)
         if self._buffer is None or self._buffer.numel() < file_plan.data_size:
             self._buffer = None  # free the old one first: peak stays one buffer
             self._buffer = torch.empty(
                 max(file_plan.data_size, 1), dtype=torch.uint8, pin_memory=on_cuda
             )
-        views = []
+        views, deferred = [], []
         for entry, chunk in zip(file_plan.entries, _ordered_chunks(plan, file_plan)):
             target = self._buffer[entry.begin : entry.end].view(entry.dtype).view(entry.shape)
-            target.copy_(chunk.data, non_blocking=on_cuda)
+            if defer and chunk.stable and chunk.data.device.type == "cpu":
+                name = f"{chunk.category} {chunk.name}"
+                deferred.append(DeferredCopy(name, target, chunk.data, chunk.data._version))
+            elif on_cuda:
+                target.copy_(chunk.data, non_blocking=True)
+            else:
+                copy_into(target, chunk.data)
             views.append(target)
         if on_cuda:
             torch.cuda.synchronize()
-        return views
+        return views, deferred
 
 
 def write_rank(

@@ -31,6 +31,7 @@ __all__ = ["finalize_checkpoint", "has_checkpoint", "load_checkpoint", "save_che
 
 logger = logging.getLogger(__name__)
 _STAGING = StagingBuffer()
+_ASYNC_COPY = ("before_return", "before_step")
 
 
 def _check_num_workers(num_workers: Any) -> int:
@@ -79,6 +80,8 @@ def save_checkpoint(
     num_kept_ckpts: int | None = None,
     async_save: bool = False,
     zero1_optimizer: bool = False,
+    *,
+    async_copy: str = "before_return",
 ) -> None:
     """Save a checkpoint tag (collective: every rank calls it with the same arguments).
 
@@ -92,11 +95,21 @@ def save_checkpoint(
     a background thread; the next save, :func:`finalize_checkpoint`, ``load_checkpoint`` and
     interpreter exit wait for it, and raise its error if it failed. ``zero1_optimizer`` is
     accepted for NxD compatibility (ZeRO-1 is detected from the optimizer).
+
+    ``async_copy`` (nxd's, with ``async_save``): when the copy to host memory is complete.
+    ``"before_return"`` (default): before this call returns, so any later change is safe.
+    ``"before_step"``: parameters and optimizer state (on CPU) are copied by the background
+    thread and the next ``optimizer.step()`` of any ``torch.optim`` optimizer waits for that
+    copy; buffers, RNG states and user content are copied now. A parameter or state tensor
+    changed in place outside an optimizer step before the copy is detected (version
+    counters) and fails the save with its name; a change through ``.data`` is not seen.
     """
     del use_xser, zero1_optimizer  # see the docstring
     ctx = current_context()
     error: BaseException | None = None
     try:
+        if async_copy not in _ASYNC_COPY:
+            raise ValueError(f"async_copy must be one of {_ASYNC_COPY}, got {async_copy!r}")
         _check_num_workers(num_workers)
         root, tag = _check_save_args(path, tag, num_kept_ckpts)
     except (ValueError, PermissionError) as caught:
@@ -129,7 +142,10 @@ def save_checkpoint(
         )
         return
     job.file_plan = file_plan_for(plan)
-    job.staged = _STAGING.stage(plan, job.file_plan) if plan.chunks else []
+    defer = async_copy == "before_step"
+    job.staged, job.deferred = [], []
+    if plan.chunks:
+        job.staged, job.deferred = _STAGING.stage(plan, job.file_plan, defer=defer)
     job.start_async()
     _saver.set_pending(job)
     logger.info(
