@@ -110,16 +110,25 @@ def _suite(directory: str) -> list[float]:
         assert p.dtype == torch.bfloat16
         torch.testing.assert_close(master, p_ref.detach(), **MASTER_TOL)
         torch.testing.assert_close(p, master.to(torch.bfloat16), rtol=0, atol=0)
+    # The public accessor: {model param: the master the wrapped optimizer steps}, in order.
+    by_param = opt.master_weights_by_param()
+    assert [id(p) for p in by_param] == [id(p) for p in model.parameters()]
+    assert [id(m) for m in by_param.values()] == [id(m) for m in opt.param_groups[0]["params"]]
+    by_param.clear()  # a new dict per call: the wrapper's own mapping is untouched
+    assert len(opt.master_weights_by_param()) == len(list(model.parameters()))
     _resumes_exactly(model, opt, False, f"{directory}/plain")
     # ZeRO-1 with fp32 accumulation: fp32 master shards, bf16 params gathered.
     ref, model, opt = _run(zero=True, masters=True, fp32_acc=True)
     for p_ref, p in zip(ref.parameters(), model.parameters()):
         torch.testing.assert_close(p.float(), p_ref.detach(), **BF16_TOL)
+    assert opt.master_weights_by_param() == {}  # ZeRO-1's masters are its flat shards
+    assert all(b.master.dtype == torch.float32 for b in opt.optimizer.dtype_buckets)
     _resumes_exactly(model, opt, True, f"{directory}/zero1")
     # Pure bf16 (no masters), plain and ZeRO-1: the reference is out of reach.
     errors = []
     for zero in (False, True):
-        ref, model, _ = _run(zero=zero, masters=False, fp32_acc=False)
+        ref, model, opt = _run(zero=zero, masters=False, fp32_acc=False)
+        assert opt.master_weights_by_param() == {}
         within = all(  # the same test as assert_close: |p - p_ref| <= atol + rtol |p_ref|
             torch.allclose(p.float(), p_ref.detach(), **BF16_TOL)
             for p_ref, p in zip(ref.parameters(), model.parameters())

@@ -2,8 +2,9 @@
 
 * :class:`NeuronZero1Optimizer`: ZeRO-1. Each param group is flattened, one padded buffer per
   dtype, sharded over the data-parallel group; gradients are reduce-scattered (all-reduced and
-  sliced on gloo), any ``torch.optim`` optimizer steps the local shard (fp32 master weights for
-  bf16 params), parameters are all-gathered. torch-xla's attributes (``base_optimizer`` …),
+  sliced on gloo at 2 ranks), any ``torch.optim`` optimizer steps the local shard (fp32 master
+  weights for bf16 params), parameters are all-gathered in place (they are views of the flat
+  buffers on CPU and CUDA). torch-xla's attributes (``base_optimizer`` …),
   sharded and full state dicts, safetensors + JSON files, torch-xla state dicts read.
 * :class:`NxDOptimizer`: NxD's optimizer wrapper. Without ZeRO-1 it all-reduces gradients over
   data parallelism (bucketed, averaged); it sums sequence-parallel gradients over TP, clips with

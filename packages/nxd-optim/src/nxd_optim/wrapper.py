@@ -129,6 +129,21 @@ class NxDOptimizer(Optimizer):
         step or when clipping is off."""
         return self._grad_norm
 
+    def master_weights_by_param(self) -> dict[torch.Tensor, torch.Tensor]:
+        """``{model param: its fp32 master weight}``: θ32 of every bf16/fp16 param that the
+        wrapped optimizer steps in the param's place (``use_master_weights`` without ZeRO-1),
+        in the order of the params given (the order of ``state_dict()["master_weights"]``).
+
+        The dict is new on every call; its keys are the model's params and its values the live
+        masters, the very tensors in ``param_groups[...]["params"]`` (same shape, float32,
+        tensor-parallel attributes copied from the param). Writing into a master changes what
+        the next step starts from; the param is set to the rounded master only by ``step()``.
+        Empty with ZeRO-1 (its fp32 masters are flat shards per dtype bucket:
+        ``optimizer.dtype_buckets[i].master``), without ``use_master_weights``, or when no
+        param is bf16/fp16.
+        """
+        return dict(self._masters)
+
     def __repr__(self) -> str:
         return f"NxDOptimizer({self.optimizer!r}, config={self.config})"
 

@@ -10,9 +10,11 @@ the sharding group, one step on rank r is, per bucket,
     params <- unflatten(all_gather(cast(M_r)))          every rank gets every updated shard
 
 so each rank keeps 1/n of the optimizer state (and of the fp32 master weights). The sum is a
-reduce-scatter, or on gloo (which only emulates reduce-scatter) an all-reduce and a slice (see
-:mod:`nxd_optim._zero1_comm`). Any ``torch.optim.Optimizer`` class works as the inner optimizer:
-it only ever sees one flat tensor per bucket.
+reduce-scatter, or on gloo at 2 ranks an all-reduce and a slice (see
+:mod:`nxd_optim._zero1_comm`). On CPU and CUDA the params are views of their bucket's flat
+buffer, which the all-gather fills in place (see :mod:`nxd_optim._param_views`). Any
+``torch.optim.Optimizer`` class works as the inner optimizer: it only ever sees one flat tensor
+per bucket.
 """
 
 from __future__ import annotations
@@ -71,8 +73,9 @@ class NeuronZero1Optimizer(Zero1Setup):
       state dicts; otherwise they are rebuilt from the model's params on load.
     * ``higher_cc_precision``: reduce gradients in the optimizer dtype instead of their own.
     * ``pin_layout``: accepted for NxD compatibility, no effect.
-    * ``grad_reduction`` (nxd): ``"auto"`` (all-reduce + slice on gloo, reduce-scatter
-      elsewhere), ``"reduce_scatter"`` or ``"all_reduce"``.
+    * ``grad_reduction`` (nxd): ``"auto"`` (all-reduce + slice on gloo at 2 ranks,
+      reduce-scatter otherwise; see :mod:`nxd_optim._zero1_comm`), ``"reduce_scatter"`` or
+      ``"all_reduce"``.
     * ``parameters_as_bucket_view`` (nxd, torch ZeRO's name): on CPU and CUDA, point each
       param's ``.data`` at its slice of its bucket's flat buffer, which the all-gather fills in
       place (see :mod:`nxd_optim._param_views`); False keeps the params' own storage and
@@ -152,8 +155,12 @@ class NeuronZero1Optimizer(Zero1Setup):
             self._grad_norm = self._global_grad_norm(reduced)
             coef = torch.clamp(self.max_norm / (self._grad_norm + _CLIP_EPS), max=1.0)
         for bucket, (shard, _) in zip(self._buckets, reduced):
-            grad = shard.to(bucket.master.dtype).div_(self.sharding_size)
-            bucket.master.grad = grad if coef is None else grad.mul_(coef.to(grad.dtype))
+            grad = shard.to(bucket.master.dtype)
+            if coef is None:
+                grad.div_(self.sharding_size)
+            else:  # the mean and the clipping factor in one pass over the shard: g · (c / n)
+                grad.mul_(coef.to(grad.dtype) / self.sharding_size)
+            bucket.master.grad = grad
         del reduced  # the full-size reduction buffers
         self.base_optimizer.step()
         self.base_optimizer.zero_grad(set_to_none=True)  # free the gradient shards now
