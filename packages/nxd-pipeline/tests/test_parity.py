@@ -297,7 +297,76 @@ def four_rank_checks() -> dict[str, Any]:
     )
     out["tp2 x pp2 1f1b"] = _tensor_parallel_case("1f1b")
     out["tp2 x pp2 zb_h1"] = _tensor_parallel_case("zb_h1")
+    out["hf llama tp2 x pp2 1f1b"] = _hf_tensor_parallel_case("1f1b")
+    out["hf llama tp2 x pp2 zb_h1"] = _hf_tensor_parallel_case("zb_h1")
     return out
+
+
+def _tensor_parallel_llama(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with nxd TP layers holding this rank's slices: the decoder projections
+    (column q/k/v/gate/up, row o/down) and, outside the decoder layers, the embedding
+    (``ParallelEmbedding``) and the head (``ColumnParallelLinear``, gathered logits)."""
+    from nxd_layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear
+
+    state = nxd_state.get_parallel_state()
+    for name, module in list(model.named_modules()):
+        leaf = name.rpartition(".")[2]
+        if leaf in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head"):
+            gather = leaf == "lm_head"
+            layer = ColumnParallelLinear(
+                module.in_features, module.out_features, bias=False, gather_output=gather
+            )
+        elif leaf in ("o_proj", "down_proj"):
+            layer = RowParallelLinear(
+                module.in_features, module.out_features, bias=False, input_is_parallel=True
+            )
+        elif leaf == "embed_tokens":
+            layer = ParallelEmbedding(module.num_embeddings, module.embedding_dim)
+        else:
+            continue
+        with torch.no_grad():
+            full = module.weight.chunk(state.tensor_parallel_size, dim=layer.weight.partition_dim)
+            layer.weight.copy_(full[state.tensor_parallel_rank])
+        model.set_submodule(name, layer)
+    return model
+
+
+def _hf_tensor_parallel_case(schedule: str) -> int:
+    """The HF Llama through torch.export at TP=2 x PP=2 with TP layers outside the decoder
+    layers: their mapping Functions' backward all-reduces (the embedding's and the head's
+    input) must survive capture, else the replicated parameters upstream (embedding, norms,
+    every rank-0 stage weight) get one TP rank's partial gradient (seen before the fix: off
+    by up to 0.19 on the embedding)."""
+    state = nxd_state.get_parallel_state()
+    reference = _llama(2)
+    ids = torch.randint(0, 64, (4, 8))
+    ref_loss = reference(input_ids=ids, labels=ids, use_cache=False).loss
+    ref_loss.backward()
+    model = NxDPPModel(
+        _tensor_parallel_llama(copy.deepcopy(reference)),
+        num_microbatches=M,
+        pipeline_cuts=["model.layers.0"],
+        input_names=["input_ids", "labels"],
+        tracer_cls="hf",
+        schedule=schedule,
+        broadcast_and_average_loss=True,
+    )
+    loss = model.run_train(input_ids=ids, labels=ids)
+    torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
+    expected = dict(reference.named_parameters())
+    count = 0
+    for name, param in model.local_named_parameters():
+        grad = param.grad
+        if getattr(param, "tensor_model_parallel", False):  # gather the TP shards
+            grad = collectives.all_gather(
+                grad, group=state.tensor_parallel_group, dim=param.partition_dim
+            )
+        torch.testing.assert_close(grad, expected[name].grad, **TOL, msg=f"hf tp x pp {name}")
+        count += 1
+    kept = ["lm_head"] if state.pipeline_parallel_rank else ["model.embed_tokens"]
+    calls = {str(n.target) for s in model.stages.values() for n in s.graph.nodes}
+    assert set(kept) <= calls, (kept, sorted(calls))  # run as module calls, Functions included
+    return count
 
 
 def _data_parallel_case() -> int:

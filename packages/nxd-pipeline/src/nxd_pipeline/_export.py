@@ -10,12 +10,20 @@ program then records, for each layer call, which graph values went in (``in_spec
 positional and keyword arguments, constants such as ``use_cache=False`` included) and which
 came out. Each layer's inlined nodes are replaced by one ``call_module`` node calling the
 original module with those arguments: ``h_{i+1} = layer_i(h_i, attention_mask=m, ...)``,
-the same function, run eagerly by the stage. Everything outside the layers (embedding, masks,
-rotary tables, final norm, head, loss) stays as exported.
+the same function, run eagerly by the stage. Everything outside the kept modules (masks,
+rotary tables, plain norms and heads, the loss) stays as exported.
+
+Modules applying custom autograd Functions must be kept (a Function's backward is lost when its
+forward is inlined, :mod:`nxd_pipeline._functions`): the export watches the autograd graph,
+and a module found applying one outside the kept modules is added to them and the model
+exported again. If a module that applies one cannot be kept as a call (called twice, an input
+computed after it starts, the root's own ``forward``), the capture fails instead of training
+with wrong gradients.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import operator
 from collections.abc import Sequence
@@ -26,6 +34,13 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from nxd_pipeline._captured import CapturedGraph, PipelineTraceError, failure_site
+from nxd_pipeline._functions import (
+    containing,
+    describe,
+    outermost,
+    uncovered,
+    watch_autograd_functions,
+)
 
 __all__ = ["export_graph", "modules_to_keep"]
 
@@ -102,10 +117,60 @@ def _export(
     )
 
 
+def _export_keeping(
+    module: nn.Module, kwargs: dict[str, Any], dynamic: dict[str, Any], keep: list[str]
+) -> tuple[torch.export.ExportedProgram, list[str], dict[str, set[str]]]:
+    """Export with ``keep`` preserved, plus every module found applying a custom autograd
+    Function outside them. Returns the program, the modules kept and where Functions are."""
+    sites: dict[str, set[str]] = {}
+    try:
+        with watch_autograd_functions(module) as sites:
+            exported = _export(module, kwargs, dynamic, keep)
+    except Exception as error:
+        if not keep:
+            raise
+        # Preserving the calls constrains export (each kept module called once, with pytree
+        # inputs and outputs); without it the model may still export, inlined, except the
+        # modules applying autograd Functions (their backward needs the call).
+        needed = containing(keep, sites)
+        logger.warning(
+            "torch.export failed when keeping %s as module calls (%s: %s); exporting with %s "
+            "(no activation checkpointing of the others at PP > 1)",
+            keep[:4],
+            type(error).__name__,
+            str(error).splitlines()[0] if str(error) else "",
+            f"only {needed} kept (they apply custom autograd Functions)"
+            if needed
+            else "every module inlined",
+        )
+        keep = needed
+        with watch_autograd_functions(module) as sites:
+            exported = _export(module, kwargs, dynamic, keep)
+    extra = uncovered(sites, keep)
+    if not extra:
+        return exported, keep, sites
+    if "" in extra:
+        raise PipelineTraceError(
+            f"torch.export: {describe(module, {'': extra['']})}: a captured graph would keep "
+            f"only its forward and drop its backward. Apply it inside a submodule (the capture "
+            f"then keeps that module as a call)"
+        )
+    keep = outermost([*keep, *extra])
+    logger.info(
+        "torch.export: keeping modules as calls, since they apply custom autograd Functions "
+        "whose backward an inlined graph would drop: %s; exporting again",
+        describe(module, extra),
+    )
+    with watch_autograd_functions(module) as sites:
+        exported = _export(module, kwargs, dynamic, keep)
+    return exported, keep, sites
+
+
 def export_graph(
     module: nn.Module, input_names: Sequence[str] | None, keep_classes: Sequence[type]
 ) -> CapturedGraph:
-    """Export ``module`` and restore a module call for every module of ``keep_classes``."""
+    """Export ``module`` and restore a module call for every module of ``keep_classes`` (and
+    every module applying a custom autograd Function)."""
     names = list(input_names) if input_names is not None else ["input_ids", "labels"]
     keep = modules_to_keep(module, keep_classes)
     key = _cache_key(module, names, keep)
@@ -113,7 +178,7 @@ def export_graph(
         logger.info("reusing the torch.export graph of an identical %s", type(module).__name__)
         return _EXPORT_CACHE[key]
     example = _example_inputs(module, names)
-    fixed = {"use_cache": False}
+    fixed = {"use_cache": False} if _accepts(module, "use_cache") else {}
     dims = torch.export.Dim.AUTO
     dynamic: dict[str, Any] = {name: {0: dims, 1: dims} for name in names}
     dynamic.update({name: None for name in fixed})
@@ -123,22 +188,9 @@ def export_graph(
         len(keep),
     )
     try:
-        try:
-            exported = _export(module, {**example, **fixed}, dynamic, keep)
-        except Exception as error:
-            if not keep:
-                raise
-            # Preserving the calls constrains export (each kept module called once, with
-            # pytree inputs and outputs); without it the model may still export, inlined.
-            logger.warning(
-                "torch.export failed when keeping %s as module calls (%s: %s); exporting with "
-                "every module inlined (no activation checkpointing of them at PP > 1)",
-                keep[:4],
-                type(error).__name__,
-                str(error).splitlines()[0] if str(error) else "",
-            )
-            keep = []
-            exported = _export(module, {**example, **fixed}, dynamic, keep)
+        exported, keep, sites = _export_keeping(module, {**example, **fixed}, dynamic, keep)
+    except PipelineTraceError:
+        raise
     except Exception as error:
         raise PipelineTraceError(
             f"torch.export could not capture {type(module).__name__} with inputs {names}: "
@@ -148,9 +200,22 @@ def export_graph(
         ) from error
     graph_module = exported.module()
     nodes = {n.name: n for n in graph_module.graph.nodes}  # by name, updated as calls replace
-    restored = [
-        name for name in keep if _restore_module_call(graph_module.graph, exported, name, nodes)
-    ]
+    restored, failed = [], {}
+    for name in keep:
+        reason = _restore_module_call(graph_module.graph, exported, name, nodes)
+        if reason is None:
+            restored.append(name)
+        else:
+            failed[name] = reason
+    lost = uncovered(sites, restored)
+    if lost:
+        reasons = {k: failed[k] for k in containing(list(failed), lost)}
+        raise PipelineTraceError(
+            f"torch.export: {describe(module, lost)}, but the module cannot run as a module "
+            f"call ({'; '.join(f'{k} {r}' for k, r in reasons.items()) or 'not kept'}), and "
+            f"inlined, the Function's backward would be dropped (wrong gradients). Call the "
+            f"module once per forward, with tensor inputs computed before it"
+        )
     graph_module.recompile()
     placeholders = [str(n.target) for n in graph_module.graph.nodes if n.op == "placeholder"]
     captured = CapturedGraph(
@@ -164,6 +229,12 @@ def export_graph(
     if key is not None:
         _EXPORT_CACHE[key] = captured
     return captured
+
+
+def _accepts(module: nn.Module, name: str) -> bool:
+    """Whether ``module.forward`` takes the keyword ``name`` (or any keyword)."""
+    parameters = inspect.signature(module.forward).parameters.values()
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
 def _inside(node: fx.Node, name: str) -> bool:
@@ -203,9 +274,9 @@ def _restore_module_call(
     exported: torch.export.ExportedProgram,
     name: str,
     nodes: dict[str, fx.Node],
-) -> bool:
-    """Replace the inlined nodes of module ``name`` by one ``call_module`` node; False (and
-    the module stays inlined) when its recorded call cannot be rebuilt.
+) -> str | None:
+    """Replace the inlined nodes of module ``name`` by one ``call_module`` node; when its
+    recorded call cannot be rebuilt, the reason (the module stays inlined).
 
     ``nodes``: the graph's values under their exported names (a replaced output's name maps to
     the node that now yields it), which the recorded signatures refer to.
@@ -214,29 +285,27 @@ def _restore_module_call(
     signature = entry.signature if entry is not None else None
     inside = [n for n in graph.nodes if _inside(n, name)]
     if signature is None or not inside:
-        logger.warning("module %s: no recorded call signature; it stays inlined", name)
-        return False
+        return _not_kept(name, "has no recorded call signature")
     if any(e.fqn.startswith(name + "@") for e in exported.module_call_graph):
         # Called several times: its calls' nodes share one nn_module_stack entry.
-        logger.warning("module %s is called more than once; it stays inlined", name)
-        return False
+        return _not_kept(name, "is called more than once")
     try:
         args, kwargs = pytree.tree_unflatten(
             [_argument(a, nodes) for a in signature.inputs], signature.in_spec
         )
         outputs = [_argument(a, nodes) for a in signature.outputs]
     except (KeyError, ValueError, TypeError) as error:
-        logger.warning("module %s: its call cannot be rebuilt (%s); it stays inlined", name, error)
-        return False
+        return _not_kept(name, f"has a call that cannot be rebuilt ({error})")
     # Every input exists before the module's first operation (export records execution
     # order), so the call goes there; its outputs replace the inlined results.
     order = {n: i for i, n in enumerate(graph.nodes)}
     late = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, fx.Node)]
     if any(order[a] >= order[inside[0]] for a in late):
-        logger.warning("module %s: an input is computed after it starts; it stays inlined", name)
-        return False
+        return _not_kept(name, "has an input computed after it starts")
     with graph.inserting_before(inside[0]):
-        call = graph.call_module(name, tuple(args), dict(kwargs))
+        # (create_node: the exported module has no submodule for a module without tensors;
+        # stages resolve call targets on the model.)
+        call = graph.create_node("call_module", name, tuple(args), dict(kwargs))
         leaves = _leaf_accessors(graph, call, signature.out_spec)
     stack = dict(inside[0].meta.get("nn_module_stack", {}))
     call.meta["nn_module_stack"] = {
@@ -256,7 +325,12 @@ def _restore_module_call(
     left = [n.name for n in graph.nodes if _inside(n, name)]
     if left:  # used outside the module too (e.g. a size): computed there, harmlessly
         logger.debug("module %s: %d inlined nodes still used outside it: %s", name, len(left), left)
-    return True
+    return None
+
+
+def _not_kept(name: str, reason: str) -> str:
+    logger.warning("module %s %s; it stays inlined", name, reason)
+    return reason
 
 
 def _inside_path(path: str, name: str) -> bool:

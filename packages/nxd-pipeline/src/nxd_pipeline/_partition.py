@@ -89,8 +89,16 @@ def cut_positions(captured: CapturedGraph, names: Sequence[str]) -> list[int]:
     nodes = list(captured.graph_module.graph.nodes)
     paths = [_module_paths(node) for node in nodes]
     positions = []
+    calls = [str(n.target) for n in nodes if n.op == "call_module"]
     for name in names:
         hits = [i for i, node_paths in enumerate(paths) if _matches(node_paths, name)]
+        around = [c for c in calls if name.startswith(c + ".")]
+        if around:
+            raise ValueError(
+                f"pipeline cut {name!r} falls inside module {around[0]!r}, which runs as one "
+                f"module call (a leaf, or a module applying a custom autograd Function): cut "
+                f"at {around[0]!r} or outside it"
+            )
         if not hits:
             seen = sorted({p for node_paths in paths for p in node_paths if p.count(".") <= 2})
             raise ValueError(
@@ -256,10 +264,27 @@ def build_stage_module(
     else:
         graph.output(tuple(env[n] for n in plan.crossing[stage]))
     module = StageModule(attributes, graph, class_name=f"Stage{stage}")
+    _keep_non_persistent(module, root, attributes)
     module.stage_index = stage
     module.input_names = input_names
     module.num_received = len(received)
     return module
+
+
+def _keep_non_persistent(module: nn.Module, root: nn.Module, attributes: dict[str, object]) -> None:
+    """``fx.GraphModule`` registers every tensor attribute as a persistent buffer; a buffer the
+    model leaves out of its ``state_dict`` (Llama's ``rotary_emb.inv_freq``) stays out of the
+    stage's too, under its original name."""
+    for target, value in attributes.items():
+        if not isinstance(value, torch.Tensor) or isinstance(value, nn.Parameter):
+            continue
+        path, _, field = target.rpartition(".")
+        try:
+            owner = root.get_submodule(path)
+        except AttributeError:  # a constant of the captured graph, not the model's
+            continue
+        if field in owner._non_persistent_buffers_set:
+            module.get_submodule(path)._non_persistent_buffers_set.add(field)
 
 
 _META = torch.device("meta")
