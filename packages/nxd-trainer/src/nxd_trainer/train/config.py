@@ -1,0 +1,405 @@
+"""The configuration of an ``nxd-train`` run: one kw-only dataclass, a docstring per field.
+
+Values are resolved in three layers, each overriding the one before: the field defaults, a
+TOML file (``--config run.toml``, flat ``key = value`` pairs named as the fields), then the
+command-line flags (``--tp 2`` for ``tp``). :meth:`TrainConfig.__post_init__` checks every
+value on its own; :meth:`TrainConfig.check_world` checks what depends on the world size
+(``world = tp · pp · dp``), so both fail on every rank before any process group exists.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import inspect
+import itertools
+import math
+import os
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ConfigError", "TrainConfig", "field_docs", "load_toml"]
+
+PRESETS = ("tiny", "small")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
+CHECKPOINTING = ("none", "full", "selective")
+DEVICES = ("cpu", "cuda", "xla")
+
+
+class ConfigError(ValueError):
+    """A bad setting or input: the message names the value and what was expected."""
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Everything one ``nxd-train`` run needs; the defaults train the tiny model at TP=2 on
+    2 CPU processes in about three minutes."""
+
+    # --- run ---------------------------------------------------------------------------
+    name: str = "tiny"
+    """Run name: everything the run writes goes to ``<runs_dir>/<name>/``."""
+
+    runs_dir: str = "runs"
+    """Folder holding the runs (relative to the working directory)."""
+
+    seed: int = 1234
+    """Seed of the model's initial weights, the data order and every RNG stream."""
+
+    # --- model -------------------------------------------------------------------------
+    model: str = "tiny"
+    """``tiny`` (4 layers, hidden 128), ``small`` (8 layers, hidden 512), a Hugging Face
+    ``config.json`` (trained from scratch) or an HF model folder with weights (fine-tuned)."""
+
+    lora_rank: int = 0
+    """LoRA rank r for fine-tuning (0: train every weight; > 0: freeze the base, train
+    adapters B·A of rank r on ``lora_targets``)."""
+
+    lora_alpha: float = 16.0
+    """LoRA scaling numerator: adapters add (alpha / r) · B·A·x."""
+
+    lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+    """Module names (last component) that get LoRA adapters."""
+
+    # --- data --------------------------------------------------------------------------
+    data: str | None = None
+    """Training text: a text file, a folder of text files, or a ``datasets`` folder saved
+    with ``save_to_disk``. None: the Python standard library's own sources (no download)."""
+
+    text_field: str = "text"
+    """Column holding the text in a ``datasets`` folder."""
+
+    tokenizer: str | None = None
+    """An HF tokenizer folder. None: train a byte-level BPE on the training split (cached in
+    the run folder)."""
+
+    vocab_size: int = 2048
+    """Vocabulary of the trained BPE tokenizer (ignored with ``tokenizer``)."""
+
+    seq_len: int = 128
+    """Tokens per packed training sequence."""
+
+    corpus_mb: float = 3.0
+    """At most this many MB of text are read (train and validation together; 0: all)."""
+
+    val_fraction: float = 0.05
+    """Fraction of documents held out for validation (chosen by a hash of their name)."""
+
+    # --- optimization ------------------------------------------------------------------
+    steps: int = 300
+    """Optimizer steps to train (a rerun with more steps continues the run)."""
+
+    batch_size: int = 16
+    """Sequences per optimizer step, over all data-parallel ranks and accumulation steps."""
+
+    grad_accum: int = 1
+    """Micro-steps accumulated per optimizer step (gradients averaged over them)."""
+
+    lr: float = 3e-3
+    """Peak learning rate of AdamW."""
+
+    warmup_steps: int = 30
+    """Steps of linear warm-up from 0 to ``lr``; then cosine decay to ``min_lr_ratio · lr``."""
+
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of ``lr``."""
+
+    weight_decay: float = 0.1
+    """AdamW's decoupled weight decay."""
+
+    clip: float = 1.0
+    """Clip the global gradient norm to this (0: no clipping)."""
+
+    # --- launch ------------------------------------------------------------------------
+    nproc_per_node: int = 2
+    """Worker processes on this machine (one per GPU on CUDA)."""
+
+    nnodes: int = 1
+    """Machines taking part; each runs ``nxd-train`` with the same flags and its
+    ``node_rank``."""
+
+    node_rank: int | None = None
+    """This machine's rank among ``nnodes`` (static rendezvous); None with ``nnodes`` > 1:
+    torch's c10d rendezvous assigns it."""
+
+    rdzv_endpoint: str | None = None
+    """``host:port`` of the rendezvous for multi-node runs (the node-rank-0 machine)."""
+
+    device: str | None = None
+    """``cpu`` (gloo), ``cuda`` (NCCL) or ``xla``; None: nxd_state's choice (``NXD_DEVICE``,
+    else CUDA when present, else CPU)."""
+
+    # --- parallelism and numerics ------------------------------------------------------
+    tp: int = 2
+    """Tensor-parallel degree (heads, MLP and vocabulary split over ``tp`` ranks)."""
+
+    pp: int = 1
+    """Pipeline-parallel degree (layers cut into ``pp`` even stages)."""
+
+    microbatches: int = 1
+    """Pipeline micro-batches per micro-step (``pp`` > 1); the per-rank batch must divide."""
+
+    schedule: str = "1f1b"
+    """Pipeline schedule: gpipe, 1f1b, interleaved_1f1b or zb_h1."""
+
+    zero1: bool = False
+    """ZeRO-1: shard AdamW's state over data parallelism."""
+
+    sequence_parallel: bool = False
+    """Sequence parallelism on the norms and dropouts between TP regions (``tp`` > 1)."""
+
+    activation_checkpointing: str = "none"
+    """Recompute activations in backward: ``full`` (every decoder layer), ``selective``
+    (attention only) or ``none``."""
+
+    bf16: bool = False
+    """bf16 parameters and activations with fp32 master weights in the optimizer."""
+
+    compile: bool = False
+    """torch.compile the decoder layers (CUDA only)."""
+
+    # --- progress, evaluation, checkpoints, export ------------------------------------
+    eval_every: int = 100
+    """Validation loss and perplexity every this many steps (and at the end; 0: end only)."""
+
+    eval_batches: int = 4
+    """Batches of ``batch_size`` sequences in each validation pass."""
+
+    save_every: int = 100
+    """Checkpoint every this many steps (and at the end)."""
+
+    keep: int = 2
+    """Newest checkpoint tags kept (older ones are deleted)."""
+
+    export: bool = True
+    """Write the Hugging Face folder (model + tokenizer) at the end and print a sample."""
+
+    prompt: str = "def "
+    """Prompt of the sample generated from the exported folder."""
+
+    sample_tokens: int = 40
+    """Tokens generated for the sample (0: no sample)."""
+
+    progress: bool = True
+    """Show the progress bar (on one rank)."""
+
+    dry_run: bool = False
+    """Print the resolved layout (rank coordinates, parameters per rank, pipeline schedule)
+    and exit without training."""
+
+    def __post_init__(self) -> None:
+        for name in ("seed",):
+            _int(name, getattr(self, name), minimum=0)
+        for name in (
+            "vocab_size",
+            "seq_len",
+            "steps",
+            "batch_size",
+            "grad_accum",
+            "nproc_per_node",
+            "nnodes",
+            "tp",
+            "pp",
+            "microbatches",
+            "eval_batches",
+            "save_every",
+            "keep",
+        ):
+            _int(name, getattr(self, name), minimum=1)
+        for name in ("lora_rank", "warmup_steps", "eval_every", "sample_tokens"):
+            _int(name, getattr(self, name), minimum=0)
+        if self.node_rank is not None:
+            _int("node_rank", self.node_rank, minimum=0)
+            if self.node_rank >= self.nnodes:
+                raise ConfigError(f"node_rank {self.node_rank} must be below nnodes {self.nnodes}")
+        for name, low, high in (
+            ("lr", 0.0, math.inf),
+            ("min_lr_ratio", 0.0, 1.0),
+            ("weight_decay", 0.0, math.inf),
+            ("clip", 0.0, math.inf),
+            ("corpus_mb", 0.0, math.inf),
+            ("val_fraction", 0.0, 0.5),
+            ("lora_alpha", 0.0, math.inf),
+        ):
+            _float(name, getattr(self, name), low, high)
+        if self.val_fraction == 0.0:
+            raise ConfigError("val_fraction must be above 0 (a validation split is needed)")
+        for name in ("name", "runs_dir", "model", "text_field", "prompt"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ConfigError(f"{name} must be a non-empty string, got {getattr(self, name)!r}")
+        if "/" in self.name or self.name in (".", ".."):
+            raise ConfigError(f"name must be a plain folder name, got {self.name!r}")
+        for name in ("data", "tokenizer", "rdzv_endpoint", "device"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ConfigError(f"{name} must be a non-empty string or unset, got {value!r}")
+        _choice("schedule", self.schedule, SCHEDULES)
+        _choice("activation_checkpointing", self.activation_checkpointing, CHECKPOINTING)
+        if self.device is not None:
+            _choice("device", self.device, DEVICES)
+        for name in ("zero1", "sequence_parallel", "bf16", "compile", "export", "progress"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.lora_targets, list) or not all(
+            isinstance(t, str) and t for t in self.lora_targets
+        ):
+            raise ConfigError(
+                f"lora_targets must be a list of module names, got {self.lora_targets!r}"
+            )
+        if self.sequence_parallel and self.tp == 1:
+            raise ConfigError("sequence_parallel needs tp > 1 (it splits the sequence over TP)")
+        if self.pp > 1 and self.activation_checkpointing != "none":
+            raise ConfigError(
+                f"activation_checkpointing={self.activation_checkpointing!r} with pp={self.pp}: "
+                "the pipeline's torch.export capture inlines the decoder layers; use pp=1"
+            )
+        if self.pp > 1 and self.lora_rank > 0:
+            raise ConfigError(f"LoRA (lora_rank={self.lora_rank}) needs pp=1, got pp={self.pp}")
+        if self.pp == 1 and self.microbatches > 1:
+            raise ConfigError(f"microbatches={self.microbatches} needs pp > 1 (got pp=1)")
+        if self.nnodes > 1 and self.rdzv_endpoint is None:
+            raise ConfigError(f"nnodes={self.nnodes} needs rdzv_endpoint (host:port)")
+
+    # ------------------------------------------------------------------------------------
+    @property
+    def run_dir(self) -> Path:
+        """``<runs_dir>/<name>``, where the run writes everything."""
+        return Path(self.runs_dir) / self.name
+
+    @property
+    def world_size(self) -> int:
+        """Processes over all nodes: ``nnodes · nproc_per_node``."""
+        return self.nnodes * self.nproc_per_node
+
+    def check_world(self, world: int) -> int:
+        """The data-parallel degree at ``world`` processes; an error when the degrees, the
+        batch or the micro-batches do not fit."""
+        if world % (self.tp * self.pp):
+            raise ConfigError(
+                f"tp({self.tp}) x pp({self.pp}) = {self.tp * self.pp} does not divide the "
+                f"world size {world} (nnodes x nproc_per_node)"
+            )
+        dp = world // (self.tp * self.pp)
+        per_rank = self.batch_size / (dp * self.grad_accum)
+        if per_rank != int(per_rank):
+            raise ConfigError(
+                f"batch_size {self.batch_size} is not divisible by dp({dp}) x "
+                f"grad_accum({self.grad_accum}) = {dp * self.grad_accum}"
+            )
+        if int(per_rank) % self.microbatches:
+            raise ConfigError(
+                f"the per-rank micro-step batch {int(per_rank)} (batch_size / (dp x "
+                f"grad_accum)) is not divisible by microbatches {self.microbatches}"
+            )
+        if self.schedule == "interleaved_1f1b" and self.pp > 1:
+            raise ConfigError("schedule 'interleaved_1f1b' needs virtual stages: not offered here")
+        return dp
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_toml(self) -> str:
+        """The resolved config as TOML (unset values as comments), loadable with ``--config``."""
+        lines = []
+        for key, value in self.to_dict().items():
+            if value is None:
+                lines.append(f"# {key} = (unset)")
+            else:
+                lines.append(f"{key} = {_toml_value(value)}")
+        return "\n".join(lines) + "\n"
+
+    @classmethod
+    def resolve(cls, toml: dict[str, Any] | None, flags: dict[str, Any]) -> TrainConfig:
+        """Defaults < TOML < flags; unknown TOML keys name the closest valid one."""
+        merged: dict[str, Any] = {}
+        valid = [f.name for f in fields(cls)]
+        for key, value in (toml or {}).items():
+            if key not in valid:
+                hint = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+                raise ConfigError(
+                    f"unknown config key {key!r}"
+                    + (f" (did you mean {hint[0]!r}?)" if hint else "")
+                    + "; run `nxd-train --help` for the valid keys"
+                )
+            merged[key] = value
+        merged.update(flags)
+        try:
+            return cls(**merged)
+        except TypeError as error:  # a wrong type reached a comparison
+            raise ConfigError(str(error)) from None
+
+
+def load_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The flat table of a TOML file (``[section]`` tables are flattened: ``[data]
+    seq_len = 64`` is ``seq_len``)."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib  # type: ignore[no-redef]
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        table = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+        raise ConfigError(f"config file {str(path)!r} is not valid TOML: {error}") from None
+    flat: dict[str, Any] = {}
+    for key, value in table.items():
+        if isinstance(value, dict):
+            flat.update(value)
+        else:
+            flat[key] = value
+    return flat
+
+
+@cache
+def field_docs(cls: type = TrainConfig) -> dict[str, str]:
+    """Each field's docstring (the string literal under it in the class body)."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, after in itertools.pairwise(body):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def default_of(name: str) -> Any:
+    for f in fields(TrainConfig):
+        if f.name == name:
+            return f.default_factory() if f.default is MISSING else f.default  # type: ignore[misc]
+    raise KeyError(name)
+
+
+def _int(name: str, value: Any, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _float(name: str, value: Any, low: float, high: float) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or not (low <= value <= high) or math.isnan(value):
+        raise ConfigError(f"{name} must be a number in [{low}, {high}], got {value!r}")
+
+
+def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return repr(value)

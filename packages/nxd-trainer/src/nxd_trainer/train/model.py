@@ -1,0 +1,176 @@
+"""The model of a run: a preset Llama, an HF ``config.json`` or an HF folder to fine-tune,
+and NxD's config for it (``neuronx_distributed_config`` from the run's flags).
+
+Every rank builds the same full model from the seed (a folder: lazily, only its slices are
+read) and ``initialize_parallel_model`` parallelises it through the HF parallelizer
+(``nxd_trainer.hf``), so any TP/PP degree starts from the same weights as one process.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nxd_trainer.train.config import PRESETS, ConfigError, TrainConfig
+
+__all__ = ["PRESET_SHAPES", "build_nxd_config", "hf_config", "make_model_fn", "model_source"]
+
+# hidden, layers, heads, kv heads, MLP width. Tiny: ~0.8 M parameters at a 2048 vocabulary.
+PRESET_SHAPES = {
+    "tiny": {"hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "intermediate_size": 352},
+    "small": {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8,
+              "num_key_value_heads": 4, "intermediate_size": 1408},
+}  # fmt: skip
+
+
+def model_source(cfg: TrainConfig) -> tuple[str, Path | None]:
+    """``("preset" | "config" | "folder", path)``; a folder without weights is an error."""
+    if cfg.model in PRESETS:
+        return "preset", None
+    path = Path(cfg.model).expanduser()
+    if path.is_file():
+        if path.suffix != ".json":
+            raise ConfigError(f"model {cfg.model!r} is a file but not a config.json")
+        return "config", path
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"model folder {cfg.model!r} has no config.json")
+        weights = list(path.glob("*.safetensors")) + list(path.glob("*.bin"))
+        if not weights:
+            raise ConfigError(
+                f"model folder {cfg.model!r} holds no weights (*.safetensors): give its "
+                "config.json to train from scratch, or a folder saved with save_pretrained"
+            )
+        return "folder", path
+    raise ConfigError(
+        f"model {cfg.model!r} is neither a preset ({', '.join(PRESETS)}) nor an existing "
+        "config.json or model folder"
+    )
+
+
+def hf_config(cfg: TrainConfig, vocab: int) -> Any:
+    """The ``transformers`` config of the run's model (the preset's vocabulary is the
+    tokenizer's, rounded up to a multiple of 64 so every TP degree splits it evenly)."""
+    import transformers
+
+    kind, path = model_source(cfg)
+    if kind == "preset":
+        config = transformers.LlamaConfig(
+            vocab_size=-(-vocab // 64) * 64,
+            max_position_embeddings=max(cfg.seq_len, 128),
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            **PRESET_SHAPES[cfg.model],
+        )
+    else:
+        assert path is not None
+        folder = path if kind == "folder" else path.parent
+        try:
+            config = transformers.AutoConfig.from_pretrained(
+                str(folder) if kind == "folder" else str(path)
+            )
+        except (OSError, ValueError) as error:
+            raise ConfigError(f"model {cfg.model!r}: {error}") from None
+        if vocab > config.vocab_size:
+            raise ConfigError(
+                f"the tokenizer has {vocab} tokens but the model's vocab_size is "
+                f"{config.vocab_size}: pass the model's own tokenizer with --tokenizer"
+            )
+    from nxd_trainer.hf import ParallelizersManager
+
+    if config.model_type not in ParallelizersManager.get_supported_model_types():
+        raise ConfigError(
+            f"model type {config.model_type!r} is not supported; supported: "
+            f"{ParallelizersManager.get_supported_model_types()}"
+        )
+    heads = config.num_attention_heads
+    if heads % cfg.tp:
+        raise ConfigError(f"tp({cfg.tp}) does not divide the model's {heads} attention heads")
+    if cfg.pp > config.num_hidden_layers:
+        raise ConfigError(f"pp({cfg.pp}) exceeds the model's {config.num_hidden_layers} layers")
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def make_model_fn(cfg: TrainConfig, config: Any) -> Any:
+    """``model_fn`` for ``initialize_parallel_model``: the seeded model (or the folder's)."""
+    kind, path = model_source(cfg)
+
+    def model_fn() -> torch.nn.Module:
+        import transformers
+
+        from nxd_trainer.hf import lazy_load_for_parallelism
+
+        dtype = torch.bfloat16 if cfg.bf16 else torch.float32
+        if kind == "folder":
+            with lazy_load_for_parallelism(tensor_parallel_size=cfg.tp):
+                model = transformers.AutoModelForCausalLM.from_pretrained(
+                    str(path), config=config, dtype=dtype
+                )
+        else:
+            torch.manual_seed(cfg.seed)
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model.config.use_cache = False
+        return model
+
+    return model_fn
+
+
+def _cuts(layers: int, pp: int) -> list[str]:
+    """Even stages: cut after layer ``⌈L·i/P⌉ - 1`` for i = 1..P-1."""
+    return [f"model.layers.{-(-layers * i // pp) - 1}" for i in range(1, pp)]
+
+
+def build_nxd_config(cfg: TrainConfig, config: Any) -> dict[str, Any]:
+    """NxD's config dict for the run (initialises model parallelism; collective-free)."""
+    import nxd_trainer as nxd
+
+    pipeline_config = None
+    if cfg.pp > 1:
+        pipeline_config = {
+            "num_microbatches": cfg.microbatches,
+            "input_names": ["input_ids", "labels"],
+            "pipeline_cuts": _cuts(config.num_hidden_layers, cfg.pp),
+            "schedule": cfg.schedule,
+        }
+    checkpointing: Any = None
+    if cfg.activation_checkpointing == "full":
+        checkpointing = "full"
+    elif cfg.activation_checkpointing == "selective":
+        from transformers.models.llama import modeling_llama
+
+        checkpointing = [modeling_llama.LlamaAttention]
+    lora_config = None
+    if cfg.lora_rank:
+        from nxd_lora import LoraConfig
+
+        lora_config = LoraConfig(
+            enable_lora=True,
+            lora_rank=cfg.lora_rank,
+            lora_alpha=cfg.lora_alpha,
+            target_modules=list(cfg.lora_targets),
+        )
+    mixed = {"use_master_weights": True} if cfg.bf16 else None
+    return nxd.neuronx_distributed_config(
+        tensor_parallel_size=cfg.tp,
+        pipeline_parallel_size=cfg.pp,
+        pipeline_config=pipeline_config,
+        optimizer_config={
+            "zero_one_enabled": cfg.zero1,
+            "grad_clipping": cfg.clip > 0,
+            "max_grad_norm": cfg.clip if cfg.clip > 0 else 1.0,
+        },
+        activation_checkpoint_config=checkpointing,
+        sequence_parallel=cfg.sequence_parallel,
+        lora_config=lora_config,
+        mixed_precision_config=mixed,
+    )
+
+
+def describe(config: Any) -> str:
+    keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+    return json.dumps({k: getattr(config, k) for k in keys} | {"vocab_size": config.vocab_size})
