@@ -229,6 +229,15 @@ def _state_dicts_and_attributes() -> int:
     )
     assert set(dict(pipelined.local_named_buffers(prefix="m."))) == {f"m.{k}" for k in buffers}
     assert set(pipelined.local_state_dict()) <= set(llama.state_dict())
+    # The stages keep it non-persistent too: state_dict() of the wrapper (its stages, under
+    # stages.<s>.) holds no rotary table, as the model's holds none.
+    assert not [k for k in pipelined.state_dict() if k.endswith("inv_freq")]
+    assert [k for k, _ in pipelined.named_buffers() if k.endswith("inv_freq")]
+    # NxD forwards what the wrapper lacks to the original model: config, its methods.
+    assert pipelined.config is pipelined.original_torch_module.config
+    assert pipelined.get_input_embeddings() is pipelined.original_torch_module.model.embed_tokens
+    with pytest.raises(AttributeError, match="no_such_attribute"):
+        pipelined.no_such_attribute  # noqa: B018
     assert pipelined.load_state_dict(llama.state_dict()).missing_keys == []
     return len(own)
 

@@ -16,8 +16,6 @@ logger = logging.getLogger(__name__)
 
 XLA_RUNTIME_OPTIONS = frozenset(
     {
-        "deallocate_pipeline_outputs",
-        "fuse_microbatches",
         "_delay_tracing",
         "_turn_off_odd_even_scheduler",
         "_all_reduce_send_recv",
@@ -37,6 +35,7 @@ def check_arguments(
     module: nn.Module | Sequence[nn.Module],
     *,
     num_microbatches: int,
+    virtual_pipeline_size: int,
     return_mb_loss: bool,
     broadcast_and_average_loss: bool,
     pipeline_cuts: list[str] | None,
@@ -44,6 +43,7 @@ def check_arguments(
     output_loss_value_spec: LossSpec,
     manual_pp_partition: bool,
     manual_options: tuple[Any, ...],
+    debug: tuple[bool, int, int],
     xla_runtime_options: dict[str, Any],
 ) -> None:
     """Raise on a bad or contradictory argument, naming it."""
@@ -54,6 +54,18 @@ def check_arguments(
         logger.debug("NxD XLA runtime options without effect here: %s", xla_runtime_options)
     if not isinstance(num_microbatches, int) or num_microbatches < 1:
         raise ValueError(f"num_microbatches must be a positive int, got {num_microbatches!r}")
+    if not isinstance(virtual_pipeline_size, int) or virtual_pipeline_size < 1:
+        raise ValueError(
+            f"virtual_pipeline_size must be a positive int, got {virtual_pipeline_size!r}"
+        )
+    debug_mode, debug_size, debug_rank = debug
+    if debug_mode and not (
+        isinstance(debug_size, int) and isinstance(debug_rank, int) and 0 <= debug_rank < debug_size
+    ):
+        raise ValueError(
+            f"_debug_mode=True needs _debug_pp_size >= 1 and 0 <= _debug_pp_rank < "
+            f"_debug_pp_size, got _debug_pp_size={debug_size!r}, _debug_pp_rank={debug_rank!r}"
+        )
     if return_mb_loss and broadcast_and_average_loss:
         raise ValueError(
             "return_mb_loss=True and broadcast_and_average_loss=True are exclusive: "

@@ -5,7 +5,7 @@ wrapper, ``use_model_wrapper=True``) finishes the local stages."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -83,6 +83,7 @@ def build_traced(
     leaf_module_cls: list[type | str] | None,
     autowrap_functions: tuple[Callable[..., Any], ...] | None,
     autowrap_modules: tuple[ModuleType, ...] | None,
+    autowrap_obj_methods: Mapping[Any, Sequence[str]] | None,
     tracer_cls: str | type[fx.Tracer] | None,
     param_init_fn: InitFn | None,
     trace_file_path: str | None,
@@ -102,6 +103,7 @@ def build_traced(
         leaf_module_cls=tuple(leaves),
         autowrap_modules=tuple(autowrap_modules or ()),
         autowrap_functions=tuple(autowrap_functions or ()),
+        autowrap_obj_methods=autowrap_obj_methods,
     )
     if trace_file_path is not None:
         with open(trace_file_path, "w") as handle:

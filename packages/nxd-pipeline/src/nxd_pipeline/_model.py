@@ -13,7 +13,7 @@ calls accumulate (:mod:`nxd_pipeline._reduce`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -69,27 +69,33 @@ class NxDPPModel(LocalStagesMixin, nn.Module):
         module: nn.Module | Sequence[nn.Module],
         transformer_layer_cls: type | str | None = None,
         num_microbatches: int = 1,
+        virtual_pipeline_size: int = 1,
         output_loss_value_spec: LossSpec = None,
         return_mb_loss: bool = False,
         broadcast_and_average_loss: bool = False,
+        use_zero1_optimizer: bool = False,
+        use_model_wrapper: bool = False,
+        use_optimizer_wrapper: bool = False,
         pipeline_cuts: list[str] | None = None,
         input_names: list[str] | None = None,
         leaf_module_cls: list[type | str] | None = None,
         autowrap_functions: tuple[Callable[..., Any], ...] | None = None,
         autowrap_modules: tuple[ModuleType, ...] | None = None,
+        autowrap_obj_methods: Mapping[Any, Sequence[str]] | None = None,
         tracer_cls: str | type[fx.Tracer] | None = None,
         param_init_fn: Callable[[nn.Module], None] | None = None,
         trace_file_path: str | None = None,
-        use_zero1_optimizer: bool = False,
-        auto_partition: bool | None = False,
         return_loss_on_cpu: bool | None = True,
+        deallocate_pipeline_outputs: bool = False,
+        auto_partition: bool | None = False,
+        fuse_microbatches: bool | None = False,
         manual_pp_partition: bool | None = False,
         manual_pp_stage_partition_fn: PartitionFn | None = None,
         manual_pp_loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
         *,
-        virtual_pipeline_size: int = 1,
-        use_model_wrapper: bool = False,
-        use_optimizer_wrapper: bool = False,
+        _debug_mode: bool = False,
+        _debug_pp_size: int = 8,
+        _debug_pp_rank: int = 0,
         schedule: str | None = None,
         device: torch.device | str | None = None,
         async_sends: bool | None = None,
@@ -99,6 +105,7 @@ class NxDPPModel(LocalStagesMixin, nn.Module):
         check_arguments(
             module,
             num_microbatches=num_microbatches,
+            virtual_pipeline_size=virtual_pipeline_size,
             return_mb_loss=return_mb_loss,
             broadcast_and_average_loss=broadcast_and_average_loss,
             pipeline_cuts=pipeline_cuts,
@@ -106,13 +113,25 @@ class NxDPPModel(LocalStagesMixin, nn.Module):
             output_loss_value_spec=output_loss_value_spec,
             manual_pp_partition=bool(manual_pp_partition),
             manual_options=(manual_pp_loss_fn, manual_pp_stage_partition_fn),
+            debug=(_debug_mode, _debug_pp_size, _debug_pp_rank),
             xla_runtime_options=xla_runtime_options,
         )
+        if deallocate_pipeline_outputs:  # sent activations are not kept here anyway
+            logger.debug("deallocate_pipeline_outputs: no effect (sent outputs are not held)")
+        if fuse_microbatches and return_loss_on_cpu:
+            logger.warning("return_loss_on_cpu is set to False since fuse_microbatches is True")
+            return_loss_on_cpu = False  # NxD's rule; the microbatches themselves run apart
         manual = bool(manual_pp_partition)
-        state = get_parallel_state()
-        self.parallel_state = state
-        p, v = state.pipeline_parallel_size, virtual_pipeline_size
         self.__dict__["original_torch_module"] = module  # not registered as a submodule
+        self._debug_mode = bool(_debug_mode)
+        if self._debug_mode:  # NxD's: partition as rank r of p, without process groups
+            state, p, rank = None, _debug_pp_size, _debug_pp_rank
+        else:
+            state = get_parallel_state()
+            p, rank = state.pipeline_parallel_size, state.pipeline_parallel_rank
+        self.parallel_state = state
+        self.pipeline_parallel_size, self.pipeline_parallel_rank = p, rank
+        v = virtual_pipeline_size
         self.num_microbatches = num_microbatches
         self.output_loss_value_spec = output_loss_value_spec
         self.return_mb_loss = return_mb_loss
@@ -126,11 +145,12 @@ class NxDPPModel(LocalStagesMixin, nn.Module):
         self.param_init_fn = param_init_fn
         self.virtual_pipeline_size = v
         name = schedule if schedule is not None else ("interleaved_1f1b" if v > 1 else "1f1b")
-        if async_sends is None:  # unbatched crossing sends can deadlock a stream-ordered backend
+        if async_sends is None and state is None:
+            async_sends = False
+        elif async_sends is None:  # unbatched crossing sends can deadlock a stream-ordered backend
             backend = torch.distributed.get_backend(state.pipeline_parallel_group)
             async_sends = backend == "gloo"
         self.schedule = build_schedule(name, p, num_microbatches, v, asynchronous_sends=async_sends)
-        rank = state.pipeline_parallel_rank
         local = [s for s in range(p * v) if stage_to_rank(s, p) == rank]
         if manual:
             built = build_manual(
@@ -159,6 +179,7 @@ class NxDPPModel(LocalStagesMixin, nn.Module):
                 leaf_module_cls=leaf_module_cls,
                 autowrap_functions=autowrap_functions,
                 autowrap_modules=autowrap_modules,
+                autowrap_obj_methods=autowrap_obj_methods,
                 tracer_cls=tracer_cls,
                 param_init_fn=param_init_fn,
                 trace_file_path=trace_file_path,
@@ -172,19 +193,22 @@ class NxDPPModel(LocalStagesMixin, nn.Module):
         self._fixed_inputs = built.fixed_inputs
         self._output_spec = built.output_spec
         self._built = built
-        self._runner = StepRunner(
-            schedule=self.schedule,
-            pipeline_rank=rank,
-            pipeline_ranks=state.pipeline_parallel_ranks,
-            group=state.pipeline_parallel_group,
-            stages={int(s): m for s, m in self.stages.items()},
-            select_loss=self._loss_of,
-            device=built.device,
-            async_sends=async_sends,
-        )
+        self._runner: StepRunner | None = None
+        if state is not None:
+            self._runner = StepRunner(
+                schedule=self.schedule,
+                pipeline_rank=rank,
+                pipeline_ranks=state.pipeline_parallel_ranks,
+                group=state.pipeline_parallel_group,
+                stages={int(s): m for s, m in self.stages.items()},
+                select_loss=self._loss_of,
+                device=built.device,
+                async_sends=async_sends,
+            )
         self.timeline: Timeline | None = None
         self._reducer: GradientReducer | None = None
         self._tied_synced = False
+        self._moved = False
         if not use_model_wrapper:
             self.move_model_to_device()
         logger.info(
@@ -201,15 +225,18 @@ class NxDPPModel(LocalStagesMixin, nn.Module):
         stages to the device. Runs at construction, or with ``use_model_wrapper=True`` when
         the wrapper calls it (at the latest, the first ``run_train`` / ``run_eval``). Local:
         no communication. Afterwards the local parameters are final: build optimizers then."""
-        if self._reducer is not None:
+        if self._moved:
             return
         rebuilt = self._built.materialize()
         if rebuilt is not None:
             self.stages = nn.ModuleDict({str(s): stage for s, stage in rebuilt.items()})
         move_local_tensors(list(self.stages.values()), self._built.device)
+        self._moved = True
+        state = self.parallel_state
+        if self._runner is None or state is None:  # _debug_mode: nothing to run or reduce
+            return
         self._runner.stages = {int(s): m for s, m in self.stages.items()}
         named = self._all_local_names()
-        state = self.parallel_state
         for weight in self._built.tied:  # copies counted elsewhere: left out of grad norms
             if weight.name is not None and weight.first_rank != state.pipeline_parallel_rank:
                 named[weight.name].shared = True
@@ -238,6 +265,7 @@ class NxDPPModel(LocalStagesMixin, nn.Module):
         """Before each step: the reductions as the flags say now (parameters added since, e.g.
         adapters, included); before the first (every rank is there): NxD's sync of tied
         weight copies."""
+        self._step_runner()
         self.move_model_to_device()
         assert self._reducer is not None
         self._reducer.configure(self._all_local_names(), self._data_parallel_reduction())
@@ -252,6 +280,26 @@ class NxDPPModel(LocalStagesMixin, nn.Module):
             )
             self._tied_synced = True
         return self._reducer
+
+    def _step_runner(self) -> StepRunner:
+        if self._runner is None:
+            raise RuntimeError(
+                f"this NxDPPModel was built with _debug_mode=True (NxD's partition without "
+                f"process groups): it holds pipeline rank {self.pipeline_parallel_rank}'s "
+                f"stages of {self.pipeline_parallel_size} to inspect and cannot run a step"
+            )
+        return self._runner
+
+    def __getattr__(self, name: str) -> Any:
+        """As NxD: an attribute the wrapper lacks is the original model's (``config``,
+        ``generation_config``, ...)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            original = self.__dict__.get("original_torch_module")
+            if isinstance(original, nn.Module) and not name.startswith("__"):
+                return getattr(original, name)
+            raise
 
     # Loss and inputs --------------------------------------------------------------------
     def _loss_of(self, output: Any) -> torch.Tensor:
@@ -285,7 +333,7 @@ class NxDPPModel(LocalStagesMixin, nn.Module):
         reducer = self._prepare_step()
         reducer.begin()
         try:
-            losses, self.timeline = self._runner.run(microbatches, train=True, signature=key)
+            losses, self.timeline = self._step_runner().run(microbatches, train=True, signature=key)
         except BaseException:
             reducer.abort()
             raise
@@ -298,7 +346,7 @@ class NxDPPModel(LocalStagesMixin, nn.Module):
         self.eval()
         microbatches, key = self._split(kwargs)
         self._prepare_step()
-        losses, self.timeline = self._runner.run(microbatches, train=False, signature=key)
+        losses, self.timeline = self._step_runner().run(microbatches, train=False, signature=key)
         return self._finish_loss(losses)
 
     def _finish_loss(self, losses: list[torch.Tensor]) -> torch.Tensor | list[torch.Tensor] | None:
@@ -307,7 +355,7 @@ class NxDPPModel(LocalStagesMixin, nn.Module):
             return losses if losses else None
         loss = torch.stack(losses).mean() if losses else None
         if self.broadcast_and_average_loss:
-            buffer = torch.zeros((), device=self._runner.device)
+            buffer = torch.zeros((), device=self._step_runner().device)
             if loss is not None:
                 buffer.copy_(loss)
             collectives.all_reduce(buffer, group=state.pipeline_parallel_group)  # one holder
