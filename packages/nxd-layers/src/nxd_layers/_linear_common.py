@@ -17,14 +17,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nxd_layers._attributes import divide, set_tensor_model_parallel_attributes
+from nxd_layers._attributes import (
+    divide,
+    set_tensor_model_parallel_attributes,
+    shard_for_rank,
+    tensor_parallel_rank_and_size,
+)
 from nxd_layers._init import InitMethod, init_master, is_meta, sharded_parameter
 
 __all__ = [
     "bias_init",
     "check_input",
     "check_reduce_dtype",
+    "check_reinitialisable",
     "check_sizes",
+    "copy_local_slice",
     "padded_master",
     "sharded_weight",
 ]
@@ -112,3 +119,53 @@ def sharded_weight(
     )
     set_tensor_model_parallel_attributes(weight, True, partition_dim, stride)
     return weight, master
+
+
+def check_reinitialisable(owner: nn.Module, what: str, *params: torch.Tensor | None) -> None:
+    """Refuse, before anything is drawn, to re-initialise parameters that cannot take a fresh
+    draw: a meta parameter (not materialised yet) or one ``pad_model`` padded (its shard holds
+    zeros the drawn tensor has no place for). ``what`` names the method in the error."""
+    name = f"{type(owner).__name__}.{what}"
+    for param in params:
+        if param is None:
+            continue
+        if param.is_meta:
+            raise ValueError(
+                f"{name}: the parameter is on the meta device; materialise it first "
+                f"(e.g. module.to_empty(device='cpu')), then initialise"
+            )
+        if getattr(param, "tensor_parallel_padding", None) is not None:
+            raise ValueError(
+                f"{name}: the parameter was padded by pad_model; initialise the layer before "
+                f"padding it"
+            )
+
+
+def copy_local_slice(
+    owner: nn.Module,
+    what: str,
+    param: torch.Tensor,
+    master: torch.Tensor,
+    partition_dim: int | None,
+    stride: int = 1,
+) -> None:
+    """param <- this rank's slice of the full ``master`` along ``partition_dim`` (the whole of
+    it when None), in place: the parameter object stays (optimizers keep their references).
+
+    What the layers' re-initialisation (NxD's ``init_weight_cpu`` / ``initialize_weight_biases``)
+    shares, after :func:`check_reinitialisable`; ``what`` names the method in the errors.
+    ``master`` is drawn on CPU, so the copy also casts and moves it to the parameter's dtype
+    and device.
+    """
+    local = master
+    if partition_dim is not None:
+        rank, tp = tensor_parallel_rank_and_size(owner.tensor_parallel_group)
+        local = shard_for_rank(master, partition_dim, rank, tp, stride)
+    if tuple(local.shape) != tuple(param.shape):
+        raise ValueError(
+            f"{type(owner).__name__}.{what}: this rank's slice of the re-drawn tensor has shape "
+            f"{tuple(local.shape)}, the parameter {tuple(param.shape)} (was the layer resized "
+            f"after construction?)"
+        )
+    with torch.no_grad():
+        param.copy_(local)

@@ -27,6 +27,7 @@ from nxd_layers._attributes import (
     tensor_parallel_rank_and_size,
 )
 from nxd_layers._init import InitMethod, init_master, is_meta, sharded_parameter
+from nxd_layers._linear_common import check_reinitialisable, copy_local_slice
 from nxd_layers.utils import get_padding_length
 from nxd_state import collectives
 
@@ -176,13 +177,10 @@ class ParallelEmbedding(ParallelModuleMixin, nn.Module):
             local_shape = (self.num_embeddings_per_partition, embedding_dim)
         self.per_partition_size = local_shape[self.weight_partition_dim]
 
+        self._unpadded_shape = (rows, cols)
         master = None
         if not is_meta(device):
-            table = init_master((rows, cols), init_method)
-            if padding_idx is not None:
-                table[padding_idx].zero_()
-            master = torch.zeros(self.num_embeddings, self.embedding_dim)
-            master[:rows, :cols] = table
+            master = self._draw_table()
             if self.pad_size:
                 logger.info("padded %s from %d to %d", what, sharded, sharded + self.pad_size)
         self.weight = sharded_parameter(
@@ -195,6 +193,29 @@ class ParallelEmbedding(ParallelModuleMixin, nn.Module):
             device=device,
         )
         set_tensor_model_parallel_attributes(self.weight, True, self.weight_partition_dim, 1)
+
+    def _draw_table(self) -> torch.Tensor:
+        """The full (padded) float32 table from the seed: ``init_method`` on the unpadded
+        ``(num_embeddings, embedding_dim)`` table, the ``padding_idx`` row zeroed, zero rows or
+        columns appended up to the padded size."""
+        rows, cols = self._unpadded_shape
+        table = init_master((rows, cols), self.init_method)
+        if self._global_padding_idx is not None:
+            table[self._global_padding_idx].zero_()
+        master = torch.zeros(self.num_embeddings, self.embedding_dim)
+        master[:rows, :cols] = table
+        return master
+
+    def init_weight_cpu(self) -> None:
+        """E <- init_method(E) re-drawn (NxD's re-initialisation after meta-device building):
+        the full table is drawn on CPU in float32 from the current seed exactly as the
+        constructor draws it (the same values for the same seed, at any TP degree; the
+        ``padding_idx`` row and padded rows/columns zero) and this rank's slice is copied into
+        ``weight`` in place."""
+        check_reinitialisable(self, "init_weight_cpu", self.weight)
+        copy_local_slice(
+            self, "init_weight_cpu", self.weight, self._draw_table(), self.weight_partition_dim
+        )
 
     # Forward ---------------------------------------------------------------------------
     def forward(self, input_: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,9 @@ from nxd_layers._linear_common import (
     bias_init,
     check_input,
     check_reduce_dtype,
+    check_reinitialisable,
     check_sizes,
+    copy_local_slice,
     padded_master,
     sharded_weight,
 )
@@ -158,6 +160,7 @@ class ColumnParallelLinear(BaseParallelLinear):
             self._init_weight,
             self.pad_size,
         )
+        self.keep_master_weight = keep_master_weight
         self.master_weight = master if keep_master_weight else None
         if bias:
             master_bias = None
@@ -179,6 +182,21 @@ class ColumnParallelLinear(BaseParallelLinear):
             )
         else:
             self.register_parameter("bias", None)
+
+    def init_weight_cpu(self) -> None:
+        """W <- init_method(W) re-drawn (NxD's re-initialisation after meta-device building).
+
+        The full ``(output_size, input_size)`` weight is drawn on CPU in float32 from the
+        current seed exactly as the constructor draws it (the same values for the same seed,
+        at any TP degree; padded rows zero) and this rank's rows are copied into ``weight`` in
+        place. The bias is left as it is (NxD's models zero it themselves);
+        ``master_weight`` is the new full weight with ``keep_master_weight``, else None.
+        """
+        full_shape = (self.output_size - self.pad_size, self.input_size)
+        check_reinitialisable(self, "init_weight_cpu", self.weight)
+        master = padded_master(full_shape, self._init_weight, 0, self.pad_size)
+        copy_local_slice(self, "init_weight_cpu", self.weight, master, 0, self.stride)
+        self.master_weight = master if self.keep_master_weight else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         check_input(
@@ -301,6 +319,7 @@ class RowParallelLinear(BaseParallelLinear):
             self._init_weight,
             self.pad_size,
         )
+        self.keep_master_weight = keep_master_weight
         self.master_weight = master if keep_master_weight else None
         if bias:
             master_bias = None
@@ -320,6 +339,20 @@ class RowParallelLinear(BaseParallelLinear):
                 mark_sequence_parallel_parameter(self.bias)
         else:
             self.register_parameter("bias", None)
+
+    def init_weight_cpu(self) -> None:
+        """W <- init_method(W) re-drawn (NxD's re-initialisation after meta-device building).
+
+        The full ``(output_size, input_size)`` weight is drawn on CPU in float32 from the
+        current seed exactly as the constructor draws it (padded columns zero) and this rank's
+        columns are copied into ``weight`` in place; the bias is left as it is;
+        ``master_weight`` is the new full weight with ``keep_master_weight``, else None.
+        """
+        full_shape = (self.output_size, self.input_size - self.pad_size)
+        check_reinitialisable(self, "init_weight_cpu", self.weight)
+        master = padded_master(full_shape, self._init_weight, 1, self.pad_size)
+        copy_local_slice(self, "init_weight_cpu", self.weight, master, 1, self.stride)
+        self.master_weight = master if self.keep_master_weight else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         if self.input_is_parallel:

@@ -11,7 +11,7 @@ the unsharded model's gradient for that head.
 
 from __future__ import annotations
 
-import math
+import logging
 from typing import Any
 
 import torch
@@ -19,14 +19,28 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
+import nxd_state
 from nxd_layers import mappings
 from nxd_layers._attributes import (
     pick_tensor_parallel_group,
     set_tensor_model_parallel_attributes,
+    shard_for_rank,
     tensor_parallel_rank_and_size,
 )
+from nxd_layers._gqa_layout import (
+    get_kv_size_multiplier,
+    gqa_kv_replica_rows,
+    kv_layout,
+    neuronx_gqa_rank_map,
+)
 from nxd_layers._init import InitMethod, init_master, is_meta, sharded_parameter
-from nxd_layers._linear_common import check_input, check_reduce_dtype
+from nxd_layers._linear_common import (
+    bias_init,
+    check_input,
+    check_reduce_dtype,
+    check_reinitialisable,
+    copy_local_slice,
+)
 from nxd_layers.linear import BaseParallelLinear
 from nxd_state import collectives
 
@@ -37,38 +51,7 @@ __all__ = [
     "neuronx_gqa_rank_map",
 ]
 
-
-def get_kv_size_multiplier(num_key_value_heads: int, tensor_parallel_size: int) -> int:
-    """Smallest m >= 1 with (num_key_value_heads * m) divisible by tensor_parallel_size."""
-    if num_key_value_heads <= 0 or tensor_parallel_size <= 0:
-        raise ValueError(
-            f"num_key_value_heads({num_key_value_heads}) and "
-            f"tensor_parallel_size({tensor_parallel_size}) must be positive"
-        )
-    return tensor_parallel_size // math.gcd(num_key_value_heads, tensor_parallel_size)
-
-
-def gqa_kv_replica_rows(num_kv_heads: int, head_dim: int, kv_size_multiplier: int) -> list[int]:
-    """Entry i: the row of the unreplicated K (or V) projection that row i of the replicated
-    one copies, in this layout's head-by-head order.
-
-    With n = ``num_kv_heads``, d = ``head_dim`` and m = ``kv_size_multiplier``, the
-    replicated projection has n·m·d rows: heads ``[k_0] * m + [k_1] * m + ...``, so row
-    ``(h·m + c)·d + j`` (head h, copy c < m, row j < d of the head) is row ``h·d + j``. Rank r
-    of t holds rows ``[r·n·m·d/t, (r+1)·n·m·d/t)`` of it (checkpoints map them back with
-    this list; the first copy of each row is its primary).
-    """
-    if min(num_kv_heads, head_dim, kv_size_multiplier) <= 0:
-        raise ValueError(
-            f"num_kv_heads({num_kv_heads}), head_dim({head_dim}) and "
-            f"kv_size_multiplier({kv_size_multiplier}) must be positive"
-        )
-    return [
-        head * head_dim + row
-        for head in range(num_kv_heads)
-        for _ in range(kv_size_multiplier)
-        for row in range(head_dim)
-    ]
+logger = logging.getLogger(__name__)
 
 
 class _SumReplicaGrads(torch.autograd.Function):
@@ -142,7 +125,7 @@ class GQAQKVColumnParallelLinear(BaseParallelLinear):
             tensor_parallel_group, tensor_model_parallel_group, type(self).__name__
         )
         rank, tp = tensor_parallel_rank_and_size(self.tensor_parallel_group)
-        self.kv_heads, self.head_dim = _kv_layout(q_size, kv_size, tp, kv_size_multiplier, head_dim)
+        self.kv_heads, self.head_dim = kv_layout(q_size, kv_size, tp, kv_size_multiplier, head_dim)
         self.input_size, self.output_sizes = input_size, [q_size, kv_size]
         self.kv_size_multiplier = kv_size_multiplier
         self.q_output_size_per_partition = q_size // tp
@@ -151,33 +134,25 @@ class GQAQKVColumnParallelLinear(BaseParallelLinear):
         self.sequence_parallel_enabled = sequence_parallel_enabled
         self.sequence_dimension = sequence_dimension
         self.tensor_parallel_size = tp
+        self._ensure_kv_shared_groups()
 
-        meta = is_meta(device)
         self.arg_init_method = init_method
-        bound = 1.0 / math.sqrt(input_size)
-        masters: dict[str, torch.Tensor | None] = {}
-        for part, size in (("q", q_size), ("k", kv_size), ("v", kv_size)):
-            masters[f"weight_{part}"] = (
-                None if meta else init_master((size, input_size), self._init_weight)
-            )
-        for part, size in (("q", q_size), ("k", kv_size), ("v", kv_size)):
-            if bias:
-                masters[f"bias_{part}"] = (
-                    None
-                    if meta
-                    else init_master((size,), lambda b: nn.init.uniform_(b, -bound, bound))
-                )
+        self.keep_master_weight = keep_master_weight
+        masters = {} if is_meta(device) else self._draw_masters(bias)
         self._keep_masters(masters if keep_master_weight else {}, fuse_qkv)
         local: dict[str, nn.Parameter] = {}
-        for name, master in masters.items():
-            replicated = not name.endswith("_q")
-            if master is not None and replicated:
-                master = self._replicate(master)
-            rows = self.kv_output_size_per_partition if replicated else q_size // tp
-            shape = (rows, input_size) if name.startswith("weight") else (rows,)
-            local[name] = sharded_parameter(
-                master, shape, partition_dim=0, rank=rank, world_size=tp, dtype=dtype, device=device
-            )
+        for kind in ("weight", "bias") if bias else ("weight",):
+            for part in "qkv":
+                q = part == "q"
+                rows = self.q_output_size_per_partition if q else self.kv_output_size_per_partition
+                master = masters.get(f"{kind}_{part}")
+                if master is not None and not q:
+                    master = self._replicate(master)
+                shape = (rows, input_size) if kind == "weight" else (rows,)
+                local[f"{kind}_{part}"] = sharded_parameter(
+                    master, shape, partition_dim=0, rank=rank, world_size=tp, dtype=dtype,
+                    device=device,
+                )  # fmt: skip
         replicas = 1 if self.kv_size_multiplier == 1 else self.kv_size_multiplier
         for kind in ("weight", "bias") if bias else ("weight",):
             parts = [local[f"{kind}_{p}"] for p in "qkv"]
@@ -197,6 +172,79 @@ class GQAQKVColumnParallelLinear(BaseParallelLinear):
         if not bias:
             for name in ("bias_qkv",) if fuse_qkv else ("bias_q", "bias_k", "bias_v"):
                 self.register_parameter(name, None)
+
+    def _ensure_kv_shared_groups(self) -> None:
+        """NxD's GQA layer builds the KV-shared groups for its ``kv_size_multiplier`` m > 1
+        (``initialize_kv_group(m)``); this one builds nxd's: m adjacent TP ranks
+        (``sequential_ranks_in_group=True``), the ranks holding replicas of the same KV head
+        when each rank holds one (``num_kv_heads * m == tp``; NxD's block-wise replication has
+        interleaved groups instead, see :func:`neuronx_gqa_rank_map`).
+
+        Nothing is built when m is 1, when the layer runs on a group other than the current
+        state's TP group, or when m does not divide the TP size (NxD refuses such a layer;
+        this one does not need the groups: it sums the replicas' gradients over its TP
+        group). Groups already built (by the user, or by a layer with another m: NxD refuses
+        mixed multipliers) are kept, with a warning when they differ from this layer's.
+        """
+        m, tp = self.kv_size_multiplier, self.tensor_parallel_size
+        if m == 1 or tp % m or not nxd_state.model_parallel_is_initialized():
+            return
+        state = nxd_state.get_parallel_state()
+        if self.tensor_parallel_group is not state.tensor_parallel_group:
+            return
+        built = state.kv_shared
+        if built is None:
+            state.initialize_kv_groups(m, sequential_ranks_in_group=True)
+        elif (built.size, built.sequential_ranks_in_group) != (m, True):
+            logger.warning(
+                "GQAQKVColumnParallelLinear(kv_size_multiplier=%d): keeping the KV-shared groups "
+                "already built (kv_shared_group_size=%d, sequential_ranks_in_group=%s); this "
+                "layer's replicas of a KV head are on %d adjacent ranks",
+                m,
+                built.size,
+                built.sequential_ranks_in_group,
+                m,
+            )
+
+    def _draw_masters(self, bias: bool) -> dict[str, torch.Tensor]:
+        """The full, unreplicated float32 masters, drawn on CPU from the seed in this order:
+        W_q, W_k, W_v (``init_method``, else ``torch.nn.Linear``'s default), then with
+        ``bias`` b_q, b_k, b_v ~ U(-1/sqrt(in), 1/sqrt(in))."""
+        q_size, kv_size = self.output_sizes
+        sizes = (("q", q_size), ("k", kv_size), ("v", kv_size))
+        masters = {
+            f"weight_{part}": init_master((size, self.input_size), self._init_weight)
+            for part, size in sizes
+        }
+        if bias:
+            draw = bias_init(self.input_size)
+            masters.update({f"bias_{part}": init_master((size,), draw) for part, size in sizes})
+        return masters
+
+    def initialize_weight_biases(self) -> None:
+        """NxD's re-initialisation (after meta-device building): W_q, W_k, W_v and, with a
+        bias, b_q, b_k, b_v re-drawn on CPU from the current seed exactly as the constructor
+        draws them (the same values for the same seed, at any TP degree), K/V replicated as
+        the layer holds them, this rank's rows copied into the parameters in place (``weight_qkv``
+        / ``bias_qkv`` when fused); the ``master_*`` tensors are refreshed with
+        ``keep_master_weight``."""
+        fused = self.fuse_qkv
+        has_bias = (self.bias_qkv if fused else self.bias_q) is not None
+        check_reinitialisable(self, "initialize_weight_biases", *self.parameters(recurse=False))
+        masters = self._draw_masters(has_bias)
+        for kind in ("weight", "bias") if has_bias else ("weight",):
+            full = [masters[f"{kind}_q"]]
+            full += [self._replicate(masters[f"{kind}_{part}"]) for part in "kv"]
+            if fused:  # this rank's Q, K, V rows, one after another
+                rank, tp = tensor_parallel_rank_and_size(self.tensor_parallel_group)
+                rows = torch.cat([shard_for_rank(f, 0, rank, tp) for f in full])
+                param = getattr(self, f"{kind}_qkv")
+                copy_local_slice(self, "initialize_weight_biases", param, rows, None)
+                continue
+            for part, tensor in zip("qkv", full):
+                param = getattr(self, f"{kind}_{part}")
+                copy_local_slice(self, "initialize_weight_biases", param, tensor, 0)
+        self._keep_masters(masters if self.keep_master_weight else {}, fused)
 
     def _keep_masters(self, masters: dict[str, torch.Tensor | None], fused: bool) -> None:
         """NxD's ``master_weight_q/k/v`` and ``master_bias_q/k/v``, or the ``*_qkv`` concat
@@ -267,88 +315,3 @@ class GQAQKVColumnParallelLinear(BaseParallelLinear):
             k = self._dereplicate(mappings.gather_from_tensor_model_parallel_region(k, group))
             v = self._dereplicate(mappings.gather_from_tensor_model_parallel_region(v, group))
         return q, k, v
-
-
-def _kv_layout(
-    q_size: int, kv_size: int, tp: int, multiplier: int, head_dim: int | None
-) -> tuple[int, int]:
-    """(number of KV heads, head_dim), after checking every size against the TP degree."""
-    if not isinstance(multiplier, int) or multiplier < 1:
-        raise ValueError(f"kv_size_multiplier must be an int >= 1, got {multiplier!r}")
-    if q_size % tp != 0:
-        raise ValueError(
-            f"q_size({q_size}) is not divisible by tensor_parallel_size({tp}): the attention "
-            f"heads must divide evenly over TP; pad them with nxd_layers.pad_model"
-        )
-    if head_dim is None:
-        if multiplier == 1:
-            if kv_size % tp != 0:
-                raise ValueError(
-                    f"kv_size({kv_size}) is not divisible by tensor_parallel_size({tp}): pass "
-                    f"kv_size_multiplier=get_kv_size_multiplier(num_kv_heads, {tp}) and head_dim"
-                )
-            return 1, kv_size  # no replication: head boundaries do not matter
-        if tp % multiplier != 0 or kv_size % (tp // multiplier) != 0:
-            raise ValueError(
-                f"kv_size_multiplier({multiplier}) without head_dim assumes one KV head per rank "
-                f"(tensor_parallel_size({tp}) / kv_size_multiplier KV heads dividing "
-                f"kv_size({kv_size})); pass head_dim to use another multiplier"
-            )
-        return tp // multiplier, kv_size * multiplier // tp
-    if head_dim <= 0 or q_size % head_dim or kv_size % head_dim:
-        raise ValueError(
-            f"head_dim({head_dim}) must divide q_size({q_size}) and kv_size({kv_size})"
-        )
-    heads, kv_heads = q_size // head_dim, kv_size // head_dim
-    if heads % kv_heads != 0:
-        raise ValueError(f"num_heads({heads}) is not a multiple of num_kv_heads({kv_heads})")
-    if heads % tp != 0:
-        raise ValueError(
-            f"num_heads({heads}) is not divisible by tensor_parallel_size({tp}); pad the heads "
-            f"with nxd_layers.pad_model"
-        )
-    if heads % (kv_heads * multiplier) != 0:
-        raise ValueError(
-            f"num_kv_heads({kv_heads}) x kv_size_multiplier({multiplier}) = "
-            f"{kv_heads * multiplier} KV heads after replication do not divide "
-            f"num_heads({heads}); use a smaller multiplier"
-        )
-    if (kv_heads * multiplier) % tp != 0:
-        raise ValueError(
-            f"num_kv_heads({kv_heads}) x kv_size_multiplier({multiplier}) = "
-            f"{kv_heads * multiplier} is not divisible by tensor_parallel_size({tp}); the "
-            f"smallest valid multiplier is {get_kv_size_multiplier(kv_heads, tp)}"
-        )
-    return kv_heads, head_dim
-
-
-def neuronx_gqa_rank_map(
-    num_heads: int, num_kv_heads: int, tensor_parallel_size: int, kv_size_multiplier: int
-) -> list[int]:
-    """Entry r: the TP rank of this layout holding what NxD's GQA checkpoints hold on rank r.
-
-    NxD replicates K/V block-wise (``W_k.repeat(m, 1)``, so rank r holds KV head
-    ``r % num_kv_heads``) and, in its checkpoint converter, regroups the Q heads (and the
-    o_proj columns) so that rank r's Q heads are those attending to that head: Q head group
-    ``(r % n_kv) * (tp / n_kv) + r // n_kv`` of ``tp`` equal groups. Here rank s holds Q group
-    s and KV head ``s // m`` (standard grouping), so NxD's rank r equals this layout's rank
-    ``(r % n_kv) * (tp / n_kv) + r // n_kv`` for every attention tensor (Q, K, V and o_proj's
-    input columns); the MLP, embedding and norms are not permuted. Defined, as NxD's converter
-    is, for one KV head per rank (``num_kv_heads * kv_size_multiplier == tensor_parallel_size``);
-    without replication (multiplier 1) both layouts are the identity.
-    """
-    tp, n_kv, m = tensor_parallel_size, num_kv_heads, kv_size_multiplier
-    if min(num_heads, n_kv, tp, m) <= 0 or num_heads % tp or num_heads % n_kv:
-        raise ValueError(
-            f"num_heads({num_heads}) must be divisible by tensor_parallel_size({tp}) and "
-            f"num_kv_heads({n_kv}), all positive"
-        )
-    if m == 1:
-        return list(range(tp))
-    if n_kv * m != tp:
-        raise ValueError(
-            f"NxD's GQA layout with kv_size_multiplier({m}) > 1 holds one KV head per rank: "
-            f"num_kv_heads({n_kv}) x kv_size_multiplier({m}) must equal "
-            f"tensor_parallel_size({tp})"
-        )
-    return [(r % n_kv) * (tp // n_kv) + r // n_kv for r in range(tp)]
