@@ -2,8 +2,9 @@
 NxD's parameter names and defaults (``_nxd_signatures.py``). No process group is needed here:
 what the names do is exercised by the other files of this folder.
 
-Gaps (NxD names or parameters nxd lacks) are strict xfails with the NxD path and semantics in
-the reason: each fails the suite the day it is closed, so the list stays true.
+Gaps (NxD parameters nxd lacks, ``_nxd_signatures.KNOWN_MISSING``) are strict xfails with the
+NxD path and semantics in the reason: each fails the suite the day it is closed, so the list
+stays true.
 """
 
 from __future__ import annotations
@@ -112,6 +113,16 @@ _GROUPS: list[tuple[str, str, list[str]]] = [
     (f"{PL}.checkpointing", "nxd_ckpt.legacy", ["save", "load"]),
     (f"{NXD}.modules.qkv_linear", "nxd_layers", ["GQAQKVColumnParallelLinear"]),
     (f"{NXD}.modules.qkv_linear", "nxd_state", ["destroy_kv_group", "get_kv_shared_group"]),
+    (f"{NXD}.modules.qkv_linear", "nxd_layers", ["get_kv_size_multiplier"]),
+    # NxD's re-initialisation hooks (its models' init_weights); semantics: test_layer_semantics
+    (f"{PL}.layers", "nxd_layers", ["ColumnParallelLinear.init_weight_cpu"]),
+    (f"{PL}.layers", "nxd_layers", ["RowParallelLinear.init_weight_cpu"]),
+    (f"{PL}.layers", "nxd_layers", ["ParallelEmbedding.init_weight_cpu"]),
+    (
+        f"{NXD}.modules.qkv_linear",
+        "nxd_layers",
+        ["GQAQKVColumnParallelLinear.initialize_weight_biases"],
+    ),
     (f"{PL}.layers", "nxd_layers", ["param_is_not_tensor_parallel_duplicate"]),
     (NXD, "nxd_trainer", ["save_checkpoint", "load_checkpoint"]),
     (NXD, "nxd_trainer", ["has_checkpoint", "finalize_checkpoint"]),
@@ -262,33 +273,6 @@ def test_lora_config_has_nxds_fields_and_defaults() -> None:
         assert fields[name].default == default, name
     config = LoraConfig(enable_lora=True, merge_sharded_lora=True, target_modules=["q_proj"])
     assert config.merge_sharded_lora
-
-
-# NxD names nxd does not have yet: one strict xfail each ------------------------------------------
-MISSING_NAMES = {
-    "neuronx_distributed.parallel_layers.layers:ColumnParallelLinear.init_weight_cpu": "NxD's "
-    "Llama init_weights() re-initializes Column/Row/ParallelEmbedding with init_weight_cpu()",
-    "neuronx_distributed.parallel_layers.layers:RowParallelLinear.init_weight_cpu": "see "
-    "ColumnParallelLinear.init_weight_cpu",
-    "neuronx_distributed.parallel_layers.layers:ParallelEmbedding.init_weight_cpu": "see "
-    "ColumnParallelLinear.init_weight_cpu",
-    "neuronx_distributed.modules.qkv_linear:GQAQKVColumnParallelLinear.initialize_weight_biases": (
-        "NxD's Llama init_weights() re-initializes GQA layers with initialize_weight_biases()"
-    ),
-}
-
-
-@pytest.mark.parametrize(
-    "nxd_path",
-    [
-        pytest.param(
-            p, marks=pytest.mark.xfail(strict=True, reason=f"gap: {r}", raises=ImportError)
-        )
-        for p, r in MISSING_NAMES.items()
-    ],
-)
-def test_missing_nxd_name(nxd_path: str) -> None:
-    assert resolve(nxd_path) is not None
 
 
 def test_lora_targets_select_like_nxd() -> None:

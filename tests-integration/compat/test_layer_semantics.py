@@ -11,7 +11,11 @@ turns into a failure the day it is fixed.
   parallelism the output is sequence-first ``[s/tp, b, h]``.
 * ``pad_model``: NxD zero-pads each rank's own shard (rows of Column, columns of Row).
 * ``GQAQKVColumnParallelLinear(keep_master_weight=True)``: ``master_weight_q/k/v`` are the full,
-  unreplicated weights the shards come from (``master_weight_qkv`` when fused).
+  unreplicated weights the shards come from (``master_weight_qkv`` when fused); with
+  ``kv_size_multiplier`` 2 the layer builds the KV-shared groups (nxd's adjacent order).
+* NxD's ``init_weights(module)`` after a meta-device build (``init_weight_cpu()`` on
+  Column/Row/ParallelEmbedding, biases zeroed, ``initialize_weight_biases()`` on GQA) gives
+  the model built eagerly under the same seed, and ``init_method`` reaches the full weight.
 
 Tolerances: float32 with torch's defaults (rtol 1.3e-6, atol 1e-5) where a layer's output is
 compared with ``F.linear`` / ``F.embedding`` on the gathered weights (the same products, summed
@@ -22,7 +26,6 @@ from __future__ import annotations
 
 import functools
 
-import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -182,6 +185,67 @@ def check_gqa_master_weights(rank: int, facts: dict) -> None:
         facts["kv_shared_groups"] = f"{type(error).__name__}: {error}"
 
 
+def check_init_weights_after_meta(rank: int) -> None:
+    """NxD's Llama/Mixtral ``init_weights(module)`` on a model built on the meta device."""
+    from neuronx_distributed.modules.qkv_linear import GQAQKVColumnParallelLinear
+    from neuronx_distributed.parallel_layers.layers import (
+        ColumnParallelLinear,
+        ParallelEmbedding,
+        RowParallelLinear,
+    )
+    from neuronx_distributed.parallel_layers.parallel_state import destroy_kv_group
+    from neuronx_distributed.utils.model_utils import init_on_device
+
+    def normal(weight: torch.Tensor) -> None:
+        nn.init.normal_(weight, std=0.02)  # config.initializer_range
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = ParallelEmbedding(16, 8, 0, init_method=normal)
+            self.qkv = GQAQKVColumnParallelLinear(
+                8, [4 * 2, 2 * 2], gather_output=False, init_method=normal,
+                kv_size_multiplier=2, head_dim=2,
+            )  # fmt: skip
+            self.o = RowParallelLinear(8, 8, input_is_parallel=True, init_method=normal)
+            self.up = ColumnParallelLinear(8, 16, gather_output=False, init_method=normal)
+
+    def init_weights(module: nn.Module) -> None:  # as NxD's examples write it
+        if isinstance(module, (ParallelEmbedding, RowParallelLinear, ColumnParallelLinear)):
+            module.init_weight_cpu()
+            if hasattr(module, "bias") and module.bias is not None:
+                module.bias.data.zero_()
+        elif isinstance(module, GQAQKVColumnParallelLinear):
+            module.initialize_weight_biases()
+
+    destroy_kv_group()  # check_gqa_master_weights built them with the same m; start afresh
+    with init_on_device(torch.device("meta")):
+        block = Block()
+    assert all(p.is_meta for p in block.parameters())
+    block.to_empty(device="cpu")
+    torch.manual_seed(7)
+    block.apply(init_weights)
+    torch.manual_seed(7)  # one process, the same draws in the same order on full tensors
+    embed = torch.empty(16, 8).normal_(std=0.02)
+    embed[0] = 0.0
+    q, k, v = (torch.empty(n, 8).normal_(std=0.02) for n in (8, 4, 4))
+    bound = 1 / 8**0.5
+    b_q, b_k, b_v = (torch.empty(n).uniform_(-bound, bound) for n in (8, 4, 4))
+    o, up = torch.empty(8, 8).normal_(std=0.02), torch.empty(16, 8).normal_(std=0.02)
+    torch.testing.assert_close(_gather(block.embed.weight.detach(), 0), embed, **EXACT)
+    torch.testing.assert_close(_gather(block.o.weight.detach(), 1), o, **EXACT)
+    torch.testing.assert_close(_gather(block.up.weight.detach(), 0), up, **EXACT)
+    assert not block.o.bias.any()
+    assert not block.up.bias.any()
+    torch.testing.assert_close(block.qkv.weight_q, q.chunk(TP)[rank], **EXACT)
+    torch.testing.assert_close(block.qkv.bias_q, b_q.chunk(TP)[rank], **EXACT)
+    head = rank // 2  # nxd's KV order: KV head r // m on rank r
+    for local, full in ((block.qkv.weight_k, k), (block.qkv.weight_v, v)):
+        torch.testing.assert_close(local, full.split(2)[head], **EXACT)
+    for local, full in ((block.qkv.bias_k, b_k), (block.qkv.bias_v, b_v)):
+        torch.testing.assert_close(local, full.split(2)[head], **EXACT)
+
+
 def layer_semantics() -> dict:
     from neuronx_distributed.parallel_layers import parallel_state
     from neuronx_distributed.parallel_layers.random import model_parallel_xla_manual_seed
@@ -197,6 +261,7 @@ def layer_semantics() -> dict:
             "embedding SP output [s/tp, b, h]": lambda: check_embedding_sequence_parallel(rank),
             "pad_model pads each rank's shard": lambda: check_pad_model_per_rank(rank),
             "GQA master weights": lambda: check_gqa_master_weights(rank, facts),
+            "init_weights after a meta build": lambda: check_init_weights_after_meta(rank),
         },
         context=f"tp rank {rank}",
     )
@@ -210,7 +275,7 @@ def _results() -> tuple[dict, ...]:
 
 def test_nxd_layer_semantics() -> None:
     results = _results()
-    assert all(len(r["checks"]) == 5 for r in results)
+    assert all(len(r["checks"]) == 6 for r in results)
     # 2 KV heads x kv_size_multiplier 2 over 4 ranks: each head on exactly 2 ranks
     assert sorted(r["kv_head"] for r in results) == [0, 0, 1, 1]
 
@@ -229,12 +294,15 @@ def test_gqa_kv_head_order_and_the_map_to_nxds_layout() -> None:
     assert [heads[mapping[r]] for r in range(TP)] == nxd_heads_of_nxd_ranks
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="gap: NxD's GQAQKVColumnParallelLinear(kv_size_multiplier=m > 1) initializes the "
-    "KV-shared groups (initialize_kv_group(m)); nxd's layer does not, so get_kv_shared_group() "
-    "raises after building one",
-)
 def test_gqa_layer_initializes_kv_shared_groups() -> None:
-    # NxD's default (interleaved) groups at TP=4, m=2: the ranks holding the same KV head
-    assert [r["kv_shared_groups"] for r in _results()] == [[[0, 2], [1, 3]]] * TP
+    """NxD's GQA layer with ``kv_size_multiplier`` m > 1 builds the KV-shared groups
+    (``initialize_kv_group(m)``), so ``get_kv_shared_group()`` works after building one. The
+    order is a deliberate difference that follows from the head order above: NxD repeats K/V
+    block-wise, so the ranks sharing a KV head are interleaved (``[[0, 2], [1, 3]]`` at TP=4,
+    m=2, its default); nxd repeats each head in place, so they are adjacent and nxd's layer
+    builds ``initialize_kv_group(m, sequential_ranks_in_group=True)``: ``[[0, 1], [2, 3]]``,
+    the ranks that hold KV head 0 and KV head 1 (``neuronx_gqa_rank_map`` maps NxD's layout)."""
+    results = _results()
+    assert [r["kv_shared_groups"] for r in results] == [[[0, 1], [2, 3]]] * TP
+    for group in results[0]["kv_shared_groups"]:  # each group: the ranks holding one KV head
+        assert len({results[rank]["kv_head"] for rank in group}) == 1
