@@ -8,7 +8,7 @@ here too. The multi-rank test harness is :mod:`nxd_state.testing`.
 
 from importlib.metadata import version as _version
 
-from nxd_state import collectives
+from nxd_state import collectives, health
 from nxd_state.collectives import CollectiveCounter, count_collectives
 from nxd_state.device import (
     backend_for,
@@ -20,6 +20,7 @@ from nxd_state.device import (
     move_model_to_device,
     resolve_device_type,
 )
+from nxd_state.health import RankFailureError
 from nxd_state.layout import ParallelLayout, RankCoordinates
 from nxd_state.parallel_state import (
     KVSharedGroups,
@@ -87,6 +88,7 @@ __all__ = [
     "ParallelState",
     "RNGStatesTracker",
     "RankCoordinates",
+    "RankFailureError",
     "__version__",
     "backend_for",
     "collectives",
@@ -134,6 +136,7 @@ __all__ = [
     "get_tensor_model_parallel_world_size",
     "get_world_group",
     "get_zero1_sharding_groups",
+    "health",
     "init_distributed",
     "initialize_kv_group",
     "initialize_model_parallel",

@@ -22,6 +22,10 @@ benchmarks can compare traffic with theory. Two byte counts are kept per call:
   all-to-all sends ``(n-1)/n * B``, exactly the native volume; the in-place all-gather that
   runs as n broadcasts on gloo (see :func:`all_gather`) sends ``(n-1) * B_shard`` per rank,
   exactly the ring's.
+
+A backend error in any of them (a peer died, raised, or never joined before the timeout) is
+raised as :class:`nxd_state.health.RankFailureError` naming the rank(s) that caused it, the
+backend's error chained (see :mod:`nxd_state.health`).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from nxd_state._traffic import (
     record,
     register_group_name,
 )
+from nxd_state.health import CheckedWork, checked
 
 __all__ = [
     "CollectiveCounter",
@@ -89,6 +94,7 @@ def _is_unsupported(error: Exception) -> bool:
 
 
 # Collectives -----------------------------------------------------------------------------
+@checked("all_reduce", 1)
 def all_reduce(
     tensor: torch.Tensor, group: Group = None, op: ReduceOp.RedOpType = ReduceOp.SUM
 ) -> torch.Tensor:
@@ -101,6 +107,7 @@ def all_reduce(
     return tensor
 
 
+@checked("all_gather", 1)
 def all_gather(
     tensor: torch.Tensor, group: Group = None, dim: int = 0, *, out: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -173,6 +180,7 @@ def _all_gather_into(out: torch.Tensor, tensor: torch.Tensor, group: Group, n: i
         work.wait()
 
 
+@checked("reduce_scatter", 1)
 def reduce_scatter(
     tensor: torch.Tensor,
     group: Group = None,
@@ -256,6 +264,7 @@ _LOCAL_REDUCTIONS = {
 }
 
 
+@checked("all_to_all", 1)
 def all_to_all(
     tensor: torch.Tensor, group: Group = None, scatter_dim: int = 0, gather_dim: int = 0
 ) -> torch.Tensor:
@@ -315,6 +324,7 @@ def _all_to_all_pairwise(received: torch.Tensor, send: torch.Tensor, group: Grou
         work.wait()
 
 
+@checked("broadcast", 2)
 def broadcast(tensor: torch.Tensor, src: int, group: Group = None) -> torch.Tensor:
     """Every rank's ``tensor <- tensor`` of global rank ``src``, in place; returns ``tensor``."""
     n = group_size(group)
@@ -326,12 +336,14 @@ def broadcast(tensor: torch.Tensor, src: int, group: Group = None) -> torch.Tens
     return tensor
 
 
+@checked("send", 2)
 def send(tensor: torch.Tensor, dst: int, group: Group = None) -> None:
     """Blocking send to global rank ``dst``."""
     record("send", group, nbytes(tensor), nbytes(tensor))
     dist.send(tensor.contiguous(), dst=dst, group=group)
 
 
+@checked("recv", 2)
 def recv(tensor: torch.Tensor, src: int, group: Group = None) -> torch.Tensor:
     """Blocking receive from global rank ``src`` into ``tensor``; returns it."""
     record("recv", group, nbytes(tensor), 0)
@@ -339,7 +351,7 @@ def recv(tensor: torch.Tensor, src: int, group: Group = None) -> torch.Tensor:
     return tensor
 
 
-def isend(tensor: torch.Tensor, dst: int, group: Group = None) -> dist.Work:
+def isend(tensor: torch.Tensor, dst: int, group: Group = None) -> CheckedWork:
     """Start sending contiguous ``tensor`` to global rank ``dst``; ``wait()`` the returned work
     before modifying or freeing it.
 
@@ -352,10 +364,10 @@ def isend(tensor: torch.Tensor, dst: int, group: Group = None) -> dist.Work:
     record("send", group, nbytes(tensor), nbytes(tensor))
     work = dist.isend(tensor, dst=dst, group=group)
     assert work is not None
-    return work
+    return CheckedWork(work, "isend", group)
 
 
-def irecv(tensor: torch.Tensor, src: int, group: Group = None) -> dist.Work:
+def irecv(tensor: torch.Tensor, src: int, group: Group = None) -> CheckedWork:
     """Start receiving from global rank ``src`` into ``tensor``; valid after ``wait()``.
 
     Receives posted on one link complete in posting order, matched to the peer's sends in
@@ -364,7 +376,7 @@ def irecv(tensor: torch.Tensor, src: int, group: Group = None) -> dist.Work:
     record("recv", group, nbytes(tensor), 0)
     work = dist.irecv(tensor, src=src, group=group)
     assert work is not None
-    return work
+    return CheckedWork(work, "irecv", group)
 
 
 def _buckets(tensors: Sequence[torch.Tensor], cap_bytes: int) -> list[list[torch.Tensor]]:
@@ -389,6 +401,7 @@ def _buckets(tensors: Sequence[torch.Tensor], cap_bytes: int) -> list[list[torch
     return buckets
 
 
+@checked("all_reduce_bucketed", 1)
 def all_reduce_bucketed(
     tensors: Sequence[torch.Tensor],
     group: Group,
@@ -427,6 +440,7 @@ class P2POp:
     group: Group = None
 
 
+@checked("batch_send_recv", None)
 def batch_send_recv(ops: Sequence[P2POp]) -> None:
     """Issue sends and receives together and wait for all of them (no ordering deadlock)."""
     if not ops:
@@ -445,6 +459,7 @@ def batch_send_recv(ops: Sequence[P2POp]) -> None:
         work.wait()
 
 
+@checked("barrier", 0)
 def barrier(group: Group = None) -> None:
     if group_size(group) > 1:
         dist.barrier(group=group)

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from nxd_state import health
+
 __all__ = [
     "DeviceType",
     "backend_for",
@@ -164,14 +166,18 @@ def init_distributed(
     Under ``torchrun`` (``WORLD_SIZE`` in the environment) this rendezvouses through ``env://``;
     without it the process is a world of one, so the same script runs unlaunched. Calling it
     again when a group already exists does nothing.
+
+    ``timeout`` bounds every collective (gloo: each operation; NCCL: its watchdog aborts the
+    communicator): by default ``NXD_COLLECTIVE_TIMEOUT_S``, else 30 minutes
+    (:func:`nxd_state.health.collective_timeout`), so a dead or stuck rank ends the job
+    instead of hanging it. Each rank is then recorded in the rendezvous store
+    (:func:`nxd_state.health.install`) so a failed collective names the rank that caused it.
     """
     if dist.is_initialized():
         return
     kind = resolve_device_type(device_type)
     backend = backend or _BACKENDS[kind]
-    kwargs: dict[str, object] = {}
-    if timeout is not None:
-        kwargs["timeout"] = timeout
+    kwargs: dict[str, object] = {"timeout": timeout or health.collective_timeout()}
     if kind == "cuda":
         torch.cuda.set_device(current_device(kind))
     if backend == "xla":
@@ -183,6 +189,7 @@ def init_distributed(
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
         return
     dist.init_process_group(backend, init_method=init_method or "env://", **kwargs)
+    health.install()
     logger.info(
         "initialised %s process group: rank %d of %d",
         backend,

@@ -15,6 +15,10 @@ Failure behaviour:
 * ``timeout`` seconds without every rank finishing: each rank's Python stack is dumped
   (faulthandler) and raised in :class:`DistributedTimeoutError` instead of hanging.
 
+:func:`launch_ranks` starts the same ranks without this supervision (a failing rank exits
+non-zero and its peers must notice by themselves), for tests of what a job does when a rank
+dies.
+
 Results cross the process boundary with pickle: return plain values or CPU tensors.
 """
 
@@ -38,11 +42,16 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
+from nxd_state._launch import LaunchedRanks, launch_ranks, process_alive
+
 __all__ = [
     "DistributedTimeoutError",
+    "LaunchedRanks",
     "RankDiedError",
     "RemoteTraceback",
     "add_preload",
+    "launch_ranks",
+    "process_alive",
     "run_distributed",
     "run_named_checks",
 ]
