@@ -19,7 +19,6 @@ import json
 import math
 import os
 import struct
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +27,7 @@ from typing import Any
 import torch
 
 from nxd_ckpt._boxes import Box
-from nxd_ckpt._crc import Pending, crc_thread
+from nxd_ckpt._crc import Pending, crc32, crc_thread
 from nxd_ckpt.format import ChunkRecord, FileRecord, FormatError
 
 __all__ = [
@@ -182,8 +181,10 @@ def write_planned(
     path: Path, plan: FilePlan, tensors: Sequence[torch.Tensor | Callable[[], torch.Tensor]]
 ) -> FileDigest:
     """Write ``tensors`` (contiguous, CPU, in ``plan.entries`` order; or callables returning
-    them, called one at a time so only one is materialised) as the file ``path``.
+    them, called one at a time so at most two such copies are alive) as the file ``path``.
 
+    The CRC thread checksums each tensor while the next ones are written and while the file
+    is fsynced (the disk is the slower of the two: the CRCs cost little wall time).
     Atomic: written under ``<path>.tmp``, fsynced, renamed, folder fsynced. On any error the
     temporary file is removed and an OSError naming ``path`` is raised.
     """
@@ -191,14 +192,17 @@ def write_planned(
         raise ValueError(f"{path}: plan has {len(plan.entries)} tensors, got {len(tensors)}")
     tmp = path.with_name(path.name + ".tmp")
     block_crcs: dict[str, list[int]] = {}
-    file_crc = header_crc = zlib.crc32(plan.header)
-    pending: Pending | None = None  # CRCs of the previous tensor, computed alongside
+    file_crc = header_crc = crc32(plan.header)
+    pending: list[tuple[str, Pending, bool]] = []  # (key, CRCs, a copy made for writing)
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             _write_all(fd, memoryview(plan.header))
-            keys = []
             for entry, source in zip(plan.entries, tensors):
+                if callable(source):  # a copy: the previous copies' CRCs first (memory bound)
+                    for key, crcs, copied in pending:
+                        if copied:
+                            block_crcs[key] = crcs.result()
                 data = as_bytes(source() if callable(source) else source)
                 if len(data) != entry.end - entry.begin:
                     raise ValueError(
@@ -207,19 +211,16 @@ def write_planned(
                     )
                 rows = entry.shape[0] if entry.shape else 1
                 block = entry.crc_rows * (len(data) // rows if rows else 0)
-                if pending is not None:  # at most two tensors alive: this one and the last
-                    block_crcs[keys[-1]] = pending.result()
-                pending = crc_thread().submit(data, block, not entry.shape)
-                keys.append(entry.key)
+                crcs = crc_thread().submit(data, block, not entry.shape)
+                pending.append((entry.key, crcs, callable(source)))
                 _write_all(fd, data)
-            if pending is not None:
-                block_crcs[keys[-1]] = pending.result()
-            for key in keys:
-                for crc in block_crcs[key]:
-                    file_crc = zlib.crc32(struct.pack("<I", crc), file_crc)
             os.fsync(fd)
         finally:
             os.close(fd)
+        for key, crcs, _ in pending:
+            block_crcs[key] = crcs.result()
+            for crc in block_crcs[key]:
+                file_crc = crc32(struct.pack("<I", crc), file_crc)
         os.replace(tmp, path)
     except OSError as error:
         _remove_quietly(tmp)
@@ -261,7 +262,7 @@ def write_text_atomic(path: Path, text: str, *, durable: bool = True) -> None:
 
 
 def _crc_of(tensor: torch.Tensor) -> int:
-    return zlib.crc32(as_bytes(tensor.contiguous()))
+    return crc32(as_bytes(tensor.contiguous()))
 
 
 class FileReader:
@@ -288,7 +289,7 @@ class FileReader:
             head = handle.read(8)
             length = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
             body = handle.read(length) if 0 <= length <= size else b""
-        if zlib.crc32(head + body) != record.header_crc32:
+        if crc32(head + body) != record.header_crc32:
             raise FormatError(f"checkpoint file {path}: header checksum mismatch (corrupted)")
         self._handle: Any = safe_open(str(path), framework="pt", device="cpu")
 

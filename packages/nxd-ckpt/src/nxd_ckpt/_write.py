@@ -129,6 +129,14 @@ class StagingBuffer:
         return views, deferred
 
 
+def _writable_as_is(data: torch.Tensor) -> bool:
+    return data.device.type == "cpu" and data.is_contiguous()
+
+
+def _host_copy(data: torch.Tensor) -> Any:
+    return lambda: data.detach().to("cpu").contiguous()
+
+
 def write_rank(
     plan: RankPlan,
     tag_dir: Path,
@@ -152,10 +160,10 @@ def write_rank(
     if plan.chunks:
         file_plan = file_plan or file_plan_for(plan)
         relative = f"{data_dir.name}/{ctx.coordinates}.safetensors"
-        if staged is None:  # sync: one tensor at a time on the host
-            ordered = _ordered_chunks(plan, file_plan)
+        if staged is None:  # sync: CPU data as it is, else one host copy at a time
             sources: list[Any] = [
-                (lambda c=c: c.data.detach().to("cpu").contiguous()) for c in ordered
+                c.data.detach() if _writable_as_is(c.data) else _host_copy(c.data)
+                for c in _ordered_chunks(plan, file_plan)
             ]
         else:
             sources = list(staged)
