@@ -80,17 +80,17 @@ class TrainConfig:
     seq_len: int = 128
     """Tokens per packed training sequence."""
 
-    corpus_mb: float = 3.0
+    corpus_mb: float = 2.0
     """At most this many MB of text are read (train and validation together; 0: all)."""
 
     val_fraction: float = 0.05
     """Fraction of documents held out for validation (chosen by a hash of their name)."""
 
     # --- optimization ------------------------------------------------------------------
-    steps: int = 300
+    steps: int = 150
     """Optimizer steps to train (a rerun with more steps continues the run)."""
 
-    batch_size: int = 16
+    batch_size: int = 8
     """Sequences per optimizer step, over all data-parallel ranks and accumulation steps."""
 
     grad_accum: int = 1
@@ -99,7 +99,7 @@ class TrainConfig:
     lr: float = 3e-3
     """Peak learning rate of AdamW."""
 
-    warmup_steps: int = 30
+    warmup_steps: int = 20
     """Steps of linear warm-up from 0 to ``lr``; then cosine decay to ``min_lr_ratio · lr``."""
 
     min_lr_ratio: float = 0.1
@@ -160,13 +160,13 @@ class TrainConfig:
     """torch.compile the decoder layers (CUDA only)."""
 
     # --- progress, evaluation, checkpoints, export ------------------------------------
-    eval_every: int = 100
+    eval_every: int = 50
     """Validation loss and perplexity every this many steps (and at the end; 0: end only)."""
 
     eval_batches: int = 4
     """Batches of ``batch_size`` sequences in each validation pass."""
 
-    save_every: int = 100
+    save_every: int = 50
     """Checkpoint every this many steps (and at the end)."""
 
     keep: int = 2

@@ -164,9 +164,8 @@ def run_worker(cfg: TrainConfig) -> int:
     step, tokens = 0, 0
     resume = newest_tag(ckpt_dir)
     if resume is not None:
-        import nxd_ckpt
-
-        _check_resumable(cfg, nxd_ckpt.read_index(ckpt_dir / resume).user_content["config"])
+        # The user content alone first: a checkpoint of another setup fails with the reason.
+        _check_resumable(cfg, nxd.load_checkpoint(ckpt_dir, resume, strict=False)["config"])
         user = nxd.load_checkpoint(
             ckpt_dir, resume, model=model, optimizer=optimizer, scheduler=scheduler
         )

@@ -1,0 +1,111 @@
+"""``nxd-train``'s command line without training: ``--dry-run`` output on a TP=2 x PP=2 case,
+and bad input ending in one clear line and a non-zero status, never a traceback (the five
+cases of the issue, in process, and one through the real command)."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+def _load(name: str) -> Any:
+    key = f"nxd_train_tests_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, Path(__file__).with_name(f"{name}.py"))
+        assert spec is not None
+        assert spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module
+        spec.loader.exec_module(module)
+    return sys.modules[key]
+
+
+R = _load("_run")
+
+
+def test_dry_run_prints_the_layout(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from nxd_trainer.train import main
+
+    args = ["--dry-run", "--tp", "2", "--pp", "2", "--nproc-per-node", "8", "--microbatches", "2"]
+    assert main([*args, "--runs-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "world 8; tp=2 pp=2 dp=2" in out
+    table = re.findall(r"^\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+([\d,]+)$", out, re.M)
+    # NxD's [PP, DP, TP] mesh, TP innermost: rank = pp*4 + dp*2 + tp.
+    coords = [(int(r), int(p), int(d), int(t)) for r, _, p, d, t, _ in table]
+    assert coords == [(r, r // 4, (r // 2) % 2, r % 2) for r in range(8)]
+    total = int(re.search(r"; ([\d,]+) parameters", out).group(1).replace(",", ""))
+    per_rank = {int(p): int(n.replace(",", "")) for _, _, p, _, _, n in table}
+    # A stage's TP pair holds its stage's sharded weights once (2 KV heads: no K/V replication
+    # at TP=2) and its RMSNorm weights twice: 4 layers x 2 norms + the final one, hidden 128.
+    norms = (4 * 2 + 1) * 128
+    assert 2 * (per_rank[0] + per_rank[1]) == total + norms
+    assert "1f1b p=2 m=2" in out
+    assert re.search(r"^rank 0: 0F0 0F1", out, re.M)
+    assert re.search(r"^rank 1: +\. 1F0 1B0", out, re.M)
+
+
+def _bad(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    from nxd_trainer.train import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.startswith("nxd-train: error:")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def test_bad_inputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = [*R.TINY, "--runs-dir", str(tmp_path)]
+    missing = tmp_path / "nowhere"
+    assert f"data path '{missing}' does not exist" in _bad([*base, "--data", str(missing)], capsys)
+    empty = tmp_path / "empty"
+    (empty / "sub").mkdir(parents=True)
+    (empty / "blank.txt").write_text("  \n")
+    assert "has no text" in _bad([*base, "--name", "e", "--data", str(empty)], capsys)
+    assert "tp(3) x pp(1) = 3 does not divide the world size 2" in _bad(
+        [*base, "--tp", "3"], capsys
+    )
+    folder = tmp_path / "no-weights"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    assert "holds no weights" in _bad([*base, "--model", str(folder)], capsys)
+    toml = tmp_path / "run.toml"
+    toml.write_text("steps = 3\nseq_lenn = 64\n")
+    message = _bad([*base, "--config", str(toml)], capsys)
+    assert "unknown config key 'seq_lenn' (did you mean 'seq_len'?)" in message
+    toml.write_text("[optimization]\nsteps = 'long'\n")  # tables are flattened
+    assert "steps must be an integer >= 1, got 'long'" in _bad(
+        [*base, "--config", str(toml)], capsys
+    )
+
+
+def test_bad_input_through_the_command(tmp_path: Path) -> None:
+    toml = tmp_path / "run.toml"
+    toml.write_text("zero_1 = true\n")
+    done = R.nxd_train(["--config", str(toml)], tmp_path, check=False)
+    assert done.returncode == 2
+    assert done.stderr.strip() == (
+        "nxd-train: error: unknown config key 'zero_1' (did you mean 'zero1'?); run "
+        "`nxd-train --help` for the valid keys"
+    )
+
+
+def test_help_lists_every_field(capsys: pytest.CaptureFixture[str]) -> None:
+    from dataclasses import fields
+
+    from nxd_trainer.train import TrainConfig, main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for f in fields(TrainConfig):
+        assert "--" + f.name.replace("_", "-") in out
+    assert "Tensor-parallel degree" in out  # the field's docstring is its help
