@@ -2,12 +2,12 @@
 
 A random 2-layer GQA Llama (saved with ``save_pretrained``; no download) gets its projections
 swapped for nxd's column/row-parallel layers, is cut into 2 pipeline stages, trains 2 AdamW
-steps on 4 gloo ranks and is checkpointed. Only the TP-sharded projections train: nxd-pipeline's
-Hugging Face capture (torch.export) currently drops the backward all-reduce of the column
-layers' input, which leaves the TP copies of replicated parameters (embeddings, norms) with
-different gradients; freezing those keeps the trained model one model (reported upstream).
-The pipeline stages also keep Llama's non-persistent ``rotary_emb.inv_freq`` buffer as state,
-so the checkpoint holds it and the exports leave it out with ``name_map``. Then:
+steps on 4 gloo ranks and is checkpointed. Every parameter trains, the replicated ones
+(embeddings, norms, head) included: their TP copies stay equal only if the pipeline's capture
+keeps the column layers' backward all-reduce (the checkpoint stores one copy of each, so a
+divergent copy would show up as a loss or logits mismatch below). The checkpoint holds
+exactly the Hugging Face model's state (the stages keep ``rotary_emb.inv_freq``
+non-persistent). Then:
 
 * ``export_hf`` writes a folder that ``transformers.AutoModelForCausalLM.from_pretrained``
   loads; its loss equals the pipelined nxd model's eval loss, and its logits equal those of
@@ -80,15 +80,10 @@ def train_pipelined(base: str, ckpt: str) -> float:
         tracer_cls="hf",
         broadcast_and_average_loss=True,
     )
-    trained = []
-    for param in model.local_parameters():
-        param.requires_grad_(bool(getattr(param, "tensor_model_parallel", False)))
-        if param.requires_grad:
-            trained.append(param)
     optimizer = build_optimizer(
         {"zero_one_enabled": False, "grad_clipping": True, "max_grad_norm": 1.0},
         torch.optim.AdamW,
-        trained,
+        list(model.local_parameters()),
         lr=1e-2,
     )
     ids = _batch()
@@ -105,16 +100,12 @@ def tp2_logits(base: str, ckpt: str | None, hf: str | None) -> torch.Tensor:
 
     nxd_state.initialize_model_parallel(tensor_model_parallel_size=2)
     model = tensor_parallel_llama(base).eval()  # the untrained weights until loaded
-    if ckpt is not None:  # strict=False: the stages saved inv_freq (see the module docstring)
-        load_checkpoint(ckpt, "trained", model=model, strict=False)
+    if ckpt is not None:
+        load_checkpoint(ckpt, "trained", model=model)
     if hf is not None:
         load_hf_checkpoint(model, hf)
     with torch.no_grad():
         return model(input_ids=_batch()).logits
-
-
-def _no_inv_freq(name: str) -> str | None:
-    return None if name.endswith("rotary_emb.inv_freq") else name
 
 
 def test_export_of_a_tp2_pp2_llama_loads_in_transformers(tmp_path: Path, llama_dir: Path) -> None:
@@ -127,9 +118,9 @@ def test_export_of_a_tp2_pp2_llama_loads_in_transformers(tmp_path: Path, llama_d
     assert len(set(losses)) == 1  # every rank evaluates the same model
     saved = set(nxd_ckpt.read_index(ckpt / "trained").tensors["model"])
     expected = set(AutoModelForCausalLM.from_pretrained(llama_dir).state_dict())
-    assert saved == expected | {"model.rotary_emb.inv_freq"}
+    assert saved == expected
     config = AutoConfig.from_pretrained(llama_dir)
-    export_hf(ckpt, out, tag="trained", config=config, name_map=_no_inv_freq)
+    export_hf(ckpt, out, tag="trained", config=config)
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     theirs = AutoModelForCausalLM.from_pretrained(out).eval()
     with torch.no_grad():
@@ -149,9 +140,7 @@ def test_export_of_a_tp2_pp2_llama_loads_in_transformers(tmp_path: Path, llama_d
         torch.testing.assert_close(logits, result.logits, **TOL)
 
     sharded = tmp_path / "hf-sharded"
-    export_hf(
-        ckpt, sharded, tag="trained", config=config, max_shard_size="20KB", name_map=_no_inv_freq
-    )
+    export_hf(ckpt, sharded, tag="trained", config=config, max_shard_size="20KB")
     weight_map = json.loads((sharded / HF_INDEX_NAME).read_text())["weight_map"]
     files = sorted(set(weight_map.values()))
     assert len(files) > 2
@@ -167,3 +156,18 @@ def test_export_needs_a_config(tmp_path: Path) -> None:
         export_hf(tmp_path, tmp_path / "out")
     with pytest.raises(ValueError, match="max_shard_size '5 apples'"):
         export_hf(tmp_path, tmp_path / "out", config={}, max_shard_size="5 apples")
+
+
+def test_export_name_map_renames_and_drops(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    layer = nn.Linear(3, 2)
+    save_checkpoint(tmp_path / "ckpt", "t", model=layer)
+
+    def rename(name: str) -> str | None:
+        return None if name == "bias" else f"proj.{name}"
+
+    export_hf(tmp_path / "ckpt", tmp_path / "out", tag="t", config={}, name_map=rename)
+    exported = load_file(tmp_path / "out" / "model.safetensors")
+    assert list(exported) == ["proj.weight"]
+    assert torch.equal(exported["proj.weight"], layer.weight.detach())
