@@ -124,7 +124,7 @@ SIGNATURES: dict[str, tuple[Callable[..., Any], int]] = {
     f"{_PL}.checkpointing:save": (legacy_save, 6),
     f"{_PL}.checkpointing:load": (legacy_load, 1),
     f"{_NXD}.optimizer:NeuronZero1Optimizer.__init__": (zero1_optimizer, 14),
-    f"{_NXD}.pipeline.model:NxDPPModel.__init__": (nxdpp_model, 3),
+    f"{_NXD}.pipeline.model:NxDPPModel.__init__": (nxdpp_model, 26),
     f"{_NXD}.pipeline.comm:send": (send, 3),
     f"{_NXD}.pipeline.comm:recv_from": (recv_from, 4),
     f"{_NXD}.overrides.transformer_overrides:apply_rotary_pos_emb": (apply_rotary_pos_emb, 7),
@@ -146,9 +146,6 @@ SIGNATURES: dict[str, tuple[Callable[..., Any], int]] = {
 _PP = f"{_NXD}.pipeline.model:NxDPPModel.__init__"
 _CONFIG = f"{_NXD}:neuronx_distributed_config"
 KNOWN_MISSING: dict[tuple[str, str], str] = {
-    **{(_PP, n): f"NxDPPModel does not accept NxD's {n}" for n in ("autowrap_obj_methods",)},
-    **{(_PP, n): f"NxDPPModel does not accept NxD's {n} (NxD's debug mode: partition without "
-       "a process group)" for n in ("_debug_mode", "_debug_pp_size", "_debug_pp_rank")},
     **{(_CONFIG, n): f"neuronx_distributed_config rejects NxD's {n} (TypeError)"
        for n in ("context_parallel_size", "sequential_move_factor", "lnc_size")},
     (f"{_NXD}:save_checkpoint", "checkpoint_dir_str"): "save_checkpoint names its first "
