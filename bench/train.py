@@ -1,0 +1,149 @@
+"""nxd-train's throughput side by side with the Hugging Face ``Trainer`` (the main job's bench).
+
+    .venv/bin/python bench/train.py [--steps 60] [--model tiny] [--seq-len 128] [--batch-size 8]
+
+Same data, model and steps for every entry: the run's own packed blocks (prepared once by
+nxd-train in a scratch run folder), the preset Llama built from the same seed, AdamW with the
+same LR schedule, clipping at 1.0, fp32 on CPU.
+
+* ``nxd-train`` at TP=1 (one process, its default thread count) vs ``transformers.Trainer``
+  (one process, same threads) on the same blocks: tokens/s from the median step time
+  (the first ``--warmup`` steps dropped). nxd-train's step times come from its JSONL rows;
+  the Trainer's from a callback (``on_step_begin`` -> ``on_step_end``). Goal: >= 1.0x.
+* ``nxd-train`` at TP=2 (2 processes, 1 thread each) vs TP=1 on 1 process with 2 threads:
+  what tensor parallelism gives over intra-op threading on the same 2 cores (noted, no goal).
+
+Results in bench/results/train.json. The machine may be shared: the load average is recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def nxd_train(args: list[str], cwd: Path, threads: int) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "RANK")}
+    env["OMP_NUM_THREADS"] = str(threads)
+    subprocess.run(
+        [sys.executable, "-m", "nxd_trainer.train", *args], cwd=cwd, env=env, check=True,
+        stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+
+
+def nxd_step_times(run: Path, warmup: int) -> list[float]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r["kind"] == "train" and r["step"] > warmup]
+    return [r["tokens"] / r["step"] / r["tokens_per_s"] for r in train]
+
+
+def hf_trainer_step_times(run: Path, common: list[str], steps: int, warmup: int) -> list[float]:
+    """The same model, data and optimizer under ``transformers.Trainer`` (in this process)."""
+    from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+    from nxd_trainer.train import parse_config
+    from nxd_trainer.train.data import PackedLoader, prepare_data
+    from nxd_trainer.train.loop import lr_lambda
+    from nxd_trainer.train.model import hf_config
+
+    cfg = parse_config([*common, "--runs-dir", str(run.parent), "--name", run.name])
+    tokenizer, train, _ = prepare_data(cfg, build=False)
+    torch.manual_seed(cfg.seed)
+    model = AutoModelForCausalLM.from_config(hf_config(cfg, len(tokenizer)))
+    loader = PackedLoader(train, cfg.batch_size, 0, 1, cfg.seed)
+    ordered = torch.cat([loader.next_batch() for _ in range(steps)])  # nxd-train's order
+
+    class Blocks(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return len(ordered)
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            return {"input_ids": ordered[i], "labels": ordered[i]}
+
+    times: list[float] = []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            self.start = time.perf_counter()
+
+        def on_step_end(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            times.append(time.perf_counter() - self.start)
+
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    arguments = TrainingArguments(
+        output_dir=str(run / "hf-trainer"), per_device_train_batch_size=cfg.batch_size,
+        max_steps=steps, max_grad_norm=cfg.clip, logging_strategy="no", save_strategy="no",
+        report_to=[], use_cpu=True, dataloader_num_workers=0, disable_tqdm=True,
+    )  # fmt: skip
+    trainer = Trainer(
+        model=model, args=arguments, train_dataset=Blocks(), optimizers=(optimizer, scheduler),
+        callbacks=[Timer()],
+    )  # fmt: skip
+    trainer.train_dataset = Blocks()
+    trainer._get_train_sampler = lambda *a, **k: torch.utils.data.SequentialSampler(Blocks())
+    trainer.train()
+    return times[warmup:]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "train.json"))
+    args = parser.parse_args()
+    common = [
+        "--model", args.model, "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size),
+        "--steps", str(args.steps), "--eval-every", "0", "--save-every", str(10 * args.steps),
+        "--no-export", "--no-progress", "--corpus-mb", "2",
+    ]  # fmt: skip
+    tokens_per_step = args.seq_len * args.batch_size
+    results: dict[str, object] = {"settings": vars(args), "load_before": os.getloadavg()}
+    with tempfile.TemporaryDirectory() as scratch:
+        cwd = Path(scratch)
+
+        def nxd(name: str, extra: list[str], threads: int) -> float:
+            nxd_train([*common, "--name", name, *extra], cwd, threads)
+            times = nxd_step_times(cwd / "runs" / name, args.warmup)
+            return tokens_per_step / statistics.median(times)
+
+        # TP=1 on one process vs the HF Trainer, same threads (the default: all cores).
+        threads = os.cpu_count() or 1
+        tp1 = nxd("tp1", ["--tp", "1", "--nproc-per-node", "1"], threads)
+        torch.set_num_threads(threads)
+        hf_times = hf_trainer_step_times(cwd / "runs" / "tp1", common, args.steps, args.warmup)
+        hf = tokens_per_step / statistics.median(hf_times)
+        results["tp1_vs_hf_trainer"] = {
+            "threads": threads, "nxd_train_tokens_per_s": tp1, "hf_trainer_tokens_per_s": hf,
+            "ratio": tp1 / hf, "goal": ">= 1.0",
+        }  # fmt: skip
+        # TP=2 (2 processes x 1 thread) vs TP=1 (1 process x 2 threads).
+        tp2 = nxd("tp2", ["--tp", "2", "--nproc-per-node", "2"], 1)
+        tp1_2t = nxd("tp1-2threads", ["--tp", "1", "--nproc-per-node", "1"], 2)
+        results["tp2_vs_one_process_2_threads"] = {
+            "tp2_tokens_per_s": tp2, "tp1_2_threads_tokens_per_s": tp1_2t, "ratio": tp2 / tp1_2t,
+        }  # fmt: skip
+    results["load_after"] = os.getloadavg()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+    print(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

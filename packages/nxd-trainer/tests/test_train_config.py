@@ -1,0 +1,103 @@
+"""nxd-train's pieces that need no process: the config (a docstring per field, defaults <
+TOML < flags, bad values named, world arithmetic), the torchrun command line it hands to
+torch's launcher, and the packed loader's data-parallel sharding and resume position."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+import torch
+
+from nxd_trainer.train import ConfigError, PackedLoader, TrainConfig, parse_config, torchrun_args
+from nxd_trainer.train.config import field_docs
+
+
+def test_every_field_has_a_docstring() -> None:
+    docs = field_docs(TrainConfig)
+    assert [f.name for f in fields(TrainConfig)] == list(docs)
+    assert all(len(text) > 10 for text in docs.values())
+
+
+def test_flags_override_toml_override_defaults(tmp_path: Path) -> None:
+    toml = tmp_path / "run.toml"
+    toml.write_text('tp = 1\nsteps = 7\n[data]\nseq_len = 64\nlora_targets = ["q_proj"]\n')
+    cfg = parse_config(["--config", str(toml), "--steps", "9", "--zero1"])
+    assert (cfg.tp, cfg.steps, cfg.seq_len, cfg.zero1) == (1, 9, 64, True)
+    assert cfg.lora_targets == ["q_proj"]
+    assert cfg.batch_size == TrainConfig().batch_size
+    assert TrainConfig.resolve(None, {}) == TrainConfig()
+    round_trip = tmp_path / "back.toml"
+    round_trip.write_text(cfg.to_toml())
+    assert parse_config(["--config", str(round_trip)]) == cfg
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"tp": 0}, "tp must be an integer >= 1, got 0"),
+        ({"schedule": "2f2b"}, "schedule must be one of gpipe, 1f1b, interleaved_1f1b, zb_h1"),
+        ({"tp": 1, "sequence_parallel": True}, "sequence_parallel needs tp > 1"),
+        ({"pp": 2, "activation_checkpointing": "full"}, "use pp=1"),
+        ({"microbatches": 2}, "microbatches=2 needs pp > 1"),
+        ({"nnodes": 2}, "nnodes=2 needs rdzv_endpoint"),
+        ({"val_fraction": 0.9}, "val_fraction must be a number in [0.0, 0.5]"),
+        ({"name": "a/b"}, "name must be a plain folder name"),
+    ],
+)
+def test_bad_values_are_named(kwargs: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=None) as info:
+        TrainConfig(**kwargs)
+    assert message in str(info.value)
+
+
+def test_unknown_toml_key_names_the_closest() -> None:
+    with pytest.raises(
+        ConfigError, match=r"unknown config key 'grad_acum' \(did you mean 'grad_accum'"
+    ):
+        TrainConfig.resolve({"grad_acum": 2}, {})
+
+
+def test_world_arithmetic() -> None:
+    assert TrainConfig(tp=2, pp=2, batch_size=8).check_world(8) == 2
+    with pytest.raises(
+        ConfigError, match=r"tp\(2\) x pp\(2\) = 4 does not divide the world size 6"
+    ):
+        TrainConfig(tp=2, pp=2).check_world(6)
+    with pytest.raises(ConfigError, match=r"batch_size 6 is not divisible by dp\(4\) x grad_accum"):
+        TrainConfig(tp=1, batch_size=6).check_world(4)
+    with pytest.raises(ConfigError, match="not divisible by microbatches 4"):
+        TrainConfig(tp=1, pp=2, microbatches=4, batch_size=4).check_world(4)
+
+
+def test_torchrun_command_lines() -> None:
+    single = torchrun_args(TrainConfig(), ["--steps", "3"])
+    assert single[:4] == ["--nnodes", "1", "--nproc-per-node", "2"]
+    assert single[single.index("--rdzv-endpoint") + 1] == "localhost:0"  # --standalone's
+    assert single[-4:] == ["--module", "nxd_trainer.train", "--steps", "3"]
+    static = torchrun_args(TrainConfig(nnodes=2, node_rank=1, rdzv_endpoint="h:29500"), [])
+    assert static[static.index("--rdzv-backend") + 1] == "static"
+    assert static[static.index("--node-rank") + 1] == "1"
+    elastic = torchrun_args(TrainConfig(nnodes=2, rdzv_endpoint="h:29500"), [])
+    assert elastic[elastic.index("--rdzv-backend") + 1] == "c10d"
+    from torch.distributed.run import get_args_parser
+
+    parsed = get_args_parser().parse_args(static)  # torchrun itself accepts them
+    assert (parsed.nnodes, parsed.node_rank, parsed.module) == ("2", 1, True)
+
+
+def test_loader_shards_the_global_batch_and_resumes() -> None:
+    blocks = torch.arange(7 * 3, dtype=torch.int32).view(7, 3)  # 7 blocks: batches wrap epochs
+    one = PackedLoader(blocks, 4, 0, 1, seed=5)
+    ranks = [PackedLoader(blocks, 4, d, 2, seed=5) for d in range(2)]
+    for _ in range(5):  # 20 sequences: across two epoch boundaries
+        whole = one.next_batch()
+        assert torch.equal(torch.cat([r.next_batch() for r in ranks]), whole)
+    epoch0 = {int(b[0]) // 3 for b in PackedLoader(blocks, 7, 0, 1, seed=5).next_batch()}
+    assert epoch0 == set(range(7))  # an epoch is a permutation of every block
+    resumed = PackedLoader(blocks, 4, 1, 2, seed=5)
+    resumed.load_state_dict(ranks[1].state_dict())
+    assert torch.equal(resumed.next_batch(), ranks[1].next_batch())
+    with pytest.raises(ConfigError, match="the data or seed changed"):
+        PackedLoader(blocks[:6], 4, 0, 1, seed=5).load_state_dict(one.state_dict())

@@ -1,0 +1,104 @@
+"""``nxd-train`` at other layouts, each following the one-process reference (``_run.py``):
+TP=2 x PP=2 on 4 ranks (1F1B, 2 micro-batches), and two "nodes" on localhost (two launchers,
+one process each, a static rendezvous on the loopback) training one TP=2 model together.
+Ctrl-C (SIGINT to the launcher) finishes the step, saves it, exits 130, and a rerun resumes.
+
+Tolerances as in ``test_train.py`` (fp32 re-association amplified by AdamW).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+
+def _load(name: str) -> Any:
+    key = f"nxd_train_tests_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, Path(__file__).with_name(f"{name}.py"))
+        assert spec is not None
+        assert spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module
+        spec.loader.exec_module(module)
+    return sys.modules[key]
+
+
+R = _load("_run")
+TOL = {"rtol": 1e-4, "atol": 1e-5}
+
+
+def _check(run: Path, steps: int) -> None:
+    got = R.losses(run)
+    ref = R.reference(run, [], [(steps, ["--steps", str(steps)])])
+    assert sorted(got) == list(range(1, steps + 1))
+    torch.testing.assert_close(
+        torch.tensor([got[s] for s in range(1, steps + 1)]),
+        torch.tensor([ref["losses"][s] for s in range(1, steps + 1)]),
+        **TOL,
+    )
+
+
+@pytest.mark.slow
+def test_tp2_pp2_on_four_ranks(tmp_path: Path) -> None:
+    layout = ["--tp", "2", "--pp", "2", "--nproc-per-node", "4", "--microbatches", "2"]
+    R.nxd_train([*R.TINY, *layout, "--steps", "3", "--runs-dir", str(tmp_path)], tmp_path)
+    _check(tmp_path / "tiny", 3)
+    assert (tmp_path / "tiny" / "hf" / "config.json").is_file()  # exported from PP=2 shards
+
+
+@pytest.mark.slow
+def test_two_nodes_on_localhost(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    common = [*R.TINY, "--steps", "3", "--runs-dir", str(tmp_path), "--nnodes", "2",
+              "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}"]  # fmt: skip
+    nodes = [
+        subprocess.Popen(
+            R.command([*common, "--node-rank", str(rank)]),
+            cwd=tmp_path,
+            env=R.env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    outputs = [node.communicate(timeout=R.TIMEOUT)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    assert "world 2, tp=2 pp=1 dp=1" in outputs[0]
+    _check(tmp_path / "tiny", 3)
+
+
+def test_ctrl_c_saves_and_exits_130(tmp_path: Path) -> None:
+    args = [*R.TINY, "--steps", "400", "--save-every", "1000", "--runs-dir", str(tmp_path)]
+    launcher = subprocess.Popen(
+        R.command(args), cwd=tmp_path, env=R.env(), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    metrics = tmp_path / "tiny" / "metrics.jsonl"
+    deadline = time.monotonic() + R.TIMEOUT
+    while launcher.poll() is None and time.monotonic() < deadline:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.05)
+    launcher.send_signal(signal.SIGINT)  # what Ctrl-C delivers to the launcher
+    output = launcher.communicate(timeout=R.TIMEOUT)[0]
+    assert launcher.returncode == 130, output
+    assert "Traceback" not in output
+    steps = R.losses(tmp_path / "tiny")
+    last = max(steps)
+    assert 3 <= last < 400  # stopped early, after a whole step
+    tag = tmp_path / "tiny" / "checkpoints" / f"step_{last:08d}"
+    assert (tag / "done").is_file()  # the interrupted step was saved
+    assert f"interrupted: saved {tag}" in output
