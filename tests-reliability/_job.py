@@ -52,37 +52,43 @@ def _events(path: str | None):
     return emit
 
 
+P2P_OPS = ("send", "recv", "isend", "irecv", "batch_send_recv")
+
+
 def inject(fault: dict[str, Any] | None) -> None:
     """Make this rank fail inside its ``fault["call"]``-th call of ``nxd_state.collectives``'s
-    ``fault["op"]`` (its peers are then in the same collective or transfer), by
-    ``fault["how"]``: "raise", "exit" (sys.exit(3)), "os_exit" (os._exit(3): no Python
-    clean-up), "sigkill", or "hang" (sleeps: alive, never joins)."""
+    ``fault["op"]`` ("p2p": any stage-to-stage transfer), so its peers are then in the same
+    collective or transfer, by ``fault["how"]``: "raise", "exit" (sys.exit(3)), "os_exit"
+    (os._exit(3): no Python clean-up), "sigkill", or "hang" (sleeps: alive, never joins)."""
     import torch.distributed as dist
 
     from nxd_state import collectives
 
     if fault is None or dist.get_rank() != fault["rank"]:
         return
-    real = getattr(collectives, fault["op"])
     calls = [0]
 
-    def failing(*args: Any, **kwargs: Any) -> Any:
-        calls[0] += 1
-        if calls[0] == fault["call"]:
-            how = fault["how"]
-            if how == "raise":
-                raise ValueError(f"injected failure on rank {dist.get_rank()}")
-            if how == "exit":
-                sys.exit(3)
-            if how == "os_exit":
-                os._exit(3)
-            if how == "sigkill":
-                os.kill(os.getpid(), signal.SIGKILL)
-            if how == "hang":
-                time.sleep(3600)
-        return real(*args, **kwargs)
+    def failing(real: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls[0] += 1
+            if calls[0] == fault["call"]:
+                how = fault["how"]
+                if how == "raise":
+                    raise ValueError(f"injected failure on rank {dist.get_rank()}")
+                if how == "exit":
+                    sys.exit(3)
+                if how == "os_exit":
+                    os._exit(3)
+                if how == "sigkill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if how == "hang":
+                    time.sleep(3600)
+            return real(*args, **kwargs)
 
-    setattr(collectives, fault["op"], failing)
+        return call
+
+    for op in P2P_OPS if fault["op"] == "p2p" else (fault["op"],):
+        setattr(collectives, op, failing(getattr(collectives, op)))
 
 
 def train(

@@ -61,6 +61,8 @@ def _unsupervised_main(
     from nxd_state.testing import _load_function
 
     torch.set_num_threads(1)
+    from nxd_state import health
+
     code = 0
     try:
         nxd_state.init_distributed(
@@ -70,16 +72,15 @@ def _unsupervised_main(
         fn = _load_function(*function)
         args, kwargs = pickle.loads(payload)
         fn(*args, **kwargs)
+    except SystemExit as exit_:  # as the interpreter does: the code, no traceback
+        code = exit_.code if isinstance(exit_.code, int) else 1
+        health.record_end(f"exited (sys.exit({exit_.code!r}))")
     except BaseException:  # as an uncaught exception would: recorded, printed, exit 1
         sys.excepthook(*sys.exc_info())  # type: ignore[arg-type]
         code = 1
+    health.record_end("exited (end of script)")  # no-op when already recorded
     sys.stdout.flush()
     sys.stderr.flush()
-    if code == 0:
-        from nxd_state import health
-
-        if health._recorder is not None:
-            health._recorder.end("exited (end of script or sys.exit)")
     os._exit(code)
 
 
@@ -97,16 +98,18 @@ class LaunchedRanks:
     def pids(self) -> list[int]:
         return [proc.pid for proc in self.procs]
 
-    def wait(self, timeout: float) -> list[int | None]:
-        """Wait up to ``timeout`` seconds for every rank to exit; the exit codes by rank (None:
-        still running). Each rank's exit time (seconds since launch) is in ``exit_times``."""
+    def wait(self, timeout: float, ranks: list[int] | None = None) -> list[int | None]:
+        """Wait up to ``timeout`` seconds for ``ranks`` (default: all) to exit; every rank's
+        exit code (None: still running). Exit times (seconds since launch) go to
+        ``exit_times``."""
         deadline = time.monotonic() + timeout
+        awaited = range(len(self.procs)) if ranks is None else ranks
         while True:
             for rank, proc in enumerate(self.procs):
                 if rank not in self.exit_times and proc.exitcode is not None:
                     self.exit_times[rank] = time.monotonic() - self.started
             codes = [proc.exitcode for proc in self.procs]
-            if all(code is not None for code in codes) or time.monotonic() >= deadline:
+            if all(codes[r] is not None for r in awaited) or time.monotonic() >= deadline:
                 return codes
             time.sleep(0.05)
 

@@ -177,7 +177,9 @@ def init_distributed(
         return
     kind = resolve_device_type(device_type)
     backend = backend or _BACKENDS[kind]
-    kwargs: dict[str, object] = {"timeout": timeout or health.collective_timeout()}
+    timeout = timeout or health.collective_timeout()
+    health.set_group_timeout(timeout)
+    kwargs: dict[str, object] = {"timeout": timeout}
     if kind == "cuda":
         torch.cuda.set_device(current_device(kind))
     if backend == "xla":

@@ -32,6 +32,7 @@ import os
 import socket
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from types import TracebackType
@@ -43,16 +44,19 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "RankFailureError",
     "collective_timeout",
-    "describe_failure",
     "diagnose",
     "explain",
+    "group_timeout",
     "install",
+    "record_end",
+    "set_group_timeout",
 ]
 
 DEFAULT_TIMEOUT_S = 1800.0
 _TIMEOUT_ENV = "NXD_COLLECTIVE_TIMEOUT_S"
 _PREFIX = "nxd/health"
 _STORE_TIMEOUT = datetime.timedelta(seconds=10)
+_SETTLE_S = 3.0
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -76,6 +80,23 @@ def collective_timeout() -> datetime.timedelta:
             f"{DEFAULT_TIMEOUT_S:.0f})"
         )
     return datetime.timedelta(seconds=seconds)
+
+
+_configured: datetime.timedelta | None = None
+
+
+def set_group_timeout(timeout: datetime.timedelta) -> None:
+    """The timeout the default group was made with (``init_distributed`` calls this), for the
+    subgroups :func:`group_timeout` serves."""
+    global _configured
+    _configured = timeout
+
+
+def group_timeout() -> datetime.timedelta:
+    """The timeout for nxd's process groups: torch's ``new_group`` does not inherit the
+    default group's, so every group nxd builds is given it explicitly (the one
+    ``init_distributed`` used, else :func:`collective_timeout`)."""
+    return _configured if _configured is not None else collective_timeout()
 
 
 def _enabled() -> bool:
@@ -115,6 +136,7 @@ class _Recorder:
         self.store.set(f"{_PREFIX}/proc/{self.rank}", json.dumps(record))
         sys.excepthook = self._excepthook
         atexit.register(self.end, "exited (end of script or sys.exit)")
+        # os._exit and signals skip both: such a rank is found dead by its pid.
 
     def end(self, how: str) -> None:
         with self._lock:
@@ -139,8 +161,8 @@ def install() -> None:
     """Record this rank in the default group's store (called by ``init_distributed``).
 
     Also chains ``sys.excepthook`` (an uncaught exception is recorded as this rank's end,
-    then printed as before) and registers an ``atexit`` record. A launcher that catches its
-    ranks' exceptions itself can call :func:`describe_failure` with them.
+    then printed as before) and registers an ``atexit`` record. A launcher that ends its
+    ranks itself can call :func:`record_end`.
     """
     global _recorder
     if not _enabled() or not dist.is_initialized() or dist.get_world_size() == 1:
@@ -152,11 +174,11 @@ def install() -> None:
     _recorder.start()
 
 
-def describe_failure(error: BaseException) -> None:
-    """Record ``error`` as the way this rank ends (for launchers that catch it themselves)."""
+def record_end(how: str) -> None:
+    """Record how this rank ends (first record wins), for launchers that end ranks themselves:
+    ``"raised <error>"`` for a failure, anything else for an exit."""
     if _recorder is not None:
-        summary = traceback.format_exception_only(type(error), error)[-1].strip()
-        _recorder.end(f"raised {summary[:500]}")
+        _recorder.end(how)
 
 
 def _default_store() -> Any:
@@ -249,7 +271,15 @@ def explain(op: str, group: Any, error: BaseException) -> BaseException:
     text = str(error).lower()
     timed_out = "timed out" in text or "timeout" in text
     causes, words = diagnose(ranks, timed_out=timed_out)
+    # A peer's sockets close while it is still exiting (the kernel closes files before the
+    # process becomes a zombie, and an exit record may be in flight): look again briefly.
+    deadline = time.monotonic() + _SETTLE_S
+    while not causes and not timed_out and time.monotonic() < deadline:
+        time.sleep(0.05)
+        causes, words = diagnose(ranks)
     if not causes:
+        if hasattr(error, "add_note"):  # Python >= 3.11
+            error.add_note(f"nxd rank health: {words}")
         return error
     joined = "never joined" if words.startswith("no rank died") else "failed"
     plural = "s" if len(causes) > 1 else ""

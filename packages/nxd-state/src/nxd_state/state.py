@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from nxd_state import health
 from nxd_state.collectives import register_group_name
 from nxd_state.layout import ParallelLayout, RankCoordinates
 
@@ -28,7 +29,7 @@ def _build_family(
     """Create every group of one family (collective: all ranks call this in the same order)."""
     mine: tuple[ProcessGroup, list[int]] | None = None
     for ranks in all_groups:
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, timeout=health.group_timeout())
         if rank in ranks:
             register_group_name(group, name)
             mine = (group, ranks)
