@@ -90,13 +90,26 @@ class StagingBuffer:
 
     def __init__(self) -> None:
         self._buffer: torch.Tensor | None = None
+        self._layout: tuple = ()
+        self._views: list[torch.Tensor] = []
+        """Views of the buffer for the last layout: a training loop saves the same one."""
 
     @property
     def nbytes(self) -> int:
         return 0 if self._buffer is None else self._buffer.numel()
 
     def release(self) -> None:
-        self._buffer = None
+        self._buffer, self._layout, self._views = None, (), []
+
+    def _views_for(self, file_plan: FilePlan) -> list[torch.Tensor]:
+        if file_plan.entries != self._layout:
+            buffer = self._buffer
+            assert buffer is not None
+            self._views = [
+                buffer[e.begin : e.end].view(e.dtype).view(e.shape) for e in file_plan.entries
+            ]
+            self._layout = file_plan.entries
+        return self._views
 
     def stage(
         self, plan: RankPlan, file_plan: FilePlan, *, defer: bool = False
@@ -109,13 +122,12 @@ class StagingBuffer:
         """
         on_cuda = any(c.data.device.type == "cuda" for c in plan.chunks)
         if self._buffer is None or self._buffer.numel() < file_plan.data_size:
-            self._buffer = None  # free the old one first: peak stays one buffer
+            self.release()  # free the old one first: peak stays one buffer
             self._buffer = torch.empty(
                 max(file_plan.data_size, 1), dtype=torch.uint8, pin_memory=on_cuda
             )
-        views, deferred = [], []
-        for entry, chunk in zip(file_plan.entries, _ordered_chunks(plan, file_plan)):
-            target = self._buffer[entry.begin : entry.end].view(entry.dtype).view(entry.shape)
+        views, deferred = list(self._views_for(file_plan)), []
+        for target, chunk in zip(views, _ordered_chunks(plan, file_plan)):
             if defer and chunk.stable and chunk.data.device.type == "cpu":
                 name = f"{chunk.category} {chunk.name}"
                 deferred.append(DeferredCopy(name, target, chunk.data, chunk.data._version))
@@ -123,7 +135,6 @@ class StagingBuffer:
                 target.copy_(chunk.data, non_blocking=True)
             else:
                 copy_into(target, chunk.data)
-            views.append(target)
         if on_cuda:
             torch.cuda.synchronize()
         return views, deferred
