@@ -6,8 +6,10 @@ torch's elastic API), with tiny settings:
   that model's logits; the progress, TensorBoard and JSONL outputs hold the expected rows;
 * a run whose workers are SIGKILLed after a checkpoint, rerun with the same command, ends with
   exactly (bitwise) the losses of the uninterrupted run;
-* rerun with other degrees (TP=1, DP=2, ZeRO-1) the run reshards and continues like the one
-  process reference.
+* rerun with other degrees (TP=1, DP=2, ZeRO-1, gradient accumulation) the run reshards and
+  continues like the one process reference;
+* LoRA fine-tuning of the export (``-m slow``): the first loss is the base model's (B = 0), only
+  the targeted projections change in the merged export.
 
 Tolerances: rtol 1e-4 / atol 1e-5 on losses and 1e-4 on logits: fp32 only, TP splits matmul
 sums and the parallel cross entropy reduces in another order (re-association round-off, ~1e-7
@@ -144,9 +146,10 @@ def test_killed_run_resumes_bitwise(runs: Path, default_run: tuple[Path, str]) -
 
 
 def test_resume_at_other_degrees_dp2_zero1(runs: Path, default_run: tuple[Path, str]) -> None:
-    """The TP=2 run's step-6 checkpoint, continued at TP=1 x DP=2 with ZeRO-1 to step 8."""
+    """The TP=2 run's step-6 checkpoint, continued at TP=1 x DP=2 with ZeRO-1 and 2
+    accumulation steps to step 8 (each rank: 2 micro-steps of 1 sequence)."""
     shutil.copytree(default_run[0], runs / "reshard")
-    more = ["--steps", "8", "--tp", "1", "--zero1"]
+    more = ["--steps", "8", "--tp", "1", "--zero1", "--grad-accum", "2"]
     R.nxd_train([*R.TINY, *more, "--runs-dir", str(runs), "--name", "reshard"], runs)
     got = R.losses(runs / "reshard")
     ref = R.reference(runs / "reshard", [], [(6, STEPS), (8, ["--steps", "8"])])
@@ -154,3 +157,31 @@ def test_resume_at_other_degrees_dp2_zero1(runs: Path, default_run: tuple[Path, 
     torch.testing.assert_close(
         torch.tensor([got[7], got[8]]), torch.tensor([ref["losses"][7], ref["losses"][8]]), **TOL
     )
+
+
+@pytest.mark.slow
+def test_lora_fine_tune_of_the_export(runs: Path, default_run: tuple[Path, str]) -> None:
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    hf = default_run[0] / "hf"
+    args = [*R.TINY, "--steps", "2", "--model", str(hf), "--tokenizer", str(hf),
+            "--lora-rank", "4", "--runs-dir", str(runs), "--name", "lora"]  # fmt: skip
+    R.nxd_train(args, runs)
+    run = runs / "lora"
+    base, tuned = load_file(hf / "model.safetensors"), load_file(run / "hf" / "model.safetensors")
+    assert set(base) == set(tuned)
+    for name, value in base.items():
+        if name.endswith(("q_proj.weight", "v_proj.weight")):  # the default targets
+            assert not torch.equal(tuned[name], value), name
+        else:
+            assert torch.equal(tuned[name], value), name
+    # Step 1 runs the base model (the adapters' B starts at zero) on the run's first batch.
+    cfg = R.config(run, ["--steps", "2", "--model", str(hf), "--tokenizer", str(hf)])
+    from nxd_trainer.train.data import PackedLoader, prepare_data
+
+    _, train, _ = prepare_data(cfg, build=False)
+    ids = PackedLoader(train, cfg.batch_size, 0, 1, cfg.seed).next_batch()
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(hf)(input_ids=ids, labels=ids).loss
+    torch.testing.assert_close(torch.tensor(R.losses(run)[1]), expected, **TOL)

@@ -11,9 +11,10 @@ and the data-parallel loader.
   of ``seq_len`` tokens (the tail shorter than a block is dropped), cached in the run as
   safetensors with a fingerprint of the settings that made them.
 * **Loader**: the global stream is epoch after epoch of the blocks, each epoch permuted by
-  ``randperm(n, seed + epoch)``; step ``s`` takes global sequences ``[s·B, (s+1)·B)`` and DP
-  rank ``d`` of ``D`` its ``d``-th contiguous ``B/D`` of them. The position is the number of
-  sequences consumed, saved in the checkpoint; the same global batches at any DP degree.
+  ``randperm(n, seed + epoch)``; step ``s`` takes global sequences ``[s·B, (s+1)·B)``,
+  micro-step ``m`` of ``k`` its ``m``-th ``B/k``, and DP rank ``d`` of ``D`` the ``d``-th
+  ``B/(k·D)`` of those. The position is the number of sequences consumed, saved in the
+  checkpoint: the same global batches at any DP degree or accumulation.
 """
 
 from __future__ import annotations

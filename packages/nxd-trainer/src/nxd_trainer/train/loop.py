@@ -158,7 +158,9 @@ def run_worker(cfg: TrainConfig) -> int:
         eps=1e-8, weight_decay=cfg.weight_decay,
     )  # fmt: skip
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    loader = PackedLoader(train_blocks, cfg.batch_size, state.data_parallel_rank, dp, cfg.seed)
+    # One loader batch per micro-step: the k micro-steps of a step cover its B sequences.
+    micro = cfg.batch_size // cfg.grad_accum
+    loader = PackedLoader(train_blocks, micro, state.data_parallel_rank, dp, cfg.seed)
     run = cfg.run_dir
     ckpt_dir = run / CHECKPOINT_DIR
     step, tokens = 0, 0
