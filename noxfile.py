@@ -176,6 +176,13 @@ def integration(session: nox.Session) -> None:
 
 
 @nox.session(tags=["ci"])
+def reliability(session: nox.Session) -> None:
+    """Faults, kills, bad input and hostile files (tests-reliability/); `-- -m slow` for more."""
+    _sync(session, "--all-packages", "--group", "test")
+    session.run("pytest", "tests-reliability", *session.posargs)
+
+
+@nox.session(tags=["ci"])
 def lint(session: nox.Session) -> None:
     """ruff at the locked version (the root `dev` group), so local and CI agree."""
     _sync(session, "--only-group", "dev")
