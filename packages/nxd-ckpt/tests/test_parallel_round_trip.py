@@ -7,8 +7,8 @@ The 8-rank layout (2, 2, 2, ZeRO-1) is covered by test_reshard.py. Also: GQA pro
 (K/V replicated by kv_size_multiplier, separate and fused) and a stride-2 column-parallel
 layer reshard between TP = 4, 2 and 1; fp32 master weights of bf16 parameters survive
 ZeRO-1 -> plain optimizer -> ZeRO-1 bitwise (the ZeRO-1 shards read through nxd_optim's public
-``dtype_buckets``; NxDOptimizer's masters through its private ``_masters``, whose layout is
-checked: a wrong one is refused).
+``dtype_buckets``; NxDOptimizer's masters through its public ``master_weights_by_param()``,
+whose layout is checked: a wrong one is refused).
 """
 
 from __future__ import annotations
@@ -175,13 +175,13 @@ def masters_round_trip(path: str) -> None:
         assert master.dtype == torch.float32
         assert torch.equal(master.bfloat16(), param)  # the bf16 params are the rounded masters
     save_checkpoint(path, "plain", model=plain_model, optimizer=plain)
-    # NxDOptimizer's masters are read from a private attribute, checked loudly: a master of
-    # the wrong shape is refused (on every rank) rather than saved.
-    kept = plain._masters
-    plain._masters = {param: master[:1] for param, master in kept.items()}
-    with pytest.raises(RuntimeError, match="not the one nxd-ckpt reads"):
+    # NxDOptimizer's masters are checked loudly: an accessor giving a master of the wrong
+    # shape is refused (on every rank) rather than saved.
+    accessor = plain.master_weights_by_param
+    plain.master_weights_by_param = lambda: {p: m[:1] for p, m in accessor().items()}
+    with pytest.raises(RuntimeError, match="not a same-shaped floating-point master"):
         save_checkpoint(path, "broken", model=plain_model, optimizer=plain)
-    plain._masters = kept
+    del plain.master_weights_by_param
 
     nxd_state.destroy_model_parallel()
     nxd_state.initialize_model_parallel(tensor_model_parallel_size=1)

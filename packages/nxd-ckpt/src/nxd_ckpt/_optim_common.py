@@ -12,7 +12,7 @@ module resolves an optimizer into one of two shapes:
   ``dtype_buckets``, read by :func:`zero1_buckets`).
 * ``plain``: any ``torch.optim`` optimizer, or ``NxDOptimizer`` without ZeRO-1 (whose inner
   optimizer steps fp32 master copies of low-precision params, read by
-  :func:`nxd_optimizer_masters`: the one place that knows a private attribute of nxd_optim).
+  :func:`nxd_optimizer_masters` through ``NxDOptimizer.master_weights_by_param()``).
 
 Parameter names come from the model; without a model, ``pp<r>.group<i>.<j>`` positions.
 """
@@ -128,21 +128,13 @@ def zero1_buckets(zero: Any) -> list[ZeroBucket]:
 
 def nxd_optimizer_masters(wrapper: Any) -> dict[torch.Tensor, torch.Tensor]:
     """{model param: fp32 master} of an ``NxDOptimizer`` without ZeRO-1 (low-precision params
-    stepped through fp32 copies).
-
-    nxd_optim exposes no public accessor for these yet, so this reads the wrapper's private
-    ``_masters`` and checks loudly that it is what nxd-ckpt expects: a dict from the
-    wrapper's own parameters to floating-point tensors of the same shape that the inner
-    optimizer steps.
+    stepped through fp32 copies), from its public ``master_weights_by_param()``, checked to be
+    what the saved layout assumes: same-shaped floating-point tensors the inner optimizer steps.
     """
-    masters = getattr(wrapper, "_masters", None)
-    if masters is None:
+    accessor = getattr(wrapper, "master_weights_by_param", None)
+    if accessor is None:
         return {}
-    if not isinstance(masters, dict):
-        raise RuntimeError(
-            f"NxDOptimizer._masters is a {type(masters).__name__}, not the dict of "
-            f"{{param: fp32 master}} nxd-ckpt reads: nxd_optim's layout changed"
-        )
+    masters = accessor()
     stepped = {id(p) for group in wrapper.optimizer.param_groups for p in group["params"]}
     for param, master in masters.items():
         if (
@@ -152,10 +144,10 @@ def nxd_optimizer_masters(wrapper: Any) -> dict[torch.Tensor, torch.Tensor]:
             or id(master) not in stepped
         ):
             raise RuntimeError(
-                f"NxDOptimizer._masters maps a parameter of shape {tuple(param.shape)} to "
-                f"{type(master).__name__} {tuple(getattr(master, 'shape', ()))}, which is not "
-                f"a same-shaped floating-point master stepped by the inner optimizer: "
-                f"nxd_optim's layout is not the one nxd-ckpt reads"
+                f"NxDOptimizer.master_weights_by_param() maps a parameter of shape "
+                f"{tuple(param.shape)} to {type(master).__name__} "
+                f"{tuple(getattr(master, 'shape', ()))}, which is not a same-shaped "
+                f"floating-point master stepped by the inner optimizer"
             )
     return masters
 
