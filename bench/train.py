@@ -1,6 +1,6 @@
 """nxd-train's throughput side by side with the Hugging Face ``Trainer`` (the main job's bench).
 
-    .venv/bin/python bench/train.py [--steps 60] [--model tiny] [--seq-len 128] [--batch-size 8]
+    .venv/bin/python bench/train.py [--steps 60] [--rounds 3] [--model tiny] [--seq-len 128]
 
 Same data, model and steps for every entry: the run's own packed blocks (prepared once by
 nxd-train in a scratch run folder), the preset Llama built from the same seed, AdamW with the
@@ -9,7 +9,8 @@ same LR schedule, clipping at 1.0, fp32 on CPU.
 * ``nxd-train`` at TP=1 (one process, its default thread count) vs ``transformers.Trainer``
   (one process, same threads) on the same blocks: tokens/s from the median step time
   (the first ``--warmup`` steps dropped). nxd-train's step times come from its JSONL rows;
-  the Trainer's from a callback (``on_step_begin`` -> ``on_step_end``). Goal: >= 1.0x.
+  the Trainer's from a callback (``on_step_begin`` -> ``on_step_end``). Rounds alternate which
+  side runs first; the ratio is reported per round and as the median. Goal: >= 1.0x.
 * ``nxd-train`` at TP=2 (2 processes, 1 thread each) vs TP=1 on 1 process with 2 threads:
   what tensor parallelism gives over intra-op threading on the same 2 cores (noted, no goal).
 
@@ -29,6 +30,9 @@ import time
 from pathlib import Path
 
 import torch
+
+from nxd_trainer.train import parse_config
+from nxd_trainer.train.data import prepare_data
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -106,6 +110,7 @@ def main() -> None:
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "train.json"))
     args = parser.parse_args()
     common = [
@@ -115,6 +120,9 @@ def main() -> None:
     ]  # fmt: skip
     tokens_per_step = args.seq_len * args.batch_size
     results: dict[str, object] = {"settings": vars(args), "load_before": os.getloadavg()}
+    threads = os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    rounds: list[dict[str, float]] = []
     with tempfile.TemporaryDirectory() as scratch:
         cwd = Path(scratch)
 
@@ -123,22 +131,43 @@ def main() -> None:
             times = nxd_step_times(cwd / "runs" / name, args.warmup)
             return tokens_per_step / statistics.median(times)
 
-        # TP=1 on one process vs the HF Trainer, same threads (the default: all cores).
-        threads = os.cpu_count() or 1
-        tp1 = nxd("tp1", ["--tp", "1", "--nproc-per-node", "1"], threads)
-        torch.set_num_threads(threads)
-        hf_times = hf_trainer_step_times(cwd / "runs" / "tp1", common, args.steps, args.warmup)
-        hf = tokens_per_step / statistics.median(hf_times)
-        results["tp1_vs_hf_trainer"] = {
-            "threads": threads, "nxd_train_tokens_per_s": tp1, "hf_trainer_tokens_per_s": hf,
-            "ratio": tp1 / hf, "goal": ">= 1.0",
-        }  # fmt: skip
-        # TP=2 (2 processes x 1 thread) vs TP=1 (1 process x 2 threads).
-        tp2 = nxd("tp2", ["--tp", "2", "--nproc-per-node", "2"], 1)
-        tp1_2t = nxd("tp1-2threads", ["--tp", "1", "--nproc-per-node", "1"], 2)
-        results["tp2_vs_one_process_2_threads"] = {
-            "tp2_tokens_per_s": tp2, "tp1_2_threads_tokens_per_s": tp1_2t, "ratio": tp2 / tp1_2t,
-        }  # fmt: skip
+        for r in range(args.rounds):  # the order alternates, so load drifts hit both sides
+            one: dict[str, float] = {}
+            for side in ("nxd", "hf") if r % 2 == 0 else ("hf", "nxd"):
+                if side == "nxd":  # TP=1 on one process, all cores (the Trainer's threads)
+                    one["nxd_tp1"] = nxd(
+                        f"tp1-{r}", ["--tp", "1", "--nproc-per-node", "1"], threads
+                    )
+                else:
+                    # The Trainer reads the run's packed blocks: prepare them if it goes first.
+                    prepare_data(
+                        parse_config(
+                            [*common, "--runs-dir", str(cwd / "runs"), "--name", f"tp1-{r}"]
+                        ),
+                        build=True,
+                    )
+                    times = hf_trainer_step_times(
+                        cwd / "runs" / f"tp1-{r}", common, args.steps, args.warmup
+                    )
+                    one["hf_trainer"] = tokens_per_step / statistics.median(times)
+            # TP=2 (2 processes x 1 thread) vs TP=1 (1 process x 2 threads).
+            one["nxd_tp2"] = nxd(f"tp2-{r}", ["--tp", "2", "--nproc-per-node", "2"], 1)
+            one["nxd_tp1_2threads"] = nxd(f"tp1t-{r}", ["--tp", "1", "--nproc-per-node", "1"], 2)
+            rounds.append(one)
+            print(json.dumps(one), flush=True)
+    med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+    results["rounds_tokens_per_s"] = rounds
+    results["tp1_vs_hf_trainer"] = {
+        "threads": threads, "nxd_train_tokens_per_s": med["nxd_tp1"],
+        "hf_trainer_tokens_per_s": med["hf_trainer"],
+        "ratio_per_round": [r["nxd_tp1"] / r["hf_trainer"] for r in rounds],
+        "ratio_median": statistics.median(r["nxd_tp1"] / r["hf_trainer"] for r in rounds),
+        "goal": ">= 1.0",
+    }  # fmt: skip
+    results["tp2_vs_one_process_2_threads"] = {
+        "tp2_tokens_per_s": med["nxd_tp2"], "tp1_2_threads_tokens_per_s": med["nxd_tp1_2threads"],
+        "ratio_median": statistics.median(r["nxd_tp2"] / r["nxd_tp1_2threads"] for r in rounds),
+    }  # fmt: skip
     results["load_after"] = os.getloadavg()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1) + "\n")

@@ -185,3 +185,33 @@ def test_lora_fine_tune_of_the_export(runs: Path, default_run: tuple[Path, str])
     with torch.no_grad():
         expected = AutoModelForCausalLM.from_pretrained(hf)(input_ids=ids, labels=ids).loss
     torch.testing.assert_close(torch.tensor(R.losses(run)[1]), expected, **TOL)
+
+
+def test_export_command(default_run: tuple[Path, str], tmp_path: Path, capsys: Any) -> None:
+    """``nxd-train export RUN_DIR`` writes the same folder as the end of the run did."""
+    from safetensors.torch import load_file
+
+    from nxd_trainer.train import main
+
+    run = default_run[0]
+    assert main(["export", str(run), "--out", str(tmp_path / "again"), "--sample-tokens", "3"]) == 0
+    assert f"nxd-train: exported {tmp_path / 'again'}" in capsys.readouterr().out
+    first, again = (
+        load_file(run / "hf" / "model.safetensors"),
+        load_file(tmp_path / "again" / "model.safetensors"),
+    )
+    assert set(first) == set(again)
+    assert all(torch.equal(first[k], again[k]) for k in first)
+    assert (tmp_path / "again" / "tokenizer.json").is_file()
+    assert main(["export", str(tmp_path / "nowhere")]) == 2
+    assert "run folder" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_rerun_of_a_finished_run_trains_nothing(runs: Path, default_run: tuple[Path, str]) -> None:
+    shutil.copytree(default_run[0], runs / "again")
+    before = (runs / "again" / "metrics.jsonl").read_text()
+    done = R.nxd_train([*R.TINY, *STEPS, "--runs-dir", str(runs), "--name", "again"], runs)
+    assert "the run is already at step 6 (--steps 6): nothing to train" in done.stderr
+    assert (runs / "again" / "metrics.jsonl").read_text() == before
+    assert "nxd-train: 6 steps, 768 tokens" in done.stderr

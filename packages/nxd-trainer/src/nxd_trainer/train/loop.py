@@ -181,8 +181,13 @@ def run_worker(cfg: TrainConfig) -> int:
     metrics = Metrics(run, writer=writer, steps=cfg.steps, start=step, bar=cfg.progress)
     if step and writer:
         metrics.write(f"resumed from {ckpt_dir / tag_name(step)} (step {step})")
+        if step >= cfg.steps:
+            metrics.write(
+                f"the run is already at step {step} (--steps {cfg.steps}): nothing to train"
+            )
     stop = _Stop()
-    saved_step, evaluated_step, interrupted = step, -1, False
+    # A finished run rerun trains nothing, and evaluates and saves nothing new.
+    saved_step, evaluated_step, interrupted = step, (step if step >= cfg.steps else -1), False
     tokens_per_step = cfg.batch_size * cfg.seq_len
     session_tokens, session_time = 0, 0.0
 
@@ -287,12 +292,12 @@ def _finish(cfg: TrainConfig, summary: dict[str, Any]) -> None:
         if cfg.sample_tokens:
             text = generate_sample(out, cfg.prompt, cfg.sample_tokens, cfg.seed)
             print(f"--- sample from {out} ---\n{text}\n---", flush=True)
-    evals = [
-        json.loads(line)
-        for line in (run / "metrics.jsonl").read_text().splitlines()
-        if '"eval"' in line
-    ]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if r["kind"] == "eval"]
     val = evals[-1] if evals else None
+    trained = [r for r in rows if r["kind"] == "train"]
+    if summary["loss"] != summary["loss"] and trained:  # NaN: no step this session
+        summary = summary | {"loss": trained[-1]["loss"]}
     print(
         f"nxd-train: {summary['step']} steps, {summary['tokens']:,} tokens, "
         f"{summary['tokens_per_s']:,.0f} tokens/s; loss {summary['loss']:.4f}"
