@@ -321,24 +321,7 @@ def test_bad_input(
     assert len({per_rank[r][:2] for r in full}) == 1, per_rank  # the same error on every rank
 
 
-AGREED = pytest.mark.xfail(
-    strict=True,
-    reason="nxd-ckpt: save_checkpoint checks its arguments (tag name, num_kept_ckpts, "
-    "async_copy, writable path, user content) after a collective (the ranks agree on the "
-    "error, so none hangs); argument checks that need no peer could run before any traffic",
-)
-SAVE_CASES = {
-    "save-under-a-file",
-    "save-tag-with-slash",
-    "num-kept",
-    "async-copy",
-    "user-content-object",
-}
-
-
-@pytest.mark.parametrize(
-    "name", [pytest.param(c[0], marks=AGREED) if c[0] in SAVE_CASES else c[0] for c in CASES]
-)
+@pytest.mark.parametrize("name", [c[0] for c in CASES])
 def test_no_collective_before_the_error(
     outcomes: list[dict[str, tuple[str, str, int]]], name: str
 ) -> None:
@@ -350,15 +333,7 @@ CLI_CASES = [
     (["info"], "checkpoint"),
     (["info", "{tmp}", "--verfy"], "--verfy"),
     (["frobnicate"], "frobnicate"),
-    pytest.param(
-        ["export-hf", "{tmp}", "{tmp}/o", "--dtype", "float8"],
-        "float8",
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="nxd-ckpt CLI: export-hf --dtype float8 dies with an AttributeError "
-            "traceback (getattr(torch, 'float8')) instead of a usage error listing the dtypes",
-        ),
-    ),
+    (["export-hf", "{tmp}", "{tmp}/o", "--dtype", "float8"], "float8"),
 ]
 
 

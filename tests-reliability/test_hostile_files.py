@@ -133,12 +133,6 @@ def test_hf_folder_with_pytorch_model_bin_is_refused(tmp_path: Path, marker: Pat
         legacy.load(folder, _model(), sharded=False)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="nxd-ckpt: load_hf_checkpoint on a folder holding only pytorch_model.bin says "
-    "'neither a safetensors file nor a folder with model.safetensors' without naming the "
-    ".bin it found or saying it is a pickle that is never read (convert it to safetensors)",
-)
 def test_hf_refusal_names_the_pickled_bin(tmp_path: Path, marker: Path) -> None:
     folder = _hf_folder(tmp_path, marker)
     with pytest.raises(FileNotFoundError, match=r"pytorch_model\.bin.*pickle"):

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from nxd_ckpt import _saver, _tags
+from nxd_ckpt import _jsonstate, _saver, _tags
 from nxd_ckpt._context import agree, broadcast_int, current_context
 from nxd_ckpt._load_model import load_json, load_model
 from nxd_ckpt._load_model import load_rng as _load_rng_states
@@ -106,15 +106,15 @@ def save_checkpoint(
     """
     del use_xser, zero1_optimizer  # see the docstring
     ctx = current_context()
-    error: BaseException | None = None
-    try:
-        if async_copy not in _ASYNC_COPY:
-            raise ValueError(f"async_copy must be one of {_ASYNC_COPY}, got {async_copy!r}")
-        _check_num_workers(num_workers)
-        root, tag = _check_save_args(path, tag, num_kept_ckpts)
-    except (ValueError, PermissionError) as caught:
-        error = caught
-    agree(error, "save_checkpoint argument checks")
+    # Checks that need no peer, before any traffic: every rank gets the same arguments, so
+    # every rank raises the same error and none is left waiting in a collective. (A folder
+    # writable on some hosts only fails there; its peers then stop at the collective timeout.)
+    if async_copy not in _ASYNC_COPY:
+        raise ValueError(f"async_copy must be one of {_ASYNC_COPY}, got {async_copy!r}")
+    _check_num_workers(num_workers)
+    root, tag = _check_save_args(path, tag, num_kept_ckpts)
+    if user_content is not None:  # the no-pickle check of the content (plan builds it later)
+        _jsonstate.encode(user_content, {}, "user_content", "user_content")
     _saver.wait_pending()
     save_id = f"{broadcast_int(secrets.randbits(62)):016x}"
     tag_dir = root / tag if tag else root

@@ -123,9 +123,7 @@ def _export(args: argparse.Namespace) -> int:
 
     from nxd_ckpt.hf import export_hf
 
-    dtype = getattr(torch, args.dtype) if args.dtype else None
-    if args.dtype and not isinstance(dtype, torch.dtype):
-        raise ValueError(f"--dtype {args.dtype!r} is not a torch dtype")
+    dtype = getattr(torch, args.dtype) if args.dtype else None  # a checked choice
     out = export_hf(
         args.checkpoint,
         args.out,
@@ -154,6 +152,10 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+_EXPORT_DTYPES = ("float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
+"""The floating dtypes safetensors stores (``--dtype`` casts floating tensors only)."""
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nxd-ckpt", description=__doc__.split("\n\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
@@ -172,7 +174,9 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--config", help="config.json (or its folder); default: the saved one")
     export.add_argument("--tokenizer", help="a folder to copy tokenizer files from")
     export.add_argument("--max-shard-size", default="5GB")
-    export.add_argument("--dtype", help="cast floating tensors, e.g. bfloat16")
+    export.add_argument(
+        "--dtype", choices=_EXPORT_DTYPES, help="cast floating tensors, e.g. bfloat16"
+    )
     export.set_defaults(run=_export)
     convert = commands.add_parser("convert-nxd", help="NxD's .pt layout -> this format")
     convert.add_argument("source", help="an NxD checkpoint folder (or one of its tags)")

@@ -235,9 +235,16 @@ def _weight_files(source: Path) -> tuple[Path, list[str]]:
         return source, sorted(set(weight_map.values()))
     if (source / HF_WEIGHTS_NAME).is_file():
         return source, [HF_WEIGHTS_NAME]
+    pickled = sorted(p.name for p in source.glob("*.bin")) if source.is_dir() else []
+    found = (
+        f"; it holds {', '.join(pickled)}: a pickle (torch.save), which nxd-ckpt never reads "
+        f"(loading it could run code); convert it to safetensors first"
+        if pickled
+        else ""
+    )
     raise FileNotFoundError(
         f"{source} is neither a safetensors file nor a folder with {HF_WEIGHTS_NAME} or "
-        f"{HF_INDEX_NAME}"
+        f"{HF_INDEX_NAME}{found}"
     )
 
 
