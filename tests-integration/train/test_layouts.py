@@ -1,7 +1,8 @@
 """``nxd-train`` at other layouts, each following the one-process reference (``_run.py``):
-TP=2 x PP=2 on 4 ranks (1F1B, 2 micro-batches), and two "nodes" on localhost (two launchers,
-one process each, a static rendezvous on the loopback) training one TP=2 model together.
-Ctrl-C (SIGINT to the launcher) finishes the step, saves it, exits 130, and a rerun resumes.
+TP=2 x PP=2 on 4 ranks (1F1B, 2 micro-batches; ``-m slow``), and two "nodes" on localhost
+(two launchers, one process each, a static rendezvous on the loopback) training one TP=2
+model together. Ctrl-C (SIGINT to the launcher) finishes the step, saves it and exits 130
+(``-m slow``).
 
 Tolerances as in ``test_train.py`` (fp32 re-association amplified by AdamW).
 """
@@ -56,7 +57,6 @@ def test_tp2_pp2_on_four_ranks(tmp_path: Path) -> None:
     assert (tmp_path / "tiny" / "hf" / "config.json").is_file()  # exported from PP=2 shards
 
 
-@pytest.mark.slow
 def test_two_nodes_on_localhost(tmp_path: Path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -80,6 +80,7 @@ def test_two_nodes_on_localhost(tmp_path: Path) -> None:
     _check(tmp_path / "tiny", 3)
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_and_exits_130(tmp_path: Path) -> None:
     args = [*R.TINY, "--steps", "400", "--save-every", "1000", "--runs-dir", str(tmp_path)]
     launcher = subprocess.Popen(
