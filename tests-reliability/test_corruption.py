@@ -147,18 +147,7 @@ def _load(saved: Path, tmp_path: Path, damage: str) -> tuple[str, list[dict[str,
     return name, run_distributed(load_damaged, 2, str(root), timeout=TIMEOUT)
 
 
-ONE_RANK = pytest.mark.xfail(
-    strict=True,
-    reason="nxd-ckpt: a checksum mismatch found by one rank only (here in rank 0's RNG "
-    "state, which rank 1 never reads) is raised on that rank; rank 1's load_checkpoint "
-    "returns normally, so a job that catches the error on rank 0 hangs rank 1 later",
-)
-
-
-@pytest.mark.parametrize(
-    "damage",
-    [pytest.param(d, marks=ONE_RANK) if d == "flipped-tensor-byte" else d for d in DAMAGE],
-)
+@pytest.mark.parametrize("damage", list(DAMAGE))
 def test_damage_is_an_error_naming_the_file_on_every_rank(
     saved: Path, tmp_path: Path, damage: str
 ) -> None:
@@ -168,24 +157,7 @@ def test_damage_is_an_error_naming_the_file_on_every_rank(
         assert name in result["error"], (rank, damage, result)
 
 
-PARTIAL = pytest.mark.xfail(
-    strict=True,
-    reason="nxd-ckpt: load_checkpoint verifies each chunk as it reads it and copies it into "
-    "the model at once, so a damaged data file found mid-load leaves the parameters read "
-    "before it already overwritten (rank 0 here); verify every chunk the rank needs (and "
-    "agree across ranks) before the first copy_",
-)
-
-
-@pytest.mark.parametrize(
-    "damage",
-    [
-        pytest.param(d, marks=PARTIAL)
-        if d in {"truncated", "flipped-tensor-byte", "flipped-header-byte", "removed-shard"}
-        else d
-        for d in DAMAGE
-    ],
-)
+@pytest.mark.parametrize("damage", list(DAMAGE))
 def test_damage_is_found_before_any_parameter_changes(
     saved: Path, tmp_path: Path, damage: str
 ) -> None:

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from nxd_ckpt import _jsonstate
+from nxd_ckpt._boxes import Box
 from nxd_ckpt._context import RankContext, agree, sum_counts
 from nxd_ckpt._items import DenseSource, TensorItem, pieces
 from nxd_ckpt._model_tensors import model_tensors
@@ -24,7 +26,16 @@ from nxd_ckpt._plan import rank_local_name
 from nxd_ckpt._reader import CheckpointReader
 from nxd_ckpt._sharding import spec_for_stored_shape
 
-__all__ = ["check_keys", "load_json", "load_model", "load_rng"]
+__all__ = [
+    "ModelReads",
+    "check_keys",
+    "json_paths",
+    "load_json",
+    "load_model",
+    "load_rng",
+    "model_reads",
+    "rng_names",
+]
 
 logger = logging.getLogger(__name__)
 _LIST_LIMIT = 20
@@ -69,15 +80,34 @@ def check_keys(
         )
 
 
-@torch.no_grad()
-def load_model(
-    model: Any,
-    reader: CheckpointReader,
-    ctx: RankContext,
-    strict: bool,
-    slot: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
-) -> None:
-    """Fill ``model``'s tensors from the tag (checks are collective, reads under ``slot``)."""
+@dataclass
+class ModelReads:
+    """The model tensors this rank fills: (local tensor, stored name, spec) after the key
+    checks; :meth:`boxes` lists the global boxes they read, :meth:`fill` copies them in."""
+
+    requested: list[tuple[Any, str, Any]]
+
+    def items(self) -> Iterator[tuple[Any, TensorItem]]:
+        for local, target, spec in self.requested:
+            item = TensorItem("model", target, local.tensor.dtype, spec, DenseSource(local.tensor))
+            yield local, item
+
+    def boxes(self) -> Iterator[tuple[str, str, Box]]:
+        for _, item in self.items():
+            for piece in pieces(item):
+                yield "model", item.name, piece.global_box
+
+    @torch.no_grad()
+    def fill(self, reader: CheckpointReader) -> None:
+        for local, item in self.items():
+            if item.spec.padded is not None:  # padding (zeros) is stored nowhere: zero it
+                local.tensor.zero_()
+            for piece in pieces(item):
+                reader.read_box("model", item.name, piece.global_box, out=piece.local)
+
+
+def model_reads(model: Any, reader: CheckpointReader, ctx: RankContext, strict: bool) -> ModelReads:
+    """Match ``model``'s tensors with the tag's (the key checks are collective)."""
     tensors, aliases = model_tensors(model, ctx, for_load=True)
     index = reader.index
     stored = index.category("model")
@@ -107,19 +137,24 @@ def load_model(
         else:
             missing.append(alias)
     check_keys("model", sorted(stored), used, missing, mismatched, strict, str(reader.tag_dir))
+    return ModelReads(requested)
+
+
+def load_model(
+    model: Any,
+    reader: CheckpointReader,
+    ctx: RankContext,
+    strict: bool,
+    slot: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
+) -> None:
+    """Fill ``model``'s tensors from the tag (checks are collective, reads under ``slot``)."""
+    reads = model_reads(model, reader, ctx, strict)
     with slot():
-        for local, target, spec in requested:
-            if spec.padded is not None:  # padding (zeros) is stored nowhere: zero it here
-                local.tensor.zero_()
-            item = TensorItem("model", target, local.tensor.dtype, spec, DenseSource(local.tensor))
-            for piece in pieces(item):
-                reader.read_box("model", target, piece.global_box, out=piece.local)
+        reads.fill(reader)
 
 
-def load_rng(reader: CheckpointReader, ctx: RankContext) -> bool:
-    """Restore this rank's RNG states if the checkpoint was saved at the same layout."""
-    import nxd_state
-
+def rng_names(reader: CheckpointReader, ctx: RankContext) -> list[str]:
+    """This rank's stored RNG states, if the checkpoint was saved at the same layout."""
     saved = reader.index.parallel
     now = ctx.parallel_dict(zero1=bool(saved.get("zero1")))
     same = all(saved.get(k) == now[k] for k in now if k != "zero1")
@@ -127,6 +162,17 @@ def load_rng(reader: CheckpointReader, ctx: RankContext) -> bool:
     names = [n for n in reader.index.category("rng") if n.startswith(prefix)]
     if not same or not names:
         logger.info("RNG states not restored: saved at %s, loading at %s", saved, now)
+        return []
+    return names
+
+
+def load_rng(reader: CheckpointReader, ctx: RankContext) -> bool:
+    """Restore this rank's RNG states if the checkpoint was saved at the same layout."""
+    import nxd_state
+
+    prefix = f"rank{ctx.rank:05d}/"
+    names = rng_names(reader, ctx)
+    if not names:
         return False
     states = {name[len(prefix) :]: reader.read_full("rng", name) for name in names}
     nxd_state.load_rng_state_dict(states)
@@ -136,6 +182,11 @@ def load_rng(reader: CheckpointReader, ctx: RankContext) -> bool:
 def load_json(reader: CheckpointReader, category: str) -> Any:
     """The scheduler state or user content, with its tensors read back."""
     encoded = getattr(reader.index, category)
-    paths = _jsonstate.tensor_paths(encoded)
+    paths = json_paths(reader, category)
     tensors = {path: reader.read_full(category, path) for path in paths}
     return _jsonstate.decode(encoded, tensors)
+
+
+def json_paths(reader: CheckpointReader, category: str) -> list[str]:
+    """The stored tensors of the scheduler state or user content."""
+    return _jsonstate.tensor_paths(getattr(reader.index, category))

@@ -12,13 +12,15 @@ rebuilt from the (already loaded) model parameters by the optimizer.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from nxd_ckpt import _jsonstate
+from nxd_ckpt._boxes import Box
 from nxd_ckpt._context import RankContext
 from nxd_ckpt._items import DenseSource, FlatSource, TensorItem, pieces
 from nxd_ckpt._load_model import check_keys
@@ -35,7 +37,7 @@ from nxd_ckpt._reader import CheckpointReader
 from nxd_ckpt._sharding import spec_for_stored_shape
 from nxd_ckpt._stfile import dtype_from_name
 
-__all__ = ["load_optimizer"]
+__all__ = ["OptimizerReads", "load_optimizer", "optimizer_reads"]
 
 
 class _Saved:
@@ -123,6 +125,62 @@ def _as_state(value: torch.Tensor, like: torch.Tensor, key: str) -> torch.Tensor
     return value.to(dtype=like.dtype, device=like.device)
 
 
+def _zero1_items(
+    view: OptimizerView,
+    saved: _Saved,
+    bucket: Any,
+    names: list[str],
+    key: str,
+    flat: torch.Tensor,
+) -> Iterator[TensorItem]:
+    """State ``key`` of each parameter of a ZeRO-1 bucket, held in this rank's ``flat``."""
+    located = flat_pieces(bucket.shapes, bucket.num_shards, bucket.rank)
+    for piece, name, shape in zip(located, names, bucket.shapes):
+        if f"{name}/{key}" not in saved.reader.index.category("optimizer"):
+            raise ValueError(
+                f"checkpoint optimizer state lacks {name}/{key} but has "
+                f"{names[0]}/{key} (same ZeRO-1 bucket)"
+            )
+        source = FlatSource(flat, piece.shard_start, piece.param_start, piece.numel, shape)
+        yield TensorItem(
+            "optimizer", f"{name}/{key}", flat.dtype, view.specs[name], source, dp_replicated=False
+        )
+
+
+def _plain_item(view: OptimizerView, name: str, key: str, value: torch.Tensor) -> TensorItem:
+    return TensorItem(
+        "optimizer", f"{name}/{key}", value.dtype, view.specs[name], DenseSource(value)
+    )
+
+
+def _inner_names(view: OptimizerView) -> tuple[list[torch.Tensor], list[str]]:
+    assert view.inner is not None
+    params = [p for g in view.inner.param_groups for p in g["params"]]
+    return params, [view.name_of(view.model_param.get(id(p), p)) for p in params]
+
+
+def _boxes(view: OptimizerView, saved: _Saved) -> Iterator[tuple[str, str, Box]]:
+    """The global boxes the fill reads, from the same items over meta tensors (no memory)."""
+    if view.kind == "zero1":
+        for bucket in zero1_buckets(view.optimizer):
+            names = [view.name_of(p) for p in bucket.params]
+            if names[0] not in saved.group_of:
+                continue
+            for key in saved.tensor_keys(names[0], masters=True):
+                dtype = saved.dtype(names[0], key)
+                flat = torch.empty(bucket.master.numel(), dtype=dtype, device="meta")
+                for item in _zero1_items(view, saved, bucket, names, key, flat):
+                    for piece in pieces(item):
+                        yield "optimizer", item.name, piece.global_box
+        return
+    params, names = _inner_names(view)
+    for param, name in zip(params, names):
+        for key in saved.tensor_keys(name, masters=True):
+            value = torch.empty(param.shape, dtype=saved.dtype(name, key), device="meta")
+            for piece in pieces(_plain_item(view, name, key, value)):
+                yield "optimizer", f"{name}/{key}", piece.global_box
+
+
 def _load_zero1(view: OptimizerView, saved: _Saved) -> None:
     """Write each bucket's state and master shard straight into the ZeRO-1 optimizer."""
     zero = view.optimizer
@@ -130,30 +188,13 @@ def _load_zero1(view: OptimizerView, saved: _Saved) -> None:
     refresh = False
     for bucket in zero1_buckets(zero):
         names = [view.name_of(p) for p in bucket.params]
-        located = flat_pieces(bucket.shapes, bucket.num_shards, bucket.rank)
         keys = saved.tensor_keys(names[0], masters=True) if names[0] in saved.group_of else []
         entry: dict[str, Any] = {}
         has_master = False
         for key in keys:
             flat = torch.zeros(bucket.master.numel(), dtype=saved.dtype(names[0], key))
-            for piece, name, shape in zip(located, names, bucket.shapes):
-                if f"{name}/{key}" not in saved.reader.index.category("optimizer"):
-                    raise ValueError(
-                        f"checkpoint optimizer state lacks {name}/{key} but has "
-                        f"{names[0]}/{key} (same ZeRO-1 bucket)"
-                    )
-                source = FlatSource(flat, piece.shard_start, piece.param_start, piece.numel, shape)
-                _fill(
-                    saved.reader,
-                    TensorItem(
-                        "optimizer",
-                        f"{name}/{key}",
-                        flat.dtype,
-                        view.specs[name],
-                        source,
-                        dp_replicated=False,
-                    ),
-                )
+            for item in _zero1_items(view, saved, bucket, names, key, flat):
+                _fill(saved.reader, item)
             if key == MASTER_KEY:
                 with torch.no_grad():
                     bucket.master.copy_(flat)
@@ -180,8 +221,7 @@ def _load_zero1(view: OptimizerView, saved: _Saved) -> None:
 def _load_plain(view: OptimizerView, saved: _Saved) -> None:
     inner = view.inner
     assert inner is not None
-    inner_params = [p for g in inner.param_groups for p in g["params"]]
-    names = [view.name_of(view.model_param.get(id(p), p)) for p in inner_params]
+    inner_params, names = _inner_names(view)
     state: dict[int, dict[str, Any]] = {}
     masters: list[torch.Tensor] = []
     for index, (param, name) in enumerate(zip(inner_params, names)):
@@ -190,12 +230,7 @@ def _load_plain(view: OptimizerView, saved: _Saved) -> None:
         for key in saved.tensor_keys(name, masters=True):
             allocate = torch.zeros if padded else torch.empty
             value = allocate(param.shape, dtype=saved.dtype(name, key))
-            _fill(
-                saved.reader,
-                TensorItem(
-                    "optimizer", f"{name}/{key}", value.dtype, view.specs[name], DenseSource(value)
-                ),
-            )
+            _fill(saved.reader, _plain_item(view, name, key, value))
             if key == MASTER_KEY:
                 if id(param) in view.model_param:
                     masters.append(value)
@@ -217,16 +252,28 @@ def _load_plain(view: OptimizerView, saved: _Saved) -> None:
     view.optimizer.load_state_dict(state_dict)
 
 
-def load_optimizer(
-    optimizer: Any,
-    model: Any,
-    reader: CheckpointReader,
-    ctx: RankContext,
-    strict: bool,
-    slot: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
-) -> None:
-    """Load the optimizer state of ``reader``'s tag into ``optimizer`` (after the model);
-    the key check is collective, the reads run under ``slot``."""
+@dataclass
+class OptimizerReads:
+    """An optimizer matched with the tag's state (keys checked): :meth:`boxes` lists the
+    global boxes the load reads, :meth:`fill` loads the state into the optimizer."""
+
+    view: OptimizerView
+    saved: _Saved
+
+    def boxes(self) -> Iterator[tuple[str, str, Box]]:
+        return _boxes(self.view, self.saved)
+
+    def fill(self) -> None:
+        if self.view.kind == "zero1":
+            _load_zero1(self.view, self.saved)
+        else:
+            _load_plain(self.view, self.saved)
+
+
+def optimizer_reads(
+    optimizer: Any, model: Any, reader: CheckpointReader, ctx: RankContext, strict: bool
+) -> OptimizerReads:
+    """Match ``optimizer``'s parameters with the tag's state (the key check is collective)."""
     view = resolve_optimizer(optimizer, model, ctx)
     saved = _Saved(reader)
     if saved.meta.get("by_position") != (model is None):
@@ -238,15 +285,21 @@ def load_optimizer(
     if view.kind == "zero1":
         names = [view.name_of(p) for g in view.optimizer.param_groups for p in g["params"]]
     else:
-        assert view.inner is not None
-        names = [
-            view.name_of(view.model_param.get(id(p), p))
-            for g in view.inner.param_groups
-            for p in g["params"]
-        ]
+        names = _inner_names(view)[1]
     _check(view, saved, names, strict)
+    return OptimizerReads(view, saved)
+
+
+def load_optimizer(
+    optimizer: Any,
+    model: Any,
+    reader: CheckpointReader,
+    ctx: RankContext,
+    strict: bool,
+    slot: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
+) -> None:
+    """Load the optimizer state of ``reader``'s tag into ``optimizer`` (after the model);
+    the key check is collective, the reads run under ``slot``."""
+    reads = optimizer_reads(optimizer, model, reader, ctx, strict)
     with slot():
-        if view.kind == "zero1":
-            _load_zero1(view, saved)
-        else:
-            _load_plain(view, saved)
+        reads.fill()

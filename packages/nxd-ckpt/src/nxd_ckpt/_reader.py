@@ -9,6 +9,7 @@ the rows of each chunk that R needs are read (widened to the chunk's CRC blocks)
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +19,17 @@ from nxd_ckpt._boxes import Box
 from nxd_ckpt._stfile import FileReader, dtype_from_name
 from nxd_ckpt.format import CheckpointIndex, FormatError, TensorRecord, read_index
 
-__all__ = ["CheckpointReader"]
+__all__ = ["CheckpointReader", "DamagedFileError"]
 
 logger = logging.getLogger(__name__)
+
+
+class DamagedFileError(FormatError):
+    """A data file is missing, truncated or fails a checksum; ``file``: its path in the tag."""
+
+    def __init__(self, file: str, message: str) -> None:
+        super().__init__(message)
+        self.file = file
 
 
 class CheckpointReader:
@@ -79,23 +88,43 @@ class CheckpointReader:
             out = torch.empty(box.shape, dtype=dtype_from_name(record.dtype))
         elif tuple(out.shape) != box.shape:
             raise ValueError(f"{name}: out has shape {tuple(out.shape)}, box {box.shape}")
+        for common, data in self._parts(category, name, box):
+            out[common.relative_to(box).slices()].copy_(data)
+            self.bytes_read += data.numel() * data.element_size()
+        return out
+
+    def check_box(self, category: str, name: str, box: Box) -> None:
+        """Read ``T[box]`` as :meth:`read_box` would and check it (sizes, headers, CRCs of
+        the rows it covers, coverage), copying nothing: at most one chunk's rows are held.
+        A damaged file raises :class:`DamagedFileError` naming it."""
+        for _ in self._parts(category, name, box):
+            pass
+
+    def _parts(self, category: str, name: str, box: Box) -> Iterator[tuple[Box, torch.Tensor]]:
+        """``(R ∩ C, data)`` for each stored chunk C that the box R meets; then checks that
+        the intersections cover R."""
+        record = self.record(category, name)
+        if len(box.shape) != len(record.shape) or not Box.whole(record.shape).contains(box):
+            raise ValueError(
+                f"{category} tensor {name!r}: box {box} is outside its shape {record.shape}"
+            )
         covered = 0
         for chunk in record.chunks:
             stored = Box(tuple(chunk.offsets), tuple(chunk.shape))
             common = box.intersect(stored)
             if common is None:
                 continue
-            data = self._file(chunk.file).read(chunk, common.relative_to(stored))
-            target = out[common.relative_to(box).slices()]
-            target.copy_(data)
+            try:
+                data = self._file(chunk.file).read(chunk, common.relative_to(stored))
+            except (FormatError, OSError) as error:
+                raise DamagedFileError(chunk.file, str(error)) from error
+            yield common, data
             covered += common.numel
-            self.bytes_read += data.numel() * data.element_size()
         if covered != box.numel:
             raise FormatError(
                 f"{self.tag_dir}: {category} tensor {name!r} has chunks covering {covered} of "
                 f"the {box.numel} elements of {box}: the checkpoint is incomplete"
             )
-        return out
 
     def read_full(self, category: str, name: str) -> torch.Tensor:
         return self.read_box(category, name, Box.whole(self.record(category, name).shape))

@@ -13,15 +13,18 @@ import logging
 import os
 import secrets
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from nxd_ckpt import _jsonstate, _saver, _tags
+from nxd_ckpt._boxes import Box
 from nxd_ckpt._context import agree, broadcast_int, current_context
-from nxd_ckpt._load_model import load_json, load_model
+from nxd_ckpt._load_model import json_paths, load_json, model_reads, rng_names
 from nxd_ckpt._load_model import load_rng as _load_rng_states
-from nxd_ckpt._optim_load import load_optimizer
+from nxd_ckpt._optim_load import optimizer_reads
 from nxd_ckpt._plan import build_plan
+from nxd_ckpt._preflight import verify_reads
 from nxd_ckpt._reader import CheckpointReader
 from nxd_ckpt._slots import host_slot
 from nxd_ckpt._write import StagingBuffer, file_plan_for
@@ -220,16 +223,45 @@ def load_checkpoint(
     def slot() -> Any:  # reading only: never held across a collective
         return host_slot(num_workers, ctx.local_rank, f"rank {ctx.rank} load")
 
-    if model is not None:
-        load_model(model, reader, ctx, strict, slot)
+    # Match names and shapes (collective), then check every box this rank will read and
+    # agree (collective) before anything is copied: a damaged file leaves the model,
+    # optimizer and scheduler as they were, on every rank (see _preflight).
+    model_part = model_reads(model, reader, ctx, strict) if model is not None else None
+    optim_part = None
     if optimizer is not None:
-        load_optimizer(optimizer, model, reader, ctx, strict, slot)
+        optim_part = optimizer_reads(optimizer, model, reader, ctx, strict)
+    error = None
+    if scheduler is not None and not reader.index.has_scheduler:
+        error = ValueError(f"{tag_dir} holds no scheduler state (saved without scheduler=)")
+    agree(error, "loading the scheduler")
+    rng = rng_names(reader, ctx) if load_rng else []
+
+    def reads() -> Iterator[tuple[str, str, Box]]:
+        if model_part is not None:
+            yield from model_part.boxes()
+        if optim_part is not None:
+            yield from optim_part.boxes()
+        categories = [("rng", rng)]
+        for category, wanted in (("scheduler", scheduler), ("user_content", True)):
+            if wanted is not None and getattr(reader.index, f"has_{category}"):
+                categories.append((category, json_paths(reader, category)))
+        for category, names in categories:
+            for name in names:
+                yield category, name, Box.whole(reader.record(category, name).shape)
+
+    with slot():
+        checked = verify_reads(reader, reads())
+    logger.debug("checked %d boxes of %s on rank %d", checked, tag_dir, ctx.rank)
+    if model_part is not None:
+        with slot():
+            model_part.fill(reader)
+    if optim_part is not None:
+        with slot():
+            optim_part.fill()
     with slot():
         if scheduler is not None:
-            if not reader.index.has_scheduler:
-                raise ValueError(f"{tag_dir} holds no scheduler state (saved without scheduler=)")
             scheduler.load_state_dict(load_json(reader, "scheduler"))
-        if load_rng:
+        if rng:
             _load_rng_states(reader, ctx)
         content = load_json(reader, "user_content") if reader.index.has_user_content else None
     logger.info("loaded %s (%d bytes read on rank %d)", tag_dir, reader.bytes_read, ctx.rank)
