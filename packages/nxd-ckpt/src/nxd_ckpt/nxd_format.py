@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -335,7 +336,15 @@ def load_nxd_checkpoint(
         scheduler.load_state_dict(state)
     content = _pickled(tag_dir, "user_content.pt", allow_pickle) if allow_pickle else None
     if not allow_pickle and (tag_dir / "user_content.pt").exists():
-        logger.warning("%s/user_content.pt not read: it is a pickle (allow_pickle=True)", tag_dir)
+        # A warning, not an error: the weights loaded fine, and an error would push a job
+        # that only wants them to pass allow_pickle=True (running code from the file).
+        message = (
+            f"{tag_dir / 'user_content.pt'} was NOT read: it is a pickle (it may run code "
+            f"when loaded), so load_checkpoint returns None instead of the user content; pass "
+            f"allow_pickle=True only for a checkpoint you trust to read it"
+        )
+        logger.warning(message)
+        warnings.warn(message, UserWarning, stacklevel=3)
     return content
 
 
