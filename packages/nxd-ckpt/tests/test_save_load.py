@@ -8,6 +8,7 @@ optimizer, scheduler, user content and RNG round trips (bitwise), tag selection,
 from __future__ import annotations
 
 import json
+import struct
 import threading
 from pathlib import Path
 
@@ -203,6 +204,39 @@ def test_bit_flip_is_caught_by_the_checksum(tmp_path: Path) -> None:
     path.write_bytes(bytes(data))
     with pytest.raises(FormatError, match="checksum mismatch in tensor"):
         load_checkpoint(tmp_path, "t", model=_model(1))
+
+
+def test_damaged_optimizer_state_leaves_everything_untouched(tmp_path: Path) -> None:
+    """The model is read before the optimizer; a damaged optimizer tensor must still be
+    found before any model parameter, optimizer state or scheduler changes."""
+    model, optimizer, scheduler = _trained()
+    save_checkpoint(
+        tmp_path,
+        "t",
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        user_content={"t": torch.ones(2)},
+    )
+    index = json.loads((tmp_path / "t" / "index.json").read_text())
+    name = next(n for n in sorted(index["tensors"]["optimizer"]) if n.endswith("exp_avg_sq"))
+    chunk = index["tensors"]["optimizer"][name]["chunks"][0]
+    path = tmp_path / "t" / chunk["file"]
+    data = bytearray(path.read_bytes())
+    (length,) = struct.unpack("<Q", bytes(data[:8]))
+    begin = 8 + length + json.loads(bytes(data[8 : 8 + length]))[chunk["key"]]["data_offsets"][0]
+    data[begin] ^= 0x20
+    path.write_bytes(bytes(data))
+    target, target_optimizer, target_scheduler = _fresh()
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    scheduler_before = dict(target_scheduler.state_dict())
+    with pytest.raises(FormatError, match=r"checksum mismatch in tensor"):
+        load_checkpoint(
+            tmp_path, "t", model=target, optimizer=target_optimizer, scheduler=target_scheduler
+        )
+    _assert_same_state(before, target.state_dict())
+    assert not target_optimizer.state  # nothing loaded into the optimizer
+    assert target_scheduler.state_dict() == scheduler_before
 
 
 def test_unknown_format_version_is_refused(tmp_path: Path) -> None:
