@@ -154,8 +154,9 @@ def _kill_chain(
         assert resumed == ([expected_start] if expected_start else []), (resumed, expected_start)
         resumed_steps.append(expected_start)
         if not last:
-            newest = _newest_complete_step(ckpt)
-            assert newest is not None
+            # No complete tag yet (0) is legitimate when the very first save was killed
+            # before its commit: the next job then starts from scratch.
+            newest = _newest_complete_step(ckpt) or 0
             # Killed before the target save committed, or after (its index and done written,
             # or a later save already running: the delay may outlast a quick save).
             assert newest >= target - 1, (newest, target)
@@ -171,10 +172,12 @@ def _kill_chain(
         losses[step] = loss
         assert loss == reference["losses"][step], (step, loss, reference["losses"][step])
     assert final["params"] == reference["params"]  # bitwise (SHA-256 of every parameter)
-    # Most kills must land inside a save (async: while its writer runs); on a loaded machine
-    # some land just after it.
-    inside = phases.get("in async writer" if async_save else "in save", 0)
+    # Most kills must land inside a save or its background writer (timing on a loaded machine
+    # moves some just after it); async chains must hit the writer at least once.
+    inside = phases.get("in save", 0) + phases.get("in async writer", 0)
     assert inside >= kills / 2, phases
+    if async_save:  # the point of the async chain: the background writer was hit
+        assert phases.get("in async writer", 0) >= 1, phases
     return {"landed": landed, "phases": phases, "resumed": resumed_steps, "window_s": window}
 
 
