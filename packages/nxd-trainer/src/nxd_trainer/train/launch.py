@@ -22,6 +22,7 @@ from nxd_trainer.train.config import TrainConfig
 __all__ = ["launch", "torchrun_args", "under_torchrun"]
 
 EXIT_INTERRUPTED = 130
+EXIT_BAD_INPUT = 2
 
 
 def under_torchrun() -> bool:
@@ -76,6 +77,8 @@ def launch(cfg: TrainConfig, argv: list[str]) -> int:
         codes = sorted({f.exitcode for f in error.failures.values()})
         if codes == [EXIT_INTERRUPTED]:
             return EXIT_INTERRUPTED
+        if EXIT_BAD_INPUT in codes:  # a worker found bad input and said so in one line
+            return EXIT_BAD_INPUT
         ranks = sorted(error.failures)
         print(
             f"nxd-train: worker rank(s) {ranks} exited with status {codes} (their messages are "
