@@ -215,3 +215,15 @@ def test_rerun_of_a_finished_run_trains_nothing(runs: Path, default_run: tuple[P
     assert "the run is already at step 6 (--steps 6): nothing to train" in done.stderr
     assert (runs / "again" / "metrics.jsonl").read_text() == before
     assert "nxd-train: 6 steps, 768 tokens" in done.stderr
+
+
+@pytest.mark.slow
+def test_resume_with_other_frozen_settings_is_refused(
+    runs: Path, default_run: tuple[Path, str]
+) -> None:
+    shutil.copytree(default_run[0], runs / "changed")
+    args = [*R.TINY, *STEPS, "--runs-dir", str(runs), "--name", "changed", "--batch-size", "2"]
+    done = R.nxd_train(args, runs, check=False)
+    assert done.returncode == 2
+    assert "holds a checkpoint of another setup (batch_size: 4 -> 2)" in done.stderr
+    assert "Traceback" not in done.stderr
