@@ -68,6 +68,17 @@ def _config_cases() -> dict[str, tuple[dict[str, Any], type, str]]:
             TypeError,
             "'tensor_parallel' (did you mean 'tensor_parallel_size'?)",
         ),
+        "context parallelism": (
+            {"context_parallel_size": 2},
+            NotImplementedError,
+            "context_parallel_size=2",
+        ),
+        "two move factors": (
+            {"sequential_move_factor": 4, "model_init_config": {"sequential_move_factor": 8}},
+            ValueError,
+            "sequential_move_factor=4 contradicts model_init_config['sequential_move_factor']=8",
+        ),
+        "bad lnc_size": ({"lnc_size": 0}, ValueError, "'lnc_size'] must be a positive integer"),
     }
 
 

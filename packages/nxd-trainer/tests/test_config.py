@@ -17,6 +17,7 @@ from nxd_trainer import (
     OptimizerConfig,
     PipelineConfig,
 )
+from nxd_trainer.config import _with_move_factor
 from nxd_trainer.testing import Block, CoreAttention
 
 
@@ -221,3 +222,47 @@ def test_degrees_must_divide_the_world() -> None:
     with pytest.raises(ValueError, match=re.escape("= 3 does not divide world_size(8)")):
         config.check_world(8)
     assert config.check_world(6).data_parallel_size == 2
+
+
+def test_nxds_newer_keywords() -> None:
+    """context_parallel_size / lnc_size are kept in NxD's dict; sequential_move_factor fills
+    model_init_config as NxD does (the section's own value wins when the keyword is left at
+    its default)."""
+    d = NxDConfig(context_parallel_size=1, lnc_size=2).to_nxd()
+    assert (d["context_parallel_size"], d["lnc_size"]) == (1, 2)
+    assert NxDConfig.from_nxd(d).lnc_size == 2
+    with pytest.raises(NotImplementedError, match=r"context_parallel_size=4"):
+        NxDConfig(context_parallel_size=4)
+    fill = _with_move_factor(None, 3)
+    assert ModelInitConfig.from_nxd(fill).sequential_move_factor == 3
+    assert _with_move_factor({"meta_device_init": False}, 5)["sequential_move_factor"] == 5
+    assert _with_move_factor({"sequential_move_factor": 2}, 11) == {"sequential_move_factor": 2}
+    same = ModelInitConfig(sequential_move_factor=6)
+    assert _with_move_factor(same, 6) is same
+    with pytest.raises(ValueError, match=r"sequential_move_factor=6 contradicts"):
+        _with_move_factor(ModelInitConfig(sequential_move_factor=2), 6)
+
+
+def test_config_without_a_launcher_creates_no_process_group(monkeypatch) -> None:
+    """NxD builds no groups when torch.distributed is not initialised (a Lightning script
+    makes its config before the Trainer starts the processes); nor does nxd without a
+    launcher. initialize_parallel_model builds them later."""
+    import nxd_state
+    from nxd_trainer import initialize_parallel_model, neuronx_distributed_config
+
+    assert not torch.distributed.is_initialized()
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    config = neuronx_distributed_config(tensor_parallel_size=1, sequential_move_factor=2)
+    assert not torch.distributed.is_initialized()
+    assert not nxd_state.model_parallel_is_initialized()
+    assert config["model_init_config"]["sequential_move_factor"] == 2
+    try:
+        model = initialize_parallel_model(config, lambda: torch.nn.Linear(2, 2))
+        assert torch.distributed.get_world_size() == 1
+        assert nxd_state.get_parallel_state().data_parallel_size == 1
+        assert isinstance(model.module, torch.nn.Linear)
+    finally:
+        nxd_state.destroy_model_parallel()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

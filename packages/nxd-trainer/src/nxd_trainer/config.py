@@ -11,6 +11,7 @@ contradiction fails on every rank, before any collective, naming the key.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 import nxd_state
+from nxd_state.layout import check_unsupported_degree
 from nxd_trainer._checks import check_bool, check_positive_int, closest, reject_unknown_keys
 from nxd_trainer.sections import (
     MixedPrecisionConfig,
@@ -37,6 +39,7 @@ NXD_KEYS = (
     "tensor_parallel_size",
     "pipeline_parallel_size",
     "expert_parallel_size",
+    "context_parallel_size",
     "pipeline_config",
     "optimizer_config",
     "activation_checkpoint_config",
@@ -45,6 +48,7 @@ NXD_KEYS = (
     "model_init_config",
     "lora_config",
     "mixed_precision_config",
+    "lnc_size",
     "parallelize_hf_models",
 )
 
@@ -81,6 +85,10 @@ class NxDConfig:
     expert_parallel_size: int = 1
     """Newer NxD's expert parallelism: accepted for compatibility, only 1 is supported."""
 
+    context_parallel_size: int = 1
+    """Newer NxD's context parallelism: accepted for compatibility, only 1 is supported (a
+    larger value raises :class:`NotImplementedError` naming it, on every rank)."""
+
     pipeline_config: PipelineConfig | None = None
     """:class:`~nxd_trainer.PipelineConfig` (NxDPPModel's arguments); used when PP > 1 (and its
     ``transformer_layer_cls`` by ``"full"`` activation checkpointing at any PP)."""
@@ -112,6 +120,11 @@ class NxDConfig:
     mixed_precision_config: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
     """:class:`~nxd_trainer.MixedPrecisionConfig`, resolved against ZeRO-1 on creation."""
 
+    lnc_size: int = 1
+    """NxD's logical NeuronCores per rank (trn2): a positive int, passed to
+    ``nxd_state.initialize_model_parallel``, where it has no effect (nxd's group order is always
+    row-major ``[PP, DP, TP]``; it matters only to Neuron's runtime on Trainium)."""
+
     parallelize_hf_models: bool = True
     """nxd: at ``tensor_parallel_size > 1``, a Hugging Face model of a supported family that
     ``model_fn`` returns unparallelised is parallelised by :mod:`nxd_trainer.hf` (TP, SP with
@@ -130,6 +143,8 @@ class NxDConfig:
                 f"expert_parallel_size={self.expert_parallel_size!r}: nxd has no expert "
                 f"parallelism; only 1 is supported"
             )
+        check_unsupported_degree("context_parallel_size", self.context_parallel_size)
+        check_positive_int("config", "lnc_size", self.lnc_size)
         if not (isinstance(self.pad_model, bool) or self.pad_model == "head_aligned"):
             raise ValueError(
                 f"pad_model must be True, False or 'head_aligned', got {self.pad_model!r}"
@@ -267,6 +282,34 @@ class NxDConfig:
         return cls(**dict(config))
 
 
+def _with_move_factor(model_init_config: Any, sequential_move_factor: int) -> Any:
+    """``model_init_config`` with NxD's top-level ``sequential_move_factor`` filled in.
+
+    As in NxD the section's own value wins and the keyword fills it when the section lacks it;
+    a keyword other than the default 11 that differs from the section's value is an error.
+    """
+    if model_init_config is None:
+        return {"sequential_move_factor": sequential_move_factor}
+    if isinstance(model_init_config, ModelInitConfig):
+        own: Any = model_init_config.sequential_move_factor
+    elif isinstance(model_init_config, Mapping):
+        if "sequential_move_factor" not in model_init_config:
+            return {**model_init_config, "sequential_move_factor": sequential_move_factor}
+        own = model_init_config["sequential_move_factor"]
+    else:
+        return model_init_config  # ModelInitConfig.from_nxd names the bad type
+    if sequential_move_factor != _DEFAULT_MOVE_FACTOR and own != sequential_move_factor:
+        raise ValueError(
+            f"sequential_move_factor={sequential_move_factor!r} contradicts "
+            f"model_init_config['sequential_move_factor']={own!r}: set one of them (or the "
+            f"same value in both)"
+        )
+    return model_init_config
+
+
+_DEFAULT_MOVE_FACTOR = 11
+
+
 def neuronx_distributed_config(
     tensor_parallel_size: int = 1,
     pipeline_parallel_size: int = 1,
@@ -280,6 +323,9 @@ def neuronx_distributed_config(
     mixed_precision_config: dict[str, Any] | None = None,
     *,
     expert_parallel_size: int = 1,
+    context_parallel_size: int = 1,
+    sequential_move_factor: int = _DEFAULT_MOVE_FACTOR,
+    lnc_size: int = 1,
     parallelize_hf_models: bool = True,
     **unknown: Any,
 ) -> dict[str, Any]:
@@ -289,30 +335,56 @@ def neuronx_distributed_config(
     ``optimizer_config`` = ``{"zero_one_enabled": False, "grad_clipping": True,
     "max_grad_norm": 1.0}``, ``model_init_config`` = ``{"sequential_move_factor": 11,
     "meta_device_init": False, "param_init_fn": None}``, master weights and fp32 gradient
-    accumulation on exactly with ZeRO-1. Without a process group one is created
-    (``nxd_state.init_distributed``: ``env://`` under torchrun, else a world of one).
-    nxd's keywords: ``expert_parallel_size`` (1 only) and ``parallelize_hf_models`` (see
-    :attr:`NxDConfig.parallelize_hf_models`).
+    accumulation on exactly with ZeRO-1.
+
+    Process groups: with a process group the TP/PP/DP groups are built now (the degrees must
+    fit the world). Without one, under a launcher (torchrun: ``RANK`` and ``WORLD_SIZE`` set)
+    the group is created from ``env://`` first; with no launcher (a plain ``python`` run, or a
+    Lightning script before its ``Trainer`` starts the processes) nothing is created, as in NxD:
+    ``initialize_parallel_model`` (or the Lightning strategy) builds the groups later.
+
+    NxD's newer keywords: ``context_parallel_size`` (1 only; more raises
+    :class:`NotImplementedError`), ``sequential_move_factor`` (fills
+    ``model_init_config['sequential_move_factor']`` when the section lacks it; a different
+    non-default value in both is an error) and ``lnc_size`` (validated; no effect off
+    Trainium). nxd's keywords: ``expert_parallel_size`` (1 only) and ``parallelize_hf_models``
+    (see :attr:`NxDConfig.parallelize_hf_models`).
     """
     if unknown:
         reject_unknown_keys("neuronx_distributed_config argument", unknown, NXD_KEYS, TypeError)
+    check_positive_int(
+        "neuronx_distributed_config", "sequential_move_factor", sequential_move_factor
+    )
     config = NxDConfig(
         tensor_parallel_size=tensor_parallel_size,
         pipeline_parallel_size=pipeline_parallel_size,
         expert_parallel_size=expert_parallel_size,
+        context_parallel_size=context_parallel_size,
         pipeline_config=pipeline_config,
         optimizer_config=optimizer_config,
         activation_checkpoint_config=activation_checkpoint_config,
         pad_model=pad_model,
         sequence_parallel=sequence_parallel,
-        model_init_config=model_init_config,
+        model_init_config=_with_move_factor(model_init_config, sequential_move_factor),
         lora_config=lora_config,
         mixed_precision_config=mixed_precision_config,
+        lnc_size=lnc_size,
         parallelize_hf_models=parallelize_hf_models,
     )
-    initialize_model_parallel(config)
+    if torch.distributed.is_initialized() or _launched():
+        initialize_model_parallel(config)
+    else:
+        logger.info(
+            "no process group and no launcher (RANK/WORLD_SIZE unset): the parallel groups "
+            "are built by initialize_parallel_model"
+        )
     logger.info("NxD config: %s", config)
     return config.to_nxd()
+
+
+def _launched() -> bool:
+    """Whether a launcher that gives each process its rank (torchrun) started this one."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def initialize_model_parallel(config: NxDConfig) -> nxd_state.ParallelState:
@@ -326,4 +398,6 @@ def initialize_model_parallel(config: NxDConfig) -> nxd_state.ParallelState:
     return nxd_state.initialize_model_parallel(
         tensor_model_parallel_size=config.tensor_parallel_size,
         pipeline_model_parallel_size=config.pipeline_parallel_size,
+        lnc_size=config.lnc_size,
+        context_parallel_size=config.context_parallel_size,
     )
