@@ -7,6 +7,8 @@
   byte ranges it needs. No pickle: loading never executes code. ``done`` marks a complete tag;
   a crash at any moment of a save never damages an earlier one. ``async_save`` writes in the
   background from a host copy.
+* :func:`read_user_content`: a tag's user content alone, in any one process (no collective,
+  no RNG restore, nothing else read).
 * :func:`export_hf` / :func:`load_hf_checkpoint`: Hugging Face folders out and in.
 * :func:`load_nxd_checkpoint` / :func:`convert_nxd_checkpoint`: NxD's own pickled layout,
   read with ``torch.load(weights_only=True)`` only.
@@ -26,6 +28,7 @@ from nxd_ckpt.checkpoint import (
 from nxd_ckpt.format import FORMAT_VERSION, CheckpointIndex, FormatError, read_index
 from nxd_ckpt.hf import export_hf, load_hf_checkpoint
 from nxd_ckpt.nxd_format import convert_nxd_checkpoint, is_nxd_checkpoint, load_nxd_checkpoint
+from nxd_ckpt.user_content import read_user_content
 
 __version__ = _version("nxd-ckpt")
 
@@ -43,5 +46,6 @@ __all__ = [
     "load_hf_checkpoint",
     "load_nxd_checkpoint",
     "read_index",
+    "read_user_content",
     "save_checkpoint",
 ]
