@@ -145,17 +145,7 @@ SIGNATURES: dict[str, tuple[Callable[..., Any], int]] = {
 # (target, NxD parameter) pairs nxd does not accept yet, each a strict xfail with its reason.
 _PP = f"{_NXD}.pipeline.model:NxDPPModel.__init__"
 _CONFIG = f"{_NXD}:neuronx_distributed_config"
-KNOWN_MISSING: dict[tuple[str, str], str] = {
-    **{(_CONFIG, n): f"neuronx_distributed_config rejects NxD's {n} (TypeError)"
-       for n in ("context_parallel_size", "sequential_move_factor", "lnc_size")},
-    (f"{_NXD}:save_checkpoint", "checkpoint_dir_str"): "save_checkpoint names its first "
-    "parameter path; NxD's is checkpoint_dir_str (keyword calls fail)",
-    (f"{_NXD}:has_checkpoint", "checkpoint_dir_str"): "has_checkpoint names its parameter path; "
-    "NxD's is checkpoint_dir_str",
-    (f"{_NXD}:save_checkpoint", "use_zero1_dcp"): "save_checkpoint has no use_zero1_dcp (NxD: "
-    "ZeRO-1 optimizer state through torch Distributed Checkpoint)",
-    (f"{_NXD}:load_checkpoint", "use_zero1_dcp"): "load_checkpoint has no use_zero1_dcp",
-}  # fmt: skip
+KNOWN_MISSING: dict[tuple[str, str], str] = {}
 
 # NxD's LoraConfig fields and defaults (a dataclass in NxD too).
 LORA_CONFIG_FIELDS = {

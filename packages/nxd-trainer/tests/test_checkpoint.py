@@ -105,9 +105,10 @@ def sample(
     scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.25, total_iters=STEPS)
 
     total_steps = 0
-    if ckpt is not None and nxd.has_checkpoint(ckpt):  # auto-resume
+    # NxD's keyword names; use_zero1_dcp=True with ZeRO-1 (accepted: nxd's own format is used)
+    if ckpt is not None and nxd.has_checkpoint(checkpoint_dir_str=ckpt):  # auto-resume
         user_content = nxd.load_checkpoint(
-            ckpt, model=model, optimizer=optimizer, scheduler=scheduler
+            ckpt, model=model, optimizer=optimizer, scheduler=scheduler, use_zero1_dcp=zero1
         )
         total_steps = user_content["total_steps"]
 
@@ -126,9 +127,10 @@ def sample(
         losses[total_steps], norms[total_steps] = float(loss), float(optimizer.grad_norm)
         if ckpt is not None:
             nxd.save_checkpoint(
-                ckpt,
-                f"step_{total_steps}",
+                checkpoint_dir_str=ckpt,
+                tag=f"step_{total_steps}",
                 nxd_config=nxd_config,
+                use_zero1_dcp=zero1,
                 model=model,
                 optimizer=optimizer,
                 scheduler=scheduler,

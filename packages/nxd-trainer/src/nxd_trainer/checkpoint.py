@@ -85,8 +85,26 @@ def _check_config(nxd_config: Any, optimizer: Any, zero1_optimizer: bool) -> boo
     return zero1 or config.optimizer_config.zero_one_enabled
 
 
+def _note_zero1_dcp(use_zero1_dcp: bool) -> None:
+    """``use_zero1_dcp=True`` (NxD: ZeRO-1 optimizer state through torch Distributed
+    Checkpoint) changes nothing: nxd's format already stores ZeRO-1 state by parameter name and
+    reshards it on load. Said once per process."""
+    global _ZERO1_DCP_NOTED
+    if not isinstance(use_zero1_dcp, bool):
+        raise TypeError(f"use_zero1_dcp must be a bool, got {use_zero1_dcp!r}")
+    if use_zero1_dcp and not _ZERO1_DCP_NOTED:
+        _ZERO1_DCP_NOTED = True
+        logger.info(
+            "use_zero1_dcp=True: nxd's checkpoint format is used for the ZeRO-1 optimizer "
+            "state (it is resharded on load, as torch DCP would)"
+        )
+
+
+_ZERO1_DCP_NOTED = False
+
+
 def save_checkpoint(
-    path: str | os.PathLike[str],
+    checkpoint_dir_str: str | os.PathLike[str],
     tag: str = "",
     model: Any = None,
     optimizer: Any = None,
@@ -97,30 +115,33 @@ def save_checkpoint(
     num_kept_ckpts: int | None = None,
     async_save: bool = False,
     zero1_optimizer: bool = False,
+    use_zero1_dcp: bool = False,
     *,
     nxd_config: dict[str, Any] | NxDConfig | None = None,
 ) -> None:
-    """NxD's ``save_checkpoint``: write tag ``tag`` under ``path`` (collective: every rank calls
-    it with the same arguments). Returns None.
+    """NxD's ``save_checkpoint``: write tag ``tag`` under ``checkpoint_dir_str`` (collective:
+    every rank calls it with the same arguments). Returns None.
 
     Saves ``model`` (an :class:`~nxd_trainer.NxDModel` or a plain module; a LoRA model as its
     config's save mode says: adapter, base + adapter, or merged), ``optimizer`` (by parameter
     name: ZeRO-1 shards and kept fp32 masters included), ``scheduler``, ``user_content``
     (dicts, lists, numbers, strings, tensors; no pickle) and every RNG state of every rank.
-    ``tag=""`` writes into ``path`` itself. ``num_kept_ckpts`` keeps the newest N complete
-    tags; ``async_save`` copies the state to host memory and writes it in the background (the
-    next save, :func:`load_checkpoint`, :func:`finalize_checkpoint` and interpreter exit wait
-    for it). ``num_workers``: ranks of a host writing at once (1-32). ``use_xser`` is accepted
-    (the format always writes tensor by tensor). ``nxd_config`` (the reference's sample passes
-    it) is checked against the optimizer; ``zero1_optimizer`` is accepted as in NxD (ZeRO-1 is
-    read from the optimizer).
+    ``tag=""`` writes into ``checkpoint_dir_str`` itself. ``num_kept_ckpts`` keeps the newest N
+    complete tags; ``async_save`` copies the state to host memory and writes it in the
+    background (the next save, :func:`load_checkpoint`, :func:`finalize_checkpoint` and
+    interpreter exit wait for it). ``num_workers``: ranks of a host writing at once (1-32).
+    ``use_xser`` is accepted (the format always writes tensor by tensor). ``nxd_config`` (the
+    reference's sample passes it) is checked against the optimizer; ``zero1_optimizer`` is
+    accepted as in NxD (ZeRO-1 is read from the optimizer). ``use_zero1_dcp`` is accepted and
+    changes nothing (see :func:`load_checkpoint`).
     """
     import nxd_ckpt
 
     _check_types(model, optimizer, scheduler)
+    _note_zero1_dcp(use_zero1_dcp)
     zero1 = _check_config(nxd_config, optimizer, zero1_optimizer)
     nxd_ckpt.save_checkpoint(
-        path,
+        checkpoint_dir_str,
         tag,
         model=_model(model),
         optimizer=optimizer,
@@ -142,6 +163,7 @@ def load_checkpoint(
     scheduler: Any = None,
     num_workers: int = 8,
     strict: bool = True,
+    use_zero1_dcp: bool = False,
 ) -> Any:
     """NxD's ``load_checkpoint``: load tag ``tag`` (None: the newest complete one) into
     ``model``, ``optimizer`` and ``scheduler``, restore the RNG states (when the layout is
@@ -151,10 +173,14 @@ def load_checkpoint(
     other TP/PP/DP degrees or ZeRO-1 setting is resharded on load. ``strict``: names missing
     from the checkpoint, or in it but in no rank's model, are an error (listed). A folder with
     no complete tag is an error naming it (see :func:`has_checkpoint` to test first).
+    ``use_zero1_dcp`` (NxD: ZeRO-1 optimizer state through torch Distributed Checkpoint) is
+    accepted and changes nothing: nxd's format stores that state by parameter name and
+    reshards it on load in either case (True is logged once).
     """
     import nxd_ckpt
 
     _check_types(model, optimizer, scheduler)
+    _note_zero1_dcp(use_zero1_dcp)
     return nxd_ckpt.load_checkpoint(
         path,
         tag,
@@ -166,11 +192,12 @@ def load_checkpoint(
     )
 
 
-def has_checkpoint(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` holds a complete checkpoint tag (what ``load_checkpoint(path)`` loads)."""
+def has_checkpoint(checkpoint_dir_str: str | os.PathLike[str]) -> bool:
+    """Whether ``checkpoint_dir_str`` holds a complete checkpoint tag (what
+    ``load_checkpoint(checkpoint_dir_str)`` loads)."""
     import nxd_ckpt
 
-    return nxd_ckpt.has_checkpoint(path)
+    return nxd_ckpt.has_checkpoint(checkpoint_dir_str)
 
 
 def finalize_checkpoint() -> None:
