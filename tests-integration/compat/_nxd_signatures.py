@@ -9,8 +9,6 @@ and to how many leading parameters must sit in NxD's positions: those NxD's code
 reference agree on (and NxD's examples pass positionally). Past that point the two disagree
 (e.g. ``ColumnParallelLinear``: the reference puts ``sequence_parallel_enabled`` fifth, the
 source ``dtype``) and nxd follows the reference, so only names and defaults are compared.
-
-``KNOWN_MISSING`` lists the NxD parameters nxd does not accept yet (gaps, strict xfails).
 """
 
 from __future__ import annotations
@@ -141,11 +139,6 @@ SIGNATURES: dict[str, tuple[Callable[..., Any], int]] = {
     f"{_NXD}:initialize_parallel_model": (initialize_parallel_model, 2),
     f"{_NXD}:initialize_parallel_optimizer": (initialize_parallel_optimizer, 3),
 }
-
-# (target, NxD parameter) pairs nxd does not accept yet, each a strict xfail with its reason.
-_PP = f"{_NXD}.pipeline.model:NxDPPModel.__init__"
-_CONFIG = f"{_NXD}:neuronx_distributed_config"
-KNOWN_MISSING: dict[tuple[str, str], str] = {}
 
 # NxD's LoraConfig fields and defaults (a dataclass in NxD too).
 LORA_CONFIG_FIELDS = {

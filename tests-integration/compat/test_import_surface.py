@@ -2,9 +2,9 @@
 NxD's parameter names and defaults (``_nxd_signatures.py``). No process group is needed here:
 what the names do is exercised by the other files of this folder.
 
-Gaps (NxD parameters nxd lacks, ``_nxd_signatures.KNOWN_MISSING``) are strict xfails with the
-NxD path and semantics in the reason: each fails the suite the day it is closed, so the list
-stays true.
+Every NxD parameter listed in ``_nxd_signatures.py`` is accepted (the last gaps, NxDPPModel's
+debug arguments and the trainer's CP/LNC/checkpoint keywords, closed), so a parameter NxD
+adds and nxd lacks fails here.
 """
 
 from __future__ import annotations
@@ -231,15 +231,9 @@ def test_nxd_parameter_names_defaults_and_order(target: str) -> None:
     signature = inspect.signature(resolve(target))
     params = [p for p in signature.parameters.values() if p.name != "self"]
     accepted = _accepted(target, signature)
-    missing = [
-        p.name
-        for p in nxd_params
-        if p.name not in accepted and (target, p.name) not in SIG.KNOWN_MISSING
-    ]
+    missing = [p.name for p in nxd_params if p.name not in accepted]
     assert not missing, f"NxD parameters {missing} are not accepted"
     for i, theirs in enumerate(nxd_params[:positional]):
-        if (target, theirs.name) in SIG.KNOWN_MISSING:
-            continue  # another name in NxD's place: pinned below
         assert params[i].name == theirs.name, f"position {i}: {params[i].name}, NxD's {theirs}"
         assert params[i].kind is params[i].POSITIONAL_OR_KEYWORD, theirs.name
     for theirs in nxd_params:
@@ -247,21 +241,6 @@ def test_nxd_parameter_names_defaults_and_order(target: str) -> None:
             continue  # accepted through **kwargs; no NxD default; see _nxd_signatures
         mine = signature.parameters[theirs.name].default
         assert mine == theirs.default, f"{theirs.name}: default {mine!r}, NxD's {theirs.default!r}"
-
-
-@pytest.mark.parametrize(
-    ("target", "name"),
-    [
-        pytest.param(
-            t,
-            n,
-            marks=pytest.mark.xfail(strict=True, reason=f"gap: {reason}", raises=AssertionError),
-        )
-        for (t, n), reason in sorted(SIG.KNOWN_MISSING.items())
-    ],
-)
-def test_known_missing_nxd_parameter(target: str, name: str) -> None:
-    assert name in _accepted(target, inspect.signature(resolve(target)))
 
 
 def test_lora_config_has_nxds_fields_and_defaults() -> None:
