@@ -14,6 +14,7 @@ import torch
 from lightning.pytorch import Trainer
 
 from nxd_lightning import NeuronLTModule, NeuronTQDMProgressBar, NxDStrategy
+from nxd_trainer import neuronx_distributed_config
 
 spec = importlib.util.spec_from_file_location("_recipe", Path(__file__).with_name("_recipe.py"))
 assert spec is not None
@@ -25,8 +26,13 @@ STEPS = 3
 
 
 def main(out: Path) -> None:
-    # NxDConfig builds no process group: the config can be made before Lightning launches.
-    config = R.config("hf_llama", 2, 1)
+    # NxD's flow: the config first, in the process Lightning then launches from. It builds no
+    # process group here (no launcher set RANK), so the strategy makes the Trainer's own.
+    config = neuronx_distributed_config(
+        tensor_parallel_size=2,
+        optimizer_config={"grad_clipping": True, "max_grad_norm": R.MAX_GRAD_NORM},
+    )
+    assert not torch.distributed.is_initialized()
     module = NeuronLTModule(R.hf_llama, config, torch.optim.AdamW, None, opt_kwargs=R.ADAMW)
     recorder = R.LossRecorder()
     trainer = Trainer(

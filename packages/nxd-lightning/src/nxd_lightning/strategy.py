@@ -249,9 +249,9 @@ class NxDStrategy(ParallelStrategy):
                     f"a process group exists with world size {dist.get_world_size()} (this is "
                     f"rank {dist.get_rank()}), but the Trainer runs {self.world_size} processes "
                     f"and this one is rank {self.global_rank}. A group made before Lightning "
-                    f"starts its processes (neuronx_distributed_config creates one when "
-                    f"called) cannot be used: build the config with nxd_trainer.NxDConfig(...) "
-                    f"under Lightning's launcher, or launch with torchrun"
+                    f"starts its processes cannot be used: let the strategy create it (build "
+                    f"the config with neuronx_distributed_config or NxDConfig, which create "
+                    f"none outside a launcher), or launch with torchrun"
                 )
         else:
             self._init_process_group()
