@@ -312,14 +312,6 @@ def test_sigkill_nxd_train_tp2_during_saves(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="nxd-trainer bug: a rerun of a finished run (here after a kill that landed just "
-    "after the final tag's `done`) trains no step and rewrites summary.json with "
-    '"loss": NaN (train/loop.py run_worker writes final_loss, still NaN when no step ran; '
-    "only the printed line falls back to metrics.jsonl)",
-)
 def test_sigkill_after_the_final_tag_committed(tmp_path: Path) -> None:
     """A lost node right after the last save's commit: the rerun changes nothing."""
     steps = 4

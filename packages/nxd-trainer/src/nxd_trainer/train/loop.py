@@ -259,7 +259,8 @@ def run_worker(cfg: TrainConfig) -> int:
             "step": step,
             "tokens": tokens,
             "tokens_per_s": session_tokens / session_time if session_time else 0.0,
-            "loss": final_loss,
+            # No step this session (a rerun of a finished run): the last logged loss.
+            "loss": final_loss if final_loss == final_loss else _last_logged_loss(run),
             "checkpoint": str(ckpt_dir / tag_name(step)),
         }
         _write_summary(run, summary, interrupted)
@@ -295,12 +296,10 @@ def _finish(cfg: TrainConfig, summary: dict[str, Any]) -> None:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if r["kind"] == "eval"]
     val = evals[-1] if evals else None
-    trained = [r for r in rows if r["kind"] == "train"]
-    if summary["loss"] != summary["loss"] and trained:  # NaN: no step this session
-        summary = summary | {"loss": trained[-1]["loss"]}
+    loss = "n/a" if summary["loss"] is None else f"{summary['loss']:.4f}"
     print(
         f"nxd-train: {summary['step']} steps, {summary['tokens']:,} tokens, "
-        f"{summary['tokens_per_s']:,.0f} tokens/s; loss {summary['loss']:.4f}"
+        f"{summary['tokens_per_s']:,.0f} tokens/s; loss {loss}"
         + (
             f", validation loss {val['val_loss']:.4f} (perplexity {val['val_perplexity']:.2f})"
             if val
@@ -324,6 +323,18 @@ def _save_merged(cfg: TrainConfig, model: Any) -> None:
         nxd_ckpt.save_checkpoint(cfg.run_dir / "export_checkpoint", "", model=lora_model)
     finally:
         lora_config.save_lora_base, lora_config.merge_lora = saved
+
+
+def _last_logged_loss(run: Path) -> float | None:
+    """The loss of the last train row of ``metrics.jsonl`` (None when there is none)."""
+    import json
+
+    path = run / "metrics.jsonl"
+    if not path.exists():
+        return None
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    trained = [r for r in rows if r.get("kind") == "train"]
+    return trained[-1]["loss"] if trained else None
 
 
 def _write_summary(run: Path, summary: dict[str, Any], interrupted: bool) -> None:
