@@ -156,10 +156,18 @@ def lowest(session: nox.Session, package: str) -> None:
     """
     dist = _build_wheels(session)
     third_party = [r for r in _requirements(package) if r not in PACKAGES]
+    # Only the siblings are reinstalled and refreshed (every build is 0.1.0): a bare
+    # `--reinstall` implies `--refresh`, which re-downloads torch and its CUDA wheels (~3 GB)
+    # into a new cache entry for every session.
+    siblings = [
+        arg
+        for name in _upstream(package)
+        for arg in ("--refresh-package", name, "--reinstall-package", name)
+    ]
     session.install(
         "--resolution",
         "lowest-direct",
-        "--reinstall",
+        *siblings,
         *(_wheel(dist, name) for name in _upstream(package)),
         *third_party,
         *_test_group(package),
