@@ -90,10 +90,29 @@ def train_pipelined(families: list[str]) -> dict[str, Any]:
     return out
 
 
+def _transformers_before(version: str) -> bool:
+    import transformers
+    from packaging.version import Version
+
+    return Version(transformers.__version__) < Version(version)
+
+
+# Known gap at the floor (transformers 5.4, the lowest session): the torch.export capture of the
+# parallelized model lifts a tensor constant made on the meta device into the stage, which has
+# no data to materialise ("Cannot copy out of meta tensor"). Passes from 5.23 (the lock); the
+# exact first good version is not bisected yet. Not strict: it is expected to fail only there.
+_META_CONSTANT_GAP = pytest.mark.xfail(
+    condition=_transformers_before("5.23"),
+    reason="transformers < 5.23: torch.export lifts a meta-device tensor constant into a stage",
+    raises=NotImplementedError,
+    strict=False,
+)
+
+
 @pytest.mark.parametrize(
     "families",
     [
-        pytest.param(["llama", "qwen2"], id="llama-qwen2"),
+        pytest.param(["llama", "qwen2"], id="llama-qwen2", marks=_META_CONSTANT_GAP),
         pytest.param(["mistral", "qwen3"], id="mistral-qwen3", marks=pytest.mark.slow),
     ],
 )

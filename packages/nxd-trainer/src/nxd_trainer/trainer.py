@@ -286,8 +286,19 @@ def initialize_parallel_model(
             _check_pipeline_reachable(local.stages.values(), done)
         else:
             apply_activation_checkpointing(local.named_modules(), classes)
+        _disable_kv_cache(original)
     del original  # at PP > 1 only the local stages stay referenced
     return NxDModel(local, config, info)
+
+
+def _disable_kv_cache(model: Any) -> None:
+    """A Hugging Face model's KV cache off under activation checkpointing, as Hugging Face's
+    own gradient checkpointing does: a recomputed layer would append its keys and values to
+    the cache a second time (older transformers default ``use_cache`` to True in training)."""
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False):
+        logger.info("activation checkpointing: setting the model's config.use_cache = False")
+        config.use_cache = False
 
 
 # The optimizer ------------------------------------------------------------------------------
