@@ -351,6 +351,7 @@ def recv(tensor: torch.Tensor, src: int, group: Group = None) -> torch.Tensor:
     return tensor
 
 
+@checked("isend", 2)  # posting can fail too (a peer already gone), not only wait()
 def isend(tensor: torch.Tensor, dst: int, group: Group = None) -> CheckedWork:
     """Start sending contiguous ``tensor`` to global rank ``dst``; ``wait()`` the returned work
     before modifying or freeing it.
@@ -367,6 +368,7 @@ def isend(tensor: torch.Tensor, dst: int, group: Group = None) -> CheckedWork:
     return CheckedWork(work, "isend", group)
 
 
+@checked("irecv", 2)
 def irecv(tensor: torch.Tensor, src: int, group: Group = None) -> CheckedWork:
     """Start receiving from global rank ``src`` into ``tensor``; valid after ``wait()``.
 
