@@ -38,6 +38,23 @@ def _build_family(
     return mine
 
 
+def _release(group: ProcessGroup) -> None:
+    """Let go of a group nxd made: destroy it, unless it is gloo's.
+
+    Groups built right after gloo groups were destroyed can fail to connect ("Gloo
+    connectFullMesh failed ... Connection closed by peer"): reproduced on torch 2.9 and 2.15
+    by destroying groups of 8 ranks as soon as they are built and building others (see
+    ``tests/test_rebuild_groups.py``; a barrier after the destroy does not prevent it, so the
+    race is inside gloo's teardown). Gloo groups are therefore only dropped, as Megatron's and
+    NxD's ``destroy_model_parallel`` drop theirs: torch keeps them, a few sockets each, until
+    the default group goes. NCCL (and XLA) groups are destroyed, which frees their
+    communicators.
+    """
+    if "gloo" in str(dist.get_backend(group)):
+        return
+    dist.destroy_process_group(group)
+
+
 @dataclass(frozen=True, eq=False)
 class KVSharedGroups:
     """The KV-shared groups (NxD's ``initialize_kv_group``) of one state, seen from one rank."""
@@ -240,13 +257,14 @@ class ParallelState:
         return self.kv_shared
 
     def destroy_kv_groups(self) -> None:
-        """Destroy the KV-shared groups, if any."""
+        """Destroy the KV-shared groups, if any (gloo's are dropped: see :func:`_release`)."""
         if self.kv_shared is not None:
-            dist.destroy_process_group(self.kv_shared.group)
+            _release(self.kv_shared.group)
             self.kv_shared = None
 
     def destroy(self) -> None:
-        """Destroy this state's groups, KV-shared ones included (the default group stays)."""
+        """Destroy this state's groups, KV-shared ones included (the default group stays;
+        gloo groups are dropped: see :func:`_release`)."""
         self.destroy_kv_groups()
         for group in {
             self.tensor_parallel_group,
@@ -257,4 +275,4 @@ class ParallelState:
             self.expert_model_parallel_group,
         }:
             if group is not dist.GroupMember.WORLD:
-                dist.destroy_process_group(group)
+                _release(group)
