@@ -13,27 +13,14 @@ import dataclasses
 import importlib
 import importlib.util
 import inspect
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from nxd_state.testing import load_sibling
 
-def _load(filename: str, name: str) -> Any:
-    """A helper module of this folder, loaded by path (the folder is not a package)."""
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(filename))
-        assert spec is not None
-        assert spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-SIG = _load("_nxd_signatures.py", "nxd_compat_tests_signatures")
+SIG = load_sibling(__file__, "_nxd_signatures")
 
 
 def resolve(target: str) -> Any:

@@ -4,28 +4,14 @@ cases of the issue, in process, and one through the real command)."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
+from nxd_state.testing import load_sibling
 
-def _load(name: str) -> Any:
-    key = f"nxd_train_tests_{name}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, Path(__file__).with_name(f"{name}.py"))
-        assert spec is not None
-        assert spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[key] = module
-        spec.loader.exec_module(module)
-    return sys.modules[key]
-
-
-R = _load("_run")
+R = load_sibling(__file__, "_run")
 
 
 def test_dry_run_prints_the_layout(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -9,32 +9,18 @@ Tolerances as in ``test_train.py`` (fp32 re-association amplified by AdamW).
 
 from __future__ import annotations
 
-import importlib.util
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
+from nxd_state.testing import load_sibling
 
-def _load(name: str) -> Any:
-    key = f"nxd_train_tests_{name}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, Path(__file__).with_name(f"{name}.py"))
-        assert spec is not None
-        assert spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[key] = module
-        spec.loader.exec_module(module)
-    return sys.modules[key]
-
-
-R = _load("_run")
+R = load_sibling(__file__, "_run")
 TOL = {"rtol": 1e-4, "atol": 1e-5}
 
 

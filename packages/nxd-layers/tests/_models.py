@@ -2,9 +2,9 @@
 checks, tolerances, the GQA attention models (an unsharded reference and its TP copy) and a
 tiny Llama-style LM built from nxd's layers with its unsharded reference.
 
-Not a test module (no ``test_`` prefix): test files load it by path (:func:`load` in each of
-them), because the rank processes find functions by file and pytest's importlib mode does not
-put this directory on ``sys.path``.
+Not a test module (no ``test_`` prefix): test files load it by path
+(``nxd_state.testing.load_sibling``), because the rank processes find functions by file and
+pytest's importlib mode does not put this directory on ``sys.path``.
 """
 
 from __future__ import annotations

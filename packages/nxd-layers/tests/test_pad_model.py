@@ -10,11 +10,7 @@ products, zero columns added), rtol=atol=1e-5 through attention; EXACT for copie
 from __future__ import annotations
 
 import copy
-import importlib.util
-import sys
-import types
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
@@ -31,23 +27,9 @@ from nxd_layers import (
     get_number_of_extra_heads,
     pad_model,
 )
-from nxd_state.testing import run_distributed, run_named_checks
+from nxd_state.testing import load_sibling, run_distributed, run_named_checks
 
-
-def _load_models() -> types.ModuleType:
-    """The shared helpers in ``_models.py``, loaded by path (see its docstring)."""
-    name = "nxd_layers_tests_models"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("_models.py"))
-        assert spec is not None
-        assert spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-M = _load_models()
+M = load_sibling(__file__, "_models")
 FP32, BLOCK, EXACT, B, S = M.FP32, M.BLOCK, M.EXACT, M.B, M.S  # tolerances: see _models.py
 
 

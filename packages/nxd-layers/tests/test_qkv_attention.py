@@ -13,12 +13,8 @@ differences compound through RoPE and softmax (values O(1), any sharding error i
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-import types
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
@@ -32,23 +28,9 @@ from nxd_layers import (
     full_tensor,
     get_kv_size_multiplier,
 )
-from nxd_state.testing import run_distributed, run_named_checks
+from nxd_state.testing import load_sibling, run_distributed, run_named_checks
 
-
-def _load_models() -> types.ModuleType:
-    """The shared helpers in ``_models.py``, loaded by path (see its docstring)."""
-    name = "nxd_layers_tests_models"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("_models.py"))
-        assert spec is not None
-        assert spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-M = _load_models()
+M = load_sibling(__file__, "_models")
 FP32, BLOCK, EXACT, B, S = M.FP32, M.BLOCK, M.EXACT, M.B, M.S  # tolerances: see _models.py
 
 

@@ -15,11 +15,9 @@ sharding error is O(1)).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -33,23 +31,9 @@ from nxd_layers.trace import (
     parallel_model_trace,
 )
 from nxd_layers.trace._artifacts import check_archive
-from nxd_state.testing import run_distributed
+from nxd_state.testing import load_sibling, run_distributed
 
-
-def _load_models() -> types.ModuleType:
-    """The shared helpers in ``_models.py``, loaded by path (see its docstring)."""
-    name = "nxd_layers_tests_models"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("_models.py"))
-        assert spec is not None
-        assert spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-M = _load_models()
+M = load_sibling(__file__, "_models")
 EXACT, BLOCK = M.EXACT, M.BLOCK  # see the module docstring
 VOCAB = M.LLAMA["vocab"]
 TIMEOUT = 600.0  # a generous bound for one call on a loaded 2-core machine

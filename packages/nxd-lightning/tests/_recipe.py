@@ -1,6 +1,6 @@
 """What the Lightning tests share: models, data, the two training loops that must agree.
 
-Not a test module: test files load it by path (``load_recipe``), since rank processes find
+Not a test module: test files load it by path (``load_sibling``), since rank processes find
 functions by file and pytest's importlib mode does not put this folder on ``sys.path``.
 
 Models: a tiny, unmodified Hugging Face ``LlamaForCausalLM`` built from a config (nxd-trainer's

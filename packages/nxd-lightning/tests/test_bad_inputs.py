@@ -8,8 +8,6 @@ the strategy creates a process group or the first step.
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,20 +16,9 @@ import torch
 from lightning.pytorch import Trainer
 
 from nxd_lightning import NeuronLTModule, NeuronXLAPrecisionPlugin, NxDStrategy
-from nxd_state.testing import run_distributed
+from nxd_state.testing import load_sibling, run_distributed
 
-
-def load_recipe() -> Any:
-    path = Path(__file__).with_name("_recipe.py")
-    spec = importlib.util.spec_from_file_location("_nxd_lightning_recipe", path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-R = load_recipe()
+R = load_sibling(__file__, "_recipe")
 
 
 def _module(**kwargs: Any) -> NeuronLTModule:

@@ -5,29 +5,20 @@ Hugging Face Llama, and the losses equal one process's."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import torch
+
+from nxd_state.testing import load_sibling
 
 HERE = Path(__file__).parent
 
 
-def load_recipe() -> Any:
-    spec = importlib.util.spec_from_file_location("_nxd_lightning_recipe", HERE / "_recipe.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-R = load_recipe()
+R = load_sibling(__file__, "_recipe")
 
 
 def test_lightning_launcher_runs_tp2_like_one_process(tmp_path: Path) -> None:

@@ -16,27 +16,14 @@ NxD's own way) at TP=2 and TP=2 x PP=2, and the HF Llama at TP=2 with sequence p
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from nxd_state.testing import run_distributed
+from nxd_state.testing import load_sibling, run_distributed
 
-
-def load_recipe() -> Any:
-    path = Path(__file__).with_name("_recipe.py")
-    spec = importlib.util.spec_from_file_location("_nxd_lightning_recipe", path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-R = load_recipe()
+R = load_sibling(__file__, "_recipe")
 STEPS, WORLD = 3, 4
 # name -> (model, TP, PP, config extras): WORLD ranks each, so DP = WORLD / (TP * PP).
 LAYOUTS: dict[str, tuple[str, int, int, dict[str, Any]]] = {

@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import struct
 from pathlib import Path
@@ -21,20 +20,9 @@ from typing import Any
 import pytest
 import torch
 
-from nxd_state.testing import run_distributed
+from nxd_state.testing import load_sibling, run_distributed
 
-
-def load_recipe() -> Any:
-    path = Path(__file__).with_name("_recipe.py")
-    spec = importlib.util.spec_from_file_location("_nxd_lightning_recipe", path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-R = load_recipe()
+R = load_sibling(__file__, "_recipe")
 WORLD, PP = 2, 2
 # 2 batches per epoch, so checkpoints fall at epoch ends (a plain DataLoader is not resumable
 # mid-epoch in Lightning), and runs end by epochs: Lightning resumes a checkpoint written when

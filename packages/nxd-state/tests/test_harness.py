@@ -2,6 +2,7 @@
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from nxd_state.testing import (
     DistributedTimeoutError,
     RankDiedError,
     RemoteTraceback,
+    load_sibling,
     run_distributed,
 )
 
@@ -115,3 +117,21 @@ def test_named_checks_reseed_each_check_and_name_the_failure() -> None:
     assert [first, torch.rand(1).item()] == DRAWS
     with pytest.raises(AssertionError, match=r"check 'bad' failed at tp=2: wrong on purpose"):
         run_named_checks({"ok": draw, "bad": broken}, context="tp=2")
+
+
+def test_load_sibling_shares_one_module_that_ranks_can_run(tmp_path: Path) -> None:
+    helper = tmp_path / "_helper.py"
+    helper.write_text(
+        "import torch.distributed as dist\n"
+        "LOADS = []\n"
+        "LOADS.append(1)\n"
+        "def world() -> int:\n"
+        "    return dist.get_world_size()\n"
+    )
+    first = load_sibling(tmp_path / "test_a.py", "_helper")
+    second = load_sibling(str(tmp_path / "test_b.py"), "_helper")
+    assert first is second  # one module for every test file that loads it
+    assert first.LOADS == [1]  # executed once
+    assert run_distributed(first.world, 2) == [2, 2]
+    with pytest.raises(FileNotFoundError, match=r"no _absent\.py beside"):
+        load_sibling(tmp_path / "test_a.py", "_absent")

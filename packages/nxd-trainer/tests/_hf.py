@@ -1,7 +1,8 @@
 """Tiny Hugging Face causal LMs of every supported family, and gathering a parallel model's
 gradients back to the unsharded names and shapes, for the ``nxd_trainer.hf`` tests.
 
-Not a test module; test files load it by path (``load_helper``), as ``_recipe.py``.
+Not a test module; test files load it by path (``nxd_state.testing.load_sibling``), as
+``_recipe.py``.
 
 Gathering uses nxd_layers' ``full_tensor`` (the layers' own sharding attributes), then undoes
 two layouts by hand, independently of the parallelizer's code: GQA K/V heads replicated head

@@ -1,6 +1,6 @@
 """The training recipe every parity test shares: data, optimizer, reference run, the sample.
 
-Not a test module (no ``test_`` prefix); test files load it by path (``load_recipe``) because
+Not a test module (no ``test_`` prefix); test files load it by path (``load_sibling``) because
 the rank processes find functions by file, and pytest's importlib mode does not put this
 directory on ``sys.path``.
 """

@@ -9,30 +9,14 @@ alone) draws other masks, and that case is checked to differ, so the comparison 
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import types
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from nxd_state.testing import run_distributed, run_named_checks
+from nxd_state.testing import load_sibling, run_distributed, run_named_checks
 
-
-def _load_recipe() -> Any:
-    name = "nxd_trainer_tests_recipe"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("_recipe.py"))
-        assert spec is not None
-        assert spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-R = _load_recipe()
+R = load_sibling(__file__, "_recipe")
 EXACT = {"rtol": 0.0, "atol": 0.0}
 DROPOUT = 0.2
 

@@ -15,30 +15,15 @@ are seeded differently on purpose, so only a restored RNG draws the uninterrupte
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from nxd_state.testing import run_distributed
+from nxd_state.testing import load_sibling, run_distributed
 
-
-def _load_recipe() -> Any:
-    name = "nxd_trainer_tests_recipe"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("_recipe.py"))
-        assert spec is not None
-        assert spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-R = _load_recipe()
+R = load_sibling(__file__, "_recipe")
 STEPS, STOP_AFTER = 4, 2
 DROPOUT = 0.1
 EXACT = {"rtol": 0.0, "atol": 0.0}

@@ -6,30 +6,14 @@ parameters with fp32 master weights (ZeRO-1's default mixed precision).
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from nxd_state.testing import run_distributed
+from nxd_state.testing import load_sibling, run_distributed
 
-
-def _load_recipe() -> Any:
-    name = "nxd_trainer_tests_recipe"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("_recipe.py"))
-        assert spec is not None
-        assert spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-R = _load_recipe()
+R = load_sibling(__file__, "_recipe")
 # bf16 keeps 8 significant bits (relative rounding 2^-8 = 0.4%); TP rounds each partial matmul
 # output to bf16 before summing and ZeRO-1 adds in another order, so activations and gradients
 # differ by about an ulp; over 3 steps the losses agree to ~0.3% and weights to a couple of

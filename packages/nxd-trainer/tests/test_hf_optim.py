@@ -12,30 +12,14 @@ a lazy one refuses to step.
 from __future__ import annotations
 
 import copy
-import importlib.util
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from nxd_state.testing import run_distributed
+from nxd_state.testing import load_sibling, run_distributed
 
-
-def _load(name: str) -> Any:
-    key = f"nxd_trainer_tests_{name}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, Path(__file__).with_name(f"{name}.py"))
-        assert spec is not None
-        assert spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[key] = module
-        spec.loader.exec_module(module)
-    return sys.modules[key]
-
-
-H = _load("_hf")
+H = load_sibling(__file__, "_hf")
 TOL = {"rtol": 1e-4, "atol": 1e-5}
 
 

@@ -8,30 +8,14 @@ the same way, so parameters, the loss and the gradients are bitwise equal (toler
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from nxd_state.testing import run_distributed, run_named_checks
+from nxd_state.testing import load_sibling, run_distributed, run_named_checks
 
-
-def _load_recipe() -> Any:
-    name = "nxd_trainer_tests_recipe"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("_recipe.py"))
-        assert spec is not None
-        assert spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-R = _load_recipe()
+R = load_sibling(__file__, "_recipe")
 EXACT = {"rtol": 0.0, "atol": 0.0}
 BUILT: list[torch.nn.Module] = []  # the model_fn's models, to inspect what stayed on meta
 

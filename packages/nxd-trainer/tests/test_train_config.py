@@ -135,3 +135,16 @@ def test_bpe_is_deterministic_and_lossless() -> None:
     assert first.backend_tokenizer.to_str() == second.backend_tokenizer.to_str()
     text = corpus.valid[0][:500]
     assert first.decode(first(text)["input_ids"]) == text  # byte-level: lossless
+
+
+def test_resume_refuses_a_checkpoint_of_another_setup_or_tool(tmp_path: Path) -> None:
+    from nxd_trainer.train.loop import FROZEN, _check_resumable
+
+    cfg = TrainConfig(runs_dir=str(tmp_path))
+    saved = {"config": {k: getattr(cfg, k) for k in FROZEN}}
+    _check_resumable(cfg, tmp_path / "step_2", saved)  # the same setup: resumable
+    with pytest.raises(ConfigError, match=r"another setup \(batch_size: 8 -> 2\)"):
+        _check_resumable(TrainConfig(runs_dir=str(tmp_path), batch_size=2), tmp_path, saved)
+    for user in (None, {"step": 2}, ["config"]):  # saved by save_checkpoint, not nxd-train
+        with pytest.raises(ConfigError, match=r"step_2 was not saved by nxd-train"):
+            _check_resumable(cfg, tmp_path / "step_2", user)

@@ -8,29 +8,18 @@ fused kernels whose fp32 sums are ordered differently, round-off only (``_recipe
 from __future__ import annotations
 
 import importlib.util
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from nxd_state.testing import load_sibling
+
 pytestmark = pytest.mark.xla
 
 
-def _load_recipe() -> Any:
-    name = "nxd_trainer_tests_recipe"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("_recipe.py"))
-        assert spec is not None
-        assert spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-R = _load_recipe()
+R = load_sibling(__file__, "_recipe")
 
 
 @pytest.fixture

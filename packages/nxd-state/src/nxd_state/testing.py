@@ -33,11 +33,13 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
+import re
 import signal
 import sys
 import tempfile
 import time
 import traceback
+import types
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -51,6 +53,7 @@ __all__ = [
     "RemoteTraceback",
     "add_preload",
     "launch_ranks",
+    "load_sibling",
     "process_alive",
     "run_distributed",
     "run_named_checks",
@@ -127,6 +130,34 @@ def run_named_checks(
             where = f" at {context}" if context else ""
             raise AssertionError(f"check {name!r} failed{where}: {error}") from error
     return list(checks)
+
+
+def load_sibling(test_file: str | os.PathLike[str], name: str) -> types.ModuleType:
+    """The module ``<name>.py`` beside ``test_file``, imported by path once per process.
+
+    Shared test helpers (``_recipe.py``, ``_models.py``) are not importable by name: pytest's
+    importlib mode keeps test folders off ``sys.path``. Each file is registered once under a
+    name made from its path, so every test file that loads it shares one module, and functions
+    from it can be given to :func:`run_distributed` (ranks find them by file)::
+
+        R = load_sibling(__file__, "_recipe")
+    """
+    path = Path(test_file).resolve().with_name(f"{name}.py")
+    if not path.is_file():
+        raise FileNotFoundError(f"load_sibling: no {path.name} beside {test_file}")
+    key = "_nxd_sibling_" + re.sub(r"\W", "_", str(path.with_suffix("")))
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, path)
+        if spec is None or spec.loader is None:  # pragma: no cover - a .py path always has one
+            raise ImportError(f"cannot load {path}")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[key]
+            raise
+    return sys.modules[key]
 
 
 def _get_context() -> multiprocessing.context.BaseContext:

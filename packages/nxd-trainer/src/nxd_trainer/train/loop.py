@@ -135,6 +135,7 @@ def run_worker(cfg: TrainConfig) -> int:
     """Train as one rank of the job (the process group from torchrun's environment)."""
     import torch.distributed as dist
 
+    import nxd_ckpt
     import nxd_state
     import nxd_trainer as nxd
     from nxd_state import collectives
@@ -166,8 +167,9 @@ def run_worker(cfg: TrainConfig) -> int:
     step, tokens = 0, 0
     resume = newest_tag(ckpt_dir)
     if resume is not None:
-        # The user content alone first: a checkpoint of another setup fails with the reason.
-        _check_resumable(cfg, nxd.load_checkpoint(ckpt_dir, resume, strict=False)["config"])
+        # The user content alone first (collective-free, touches nothing): a checkpoint of
+        # another setup fails with the reason before any weight is read.
+        _check_resumable(cfg, ckpt_dir / resume, nxd_ckpt.read_user_content(ckpt_dir, resume))
         user = nxd.load_checkpoint(
             ckpt_dir, resume, model=model, optimizer=optimizer, scheduler=scheduler
         )
@@ -345,7 +347,13 @@ def _write_summary(run: Path, summary: dict[str, Any], interrupted: bool) -> Non
     os.replace(tmp, run / "summary.json")
 
 
-def _check_resumable(cfg: TrainConfig, saved: dict[str, Any]) -> None:
+def _check_resumable(cfg: TrainConfig, tag_dir: Path, user: Any) -> None:
+    if not isinstance(user, dict) or not isinstance(user.get("config"), dict):
+        raise ConfigError(
+            f"{tag_dir} was not saved by nxd-train (its user content has no run config); "
+            "use another --name, or move that folder away"
+        )
+    saved = user["config"]
     changed = [k for k in FROZEN if saved.get(k) != getattr(cfg, k)]
     if changed:
         details = ", ".join(f"{k}: {saved.get(k)!r} -> {getattr(cfg, k)!r}" for k in changed)
