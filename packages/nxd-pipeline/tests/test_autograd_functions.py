@@ -19,6 +19,9 @@ from torch import nn
 
 from nxd_pipeline import PipelineTraceError, capture_graph, partition_graph
 from nxd_pipeline._partition import build_stage_module
+from nxd_state.testing import load_sibling
+
+MODELS = load_sibling(__file__, "_models")
 
 # fp32, the same operations in the same order in the model and in its stages: only autograd's
 # accumulation order may differ (round-off). A lost backward is off by a factor of 3.
@@ -143,33 +146,9 @@ def test_a_cut_inside_a_module_call_names_the_call() -> None:
         partition_graph(captured, model, ["layer.linear"], num_stages=2)
 
 
-class _Router(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.route(self.linear(x))
-
-    def route(self, x: torch.Tensor) -> torch.Tensor:
-        return -x if x.sum() > 0 else x  # data-dependent: torch.fx cannot trace it
-
-
-class _RoutedNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(16, 8)
-        self.router = _Router()
-        self.head = nn.Linear(8, 16)
-
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        logits = self.head(self.router(self.embed(input_ids)))
-        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
-
-
 def test_autowrap_obj_methods_records_a_method_as_one_call() -> None:
     torch.manual_seed(0)
-    reference = _RoutedNet()
+    reference = MODELS.RoutedNet()
     model = copy.deepcopy(reference)
     with pytest.raises(PipelineTraceError, match="could not trace module 'router'"):
         capture_graph(model)
@@ -181,14 +160,14 @@ def test_autowrap_obj_methods_records_a_method_as_one_call() -> None:
     ids = torch.randint(0, 16, (2, 5))
     loss = _run_stages(captured, model, ["router"], ids)
     _assert_equal_to(reference, model, loss, reference(ids, ids))
-    with pytest.raises(ValueError, match=r"a _Router has no method 'rout'"):
+    with pytest.raises(ValueError, match=r"a Router has no method 'rout'"):
         capture_graph(model, autowrap_obj_methods={model.router: ["rout"]})
     with pytest.raises(TypeError, match=r"list of method names; got 'route'"):
         capture_graph(model, autowrap_obj_methods={model.router: "route"})
 
 
 def test_autowrap_obj_methods_is_for_fx_only(caplog: pytest.LogCaptureFixture) -> None:
-    model = _RoutedNet()
+    model = MODELS.RoutedNet()
     # torch.export refuses route()'s data-dependent branch too.
     with caplog.at_level("WARNING"), pytest.raises(PipelineTraceError):
         capture_graph(model, tracer_cls="hf", autowrap_obj_methods={model.router: ["route"]})

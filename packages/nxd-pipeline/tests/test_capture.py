@@ -13,6 +13,9 @@ from nxd_pipeline import PipelineTraceError, auto_pipeline_cuts, capture_graph, 
 from nxd_pipeline._build import layer_class
 from nxd_pipeline._partition import build_stage_module, node_costs
 from nxd_pipeline.testing import Block, TinyGPT
+from nxd_state.testing import load_sibling
+
+MODELS = load_sibling(__file__, "_models")
 
 # fp32 and the same ops in the same order: chaining the stages by hand reproduces the model's
 # loss and gradients up to round-off in how autograd sums a gradient's contributions.
@@ -62,19 +65,7 @@ def test_fx_partition_of_gpt_keeps_names_and_equals_the_model() -> None:
 
 
 def test_hf_llama_is_captured_with_export_and_partitioned_at_decoder_layers() -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=16,
-    )
-    torch.manual_seed(0)
-    reference = LlamaForCausalLM(config)
+    reference = MODELS.tiny_llama(2)
     model = copy.deepcopy(reference)
     captured = capture_graph(model, tracer_cls="hf", input_names=["input_ids", "labels"])
     assert captured.route == "export"
@@ -203,18 +194,7 @@ def test_leaf_classes_may_be_given_by_name(caplog: pytest.LogCaptureFixture) -> 
 
 
 def test_hf_leaf_classes_by_name_keep_the_final_norm_as_a_call() -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    torch.manual_seed(0)
-    reference = LlamaForCausalLM(config)
+    reference = MODELS.tiny_llama(2)
     model = copy.deepcopy(reference)
     captured = capture_graph(
         model,

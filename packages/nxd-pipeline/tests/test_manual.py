@@ -22,7 +22,9 @@ from torch import nn
 import nxd_state
 from nxd_pipeline import NxDPPModel, PipelineStageModule, mark_weight_sharing, recv_from, send
 from nxd_pipeline.testing import Block, TinyGPT
-from nxd_state.testing import run_distributed, run_named_checks
+from nxd_state.testing import load_sibling, run_distributed, run_named_checks
+
+MODELS = load_sibling(__file__, "_models")
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 HIDDEN = 8
@@ -201,18 +203,11 @@ def _separate_marked_copies() -> int:
     return _compare(tied, model, ref_loss, loss, "marked separate copies")
 
 
-def _deterministic_init(module: nn.Module) -> None:
-    """Fills a module's own parameters from their shapes: same values on any device."""
-    for name, param in module.named_parameters(recurse=False):
-        values = torch.sin(torch.arange(param.numel(), dtype=torch.float32) * 0.37 + len(name))
-        param.copy_(0.1 * values.reshape(param.shape))
-
-
 def _meta_layers() -> int:
     reference = _toy(4)
     with torch.no_grad():
         for layer in reference:
-            _deterministic_init(layer)
+            MODELS.deterministic_init(layer)
     with torch.device("meta"):
         lazy = _toy(4)
     x = torch.rand(8, HIDDEN)
@@ -224,7 +219,7 @@ def _meta_layers() -> int:
         num_microbatches=2,
         manual_pp_partition=True,
         manual_pp_loss_fn=nn.CrossEntropyLoss(),
-        param_init_fn=_deterministic_init,
+        param_init_fn=MODELS.deterministic_init,
         broadcast_and_average_loss=True,
     )
     held = {f"{i}.{n}" for i, layer in enumerate(lazy) for n, p in layer.named_parameters()}

@@ -19,26 +19,12 @@ from torch.utils.checkpoint import checkpoint
 import nxd_state
 from nxd_pipeline import NxDPPModel
 from nxd_pipeline.testing import Block, TinyGPT
-from nxd_state.testing import run_distributed
+from nxd_state.testing import load_sibling, run_distributed
+
+MODELS = load_sibling(__file__, "_models")
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 M = 2
-
-
-def _llama(layers: int = 4) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=16,
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config)
 
 
 def _grads(model: NxDPPModel) -> dict[str, torch.Tensor]:
@@ -51,7 +37,7 @@ def _hf_llama(schedule: str, checkpointed: bool, **kwargs: Any) -> tuple[dict, i
     often the layers' forwards ran, and the model."""
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    reference = _llama()
+    reference = MODELS.tiny_llama()
     ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
     model = NxDPPModel(
         copy.deepcopy(reference),
@@ -109,7 +95,7 @@ def hf_layer_checks() -> dict[str, Any]:
         out[schedule] = len(plain)
     # The stage graph calls the layers (and, named by class, the final norm) as modules.
     model = NxDPPModel(
-        _llama(),
+        MODELS.tiny_llama(),
         tracer_cls="hf",
         input_names=["input_ids", "labels"],
         num_microbatches=M,
@@ -136,27 +122,13 @@ def test_hf_layers_are_module_calls_that_activation_checkpointing_wraps() -> Non
         assert all(n > 0 for n in result.values()), (rank, result)
 
 
-def _deterministic_init(module: torch.nn.Module) -> None:
-    """Fills a module's own parameters from their shapes: same values on any device."""
-    for name, param in module.named_parameters(recurse=False):
-        values = torch.sin(torch.arange(param.numel(), dtype=torch.float32) * 0.37 + len(name))
-        param.copy_(0.1 * values.reshape(param.shape))
-
-
-def _llama_init(module: torch.nn.Module) -> None:
-    _deterministic_init(module)
-    if hasattr(module, "inv_freq"):
-        inv_freq, _ = module.compute_default_rope_parameters(module.config)
-        module.register_buffer("inv_freq", inv_freq, persistent=False)
-
-
 def _model_wrapper_defers_materialisation() -> int:
     """use_model_wrapper=True: the local parameters stay on meta until the wrapper calls
     move_model_to_device() (NxD's order); then training equals the reference."""
-    reference = _llama(2)
+    reference = MODELS.tiny_llama(2)
     with torch.no_grad():
         for module in reference.modules():
-            _llama_init(module)
+            MODELS.llama_init(module)
     with torch.device("meta"):
         lazy = type(reference)(reference.config)
     model = NxDPPModel(
@@ -165,7 +137,7 @@ def _model_wrapper_defers_materialisation() -> int:
         input_names=["input_ids", "labels"],
         num_microbatches=M,
         pipeline_cuts=["model.layers.0"],
-        param_init_fn=_llama_init,
+        param_init_fn=MODELS.llama_init,
         use_model_wrapper=True,
     )
     assert all(p.is_meta for p in model.local_parameters())
@@ -214,7 +186,7 @@ def _state_dicts_and_attributes() -> int:
     assert model.load_state_dict(dropped, strict=False).missing_keys == [own[0]]
     # Llama: the rotary table is a local buffer under its original name, left out of the
     # state dict as the model itself leaves it out (non-persistent).
-    llama = _llama(2)
+    llama = MODELS.tiny_llama(2)
     pipelined = NxDPPModel(
         copy.deepcopy(llama),
         tracer_cls="hf",

@@ -16,11 +16,13 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nxd_pipeline import NxDPPModel
 from nxd_pipeline.testing import Block, TinyGPT
+from nxd_state.testing import load_sibling
+
+MODELS = load_sibling(__file__, "_models")
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 
@@ -141,33 +143,9 @@ def test_fuse_microbatches_returns_the_loss_on_the_device_as_nxd() -> None:
     assert plain.return_loss_on_cpu is True
 
 
-class _Router(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.route(self.linear(x))
-
-    def route(self, x: torch.Tensor) -> torch.Tensor:
-        return -x if x.sum() > 0 else x  # data-dependent: torch.fx cannot trace it
-
-
-class _RoutedNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(16, 8)
-        self.router = _Router()
-        self.head = nn.Linear(8, 16)
-
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        logits = self.head(self.router(self.embed(input_ids)))
-        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
-
-
 def test_autowrap_obj_methods_reaches_the_tracer() -> None:
     torch.manual_seed(0)
-    reference = _RoutedNet()
+    reference = MODELS.RoutedNet()
     model = copy.deepcopy(reference)
     # NxD's form {object: [method names]}: route() is recorded as one call and runs eagerly.
     wrappers = _debug_ranks(

@@ -21,26 +21,12 @@ import nxd_state
 from nxd_pipeline import NxDPPModel
 from nxd_pipeline.testing import Block, TinyGPT, copy_into_tensor_parallel
 from nxd_state import collectives
-from nxd_state.testing import run_distributed
+from nxd_state.testing import load_sibling, run_distributed
+
+MODELS = load_sibling(__file__, "_models")
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 M = 4  # microbatches
-
-
-def _llama(layers: int) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=16,
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config)
 
 
 def _cuts(prefix: str, layers: int, stages: int) -> list[str]:
@@ -89,7 +75,7 @@ def _gpt_case(
 
 
 def _llama_case(schedule: str, v: int, pp: int, layers: int) -> int:
-    reference = _llama(layers)
+    reference = MODELS.tiny_llama(layers)
     ids = torch.randint(0, 64, (4, 8))
     ref_loss = reference(input_ids=ids, labels=ids, use_cache=False).loss
     ref_loss.backward()
@@ -109,13 +95,6 @@ def _llama_case(schedule: str, v: int, pp: int, layers: int) -> int:
         eval_ref = reference.eval()(input_ids=ids, labels=ids, use_cache=False).loss
     torch.testing.assert_close(model.run_eval(input_ids=ids, labels=ids), eval_ref, **TOL)
     return count
-
-
-def _deterministic_init(module: torch.nn.Module) -> None:
-    """Fills a module's own parameters from their shapes: same values on any device."""
-    for name, param in module.named_parameters(recurse=False):
-        values = torch.sin(torch.arange(param.numel(), dtype=torch.float32) * 0.37 + len(name))
-        param.copy_(0.1 * values.reshape(param.shape))
 
 
 def two_rank_checks() -> dict[str, Any]:
@@ -197,7 +176,7 @@ def _meta_initialisation() -> dict[str, Any]:
     reference = TinyGPT(layers=4)
     with torch.no_grad():
         for module in reference.modules():
-            _deterministic_init(module)
+            MODELS.deterministic_init(module)
     with torch.device("meta"):
         lazy = TinyGPT(layers=4)
     model = NxDPPModel(
@@ -205,7 +184,7 @@ def _meta_initialisation() -> dict[str, Any]:
         transformer_layer_cls=Block,
         num_microbatches=M,
         pipeline_cuts=["h.1"],
-        param_init_fn=_deterministic_init,
+        param_init_fn=MODELS.deterministic_init,
         broadcast_and_average_loss=True,
     )
     local = dict(model.local_named_parameters())
@@ -218,19 +197,11 @@ def _meta_initialisation() -> dict[str, Any]:
     return {"meta init": _check_against_reference(reference, model, ref_loss, loss, "meta")}
 
 
-def _llama_init(module: torch.nn.Module) -> None:
-    """Deterministic parameters, and the rotary table a meta model lacks (it is a buffer)."""
-    _deterministic_init(module)
-    if hasattr(module, "inv_freq"):
-        inv_freq, _ = module.compute_default_rope_parameters(module.config)
-        module.register_buffer("inv_freq", inv_freq, persistent=False)
-
-
 def _llama_meta_initialisation() -> int:
-    reference = _llama(2)
+    reference = MODELS.tiny_llama(2)
     with torch.no_grad():
         for module in reference.modules():
-            _llama_init(module)
+            MODELS.llama_init(module)
     with torch.device("meta"):
         lazy = type(reference)(reference.config)
     model = NxDPPModel(
@@ -239,7 +210,7 @@ def _llama_meta_initialisation() -> int:
         input_names=["input_ids", "labels"],
         num_microbatches=2,
         pipeline_cuts=["model.layers.0"],
-        param_init_fn=_llama_init,
+        param_init_fn=MODELS.llama_init,
         broadcast_and_average_loss=True,
     )
     held = {name for name, p in lazy.named_parameters() if not p.is_meta}
@@ -338,7 +309,7 @@ def _hf_tensor_parallel_case(schedule: str) -> int:
     every rank-0 stage weight) get one TP rank's partial gradient (seen before the fix: off
     by up to 0.19 on the embedding)."""
     state = nxd_state.get_parallel_state()
-    reference = _llama(2)
+    reference = MODELS.tiny_llama(2)
     ids = torch.randint(0, 64, (4, 8))
     ref_loss = reference(input_ids=ids, labels=ids, use_cache=False).loss
     ref_loss.backward()
