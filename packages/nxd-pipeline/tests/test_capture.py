@@ -276,3 +276,42 @@ def test_modules_that_cannot_be_kept_as_calls_stay_inlined(
     expected.backward()
     for (name, param), (_, ref) in zip(model.named_parameters(), reference.named_parameters()):
         torch.testing.assert_close(param.grad, ref.grad, **TOL, msg=name)
+
+
+class _ScaledLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # A tensor made during forward on a parameter's device: torch.export lifts it as a
+        # constant of the graph, which has no value when the parameters are on meta.
+        return self.linear(x) * torch.tensor(0.5, device=self.linear.weight.device)
+
+
+class _ScaledNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(8, 4)
+        self.first, self.second = _ScaledLayer(), _ScaledLayer()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.second(self.first(self.embed(input_ids))).sum()
+
+
+def test_a_constant_made_on_meta_is_named_at_the_build() -> None:
+    with torch.device("meta"):
+        model = _ScaledNet()
+    captured = capture_graph(model, tracer_cls="hf", input_names=["input_ids"])
+    assert captured.route == "export"
+    plan = partition_graph(captured, model, ["first"], num_stages=2)
+    with pytest.raises(PipelineTraceError, match=r"stage 0 needs .*lifted_tensor.* meta device"):
+        build_stage_module(plan, model, 0, torch.device("cpu"))
+    torch.manual_seed(0)
+    real = _ScaledNet()  # the same model with real parameters: the constant has its value
+    reference = copy.deepcopy(real)
+    captured = capture_graph(real, tracer_cls="hf", input_names=["input_ids"])
+    plan = partition_graph(captured, real, ["first"], num_stages=2)
+    ids = torch.randint(0, 8, (2, 3))
+    (out,) = _chain(plan, real, {"input_ids": ids})  # the export route's outputs: a tuple
+    torch.testing.assert_close(out, reference(ids), rtol=0, atol=0)  # same ops, same order

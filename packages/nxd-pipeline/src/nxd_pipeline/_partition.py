@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx, nn
 
-from nxd_pipeline._captured import CapturedGraph
+from nxd_pipeline._captured import CapturedGraph, PipelineTraceError
 
 __all__ = ["PartitionPlan", "auto_pipeline_cuts", "partition_graph"]
 
@@ -248,6 +248,7 @@ def build_stage_module(
         if node.op == "get_attr" and any(u in members for u in node.users):
             env[node] = graph.node_copy(node, lambda n: env[n])
             value = _resolve(root, captured.graph_module, str(node.target))
+            _check_not_meta_constant(root, str(node.target), value, stage)
             if device is not None and isinstance(value, fx.GraphModule):
                 value = _retarget(value, device)  # e.g. the body of a no-grad region
             attributes[str(node.target)] = value
@@ -269,6 +270,24 @@ def build_stage_module(
     module.input_names = input_names
     module.num_received = len(received)
     return module
+
+
+def _check_not_meta_constant(root: nn.Module, target: str, value: object, stage: int) -> None:
+    """A tensor the capture made (not a parameter or buffer of the model) on the meta device
+    has no value, and never will: fail at the build, naming it, not when the stage moves."""
+    if not isinstance(value, torch.Tensor) or not value.is_meta:
+        return
+    try:
+        _resolve(root, nn.Module(), target)
+        return  # the model's own meta tensor: param_init_fn materialises it
+    except AttributeError:
+        pass
+    raise PipelineTraceError(
+        f"stage {stage} needs {target!r} (shape {tuple(value.shape)}), a tensor constant the "
+        f"capture created on the meta device: the model's forward makes a tensor on a meta "
+        f"parameter's device, so its value was never computed (Hugging Face transformers "
+        f"before 5.20.2 does so). Capture a model with real parameters, or upgrade transformers"
+    )
 
 
 def _keep_non_persistent(module: nn.Module, root: nn.Module, attributes: dict[str, object]) -> None:
