@@ -1,24 +1,15 @@
 """Forkserver preloads for the rank processes, and the ``slow`` marker: heavier repetitions
 (more kills, more rank-death scenarios) that run only with ``nox -s reliability -- -m slow``."""
 
-import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 
-from nxd_state.testing import add_preload
+from nxd_state.testing import add_preload, load_sibling
 
 # The shared training job, importable by the test modules as ``nxd_reliability_job`` (pytest's
 # importlib mode puts no test folder on sys.path; rank processes load it by file).
-_spec = importlib.util.spec_from_file_location(
-    "nxd_reliability_job", Path(__file__).parent / "_job.py"
-)
-assert _spec is not None
-assert _spec.loader is not None
-_job = importlib.util.module_from_spec(_spec)
-sys.modules["nxd_reliability_job"] = _job
-_spec.loader.exec_module(_job)
+sys.modules["nxd_reliability_job"] = load_sibling(__file__, "_job")
 
 add_preload("torch._dynamo", "nxd_optim", "nxd_trainer", "nxd_ckpt")
 

@@ -49,6 +49,9 @@ from typing import Any
 
 import pytest
 
+from nxd_state.testing import load_sibling
+
+P = load_sibling(__file__, "_procs")
 RUN_TIMEOUT = 600.0
 # The default corpus (the Python standard library's sources: deterministic, no download).
 _FLAGS = [
@@ -67,38 +70,23 @@ def _command(runs: Path, name: str, steps: int, nproc: int, tp: int) -> list[str
     ]  # fmt: skip
 
 
-def _processes() -> dict[int, tuple[int, int, str]]:
-    """pid -> (parent pid, start time in clock ticks, state) of every process (``/proc``)."""
-    table = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            text = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        fields = text[text.rindex(")") + 2 :].split()
-        table[int(entry)] = (int(fields[1]), int(fields[19]), fields[0])
-    return table
-
-
 def _descendants(root: int) -> set[tuple[int, int]]:
     """(pid, start time) of every live descendant of ``root`` (the start time tells a reused
     pid apart)."""
-    table = _processes()
+    table = P.process_table()
     found: set[int] = set()
     frontier = {root}
     while frontier:
-        children = {pid for pid, (ppid, _, _) in table.items() if ppid in frontier} - found
+        children = {pid for pid, proc in table.items() if proc.parent in frontier} - found
         found |= children
         frontier = children
-    return {(pid, table[pid][1]) for pid in found if table[pid][2] not in "ZX"}
+    return {(pid, table[pid].start) for pid in found if table[pid].live}
 
 
 def _alive(process: tuple[int, int]) -> bool:
     """Whether this very process (pid and start time) runs; a zombie counts as gone."""
-    entry = _processes().get(process[0])
-    return entry is not None and entry[1] == process[1] and entry[2] not in "ZX"
+    entry = P.process_table().get(process[0])
+    return entry is not None and entry.start == process[1] and entry.live
 
 
 def _newest_complete_step(ckpt: Path) -> int | None:
@@ -197,9 +185,8 @@ class _Job:
             time.sleep(0.05)
         assert [p for p in self.seen if _alive(p)] == [], self.seen
         pids = {self.proc.pid} | {pid for pid, _ in self.seen}
-        table = _processes()
-        orphans = [pid for pid, (ppid, _, state) in table.items()
-                   if ppid in pids and state not in "ZX"]  # fmt: skip
+        table = P.process_table()
+        orphans = [pid for pid, proc in table.items() if proc.parent in pids and proc.live]
         assert orphans == [], orphans
 
 

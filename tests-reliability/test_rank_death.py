@@ -32,7 +32,9 @@ from typing import Any
 
 import pytest
 
-from nxd_state.testing import launch_ranks, process_alive
+from nxd_state.testing import launch_ranks, load_sibling, process_alive
+
+P = load_sibling(__file__, "_procs")
 
 TIMEOUT_S = 30.0  # the collective timeout the jobs run with (NXD_COLLECTIVE_TIMEOUT_S)
 HANG_TIMEOUT_S = 8.0  # for the hanging rank: the survivors must wait out this timeout
@@ -47,22 +49,6 @@ WORDS = {
     "sigkill": "died without recording an exit",
     "hang": "is alive",
 }
-
-
-def _children(pids: list[int]) -> list[int]:
-    """Processes whose parent is one of ``pids`` (left-behind children of the ranks)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            text = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        ppid = int(text[text.rindex(")") + 2 :].split()[1])
-        if ppid in pids:
-            found.append(int(entry))
-    return found
 
 
 def _run_case(
@@ -103,7 +89,7 @@ def _run_case(
         leftover = ranks.close()
     assert leftover == ([victim] if how == "hang" else []), leftover
     assert not [pid for pid in pids if process_alive(pid)]
-    assert _children(pids) == []
+    assert [pid for pid, p in P.process_table().items() if p.parent in pids] == []
     return {"codes": codes, "exit_times": ranks.exit_times}
 
 
@@ -186,17 +172,5 @@ def test_torchrun_exit_code_is_nonzero_and_names_the_rank(tmp_path: Path) -> Non
     assert "Signal 9 (SIGKILL)" in output or "exitcode  : -9" in output, output[-3000:]
     assert time.monotonic() - start < 600
     # Nothing of the job is left: no process in its session (torchrun and its workers).
-    leftover = [
-        int(entry)
-        for entry in os.listdir("/proc")
-        if entry.isdigit() and _session(int(entry)) == proc.pid
-    ]
+    leftover = [pid for pid, p in P.process_table().items() if p.session == proc.pid]
     assert leftover == [], leftover
-
-
-def _session(pid: int) -> int | None:
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(text[text.rindex(")") + 2 :].split()[3])

@@ -61,13 +61,17 @@ class PartitionPlan:
         return [group for group in groups.values() if len(group) > 1]
 
 
+def _attribute(obj: object, target: str) -> object:
+    """``obj.a.b.c`` for ``target`` "a.b.c" (AttributeError when a part is missing)."""
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
 def _resolve(root: nn.Module, fallback: nn.Module, target: str) -> object:
     for source in (root, fallback):
-        obj: object = source
         try:
-            for part in target.split("."):
-                obj = getattr(obj, part)
-            return obj
+            return _attribute(source, target)
         except AttributeError:
             continue
     raise AttributeError(f"{target!r} is neither in the model nor in its traced graph")
@@ -278,7 +282,7 @@ def _check_not_meta_constant(root: nn.Module, target: str, value: object, stage:
     if not isinstance(value, torch.Tensor) or not value.is_meta:
         return
     try:
-        _resolve(root, nn.Module(), target)
+        _attribute(root, target)
         return  # the model's own meta tensor: param_init_fn materialises it
     except AttributeError:
         pass

@@ -105,10 +105,13 @@ class LaunchedRanks:
         deadline = time.monotonic() + timeout
         awaited = range(len(self.procs)) if ranks is None else ranks
         while True:
-            for rank, proc in enumerate(self.procs):
-                if rank not in self.exit_times and proc.exitcode is not None:
-                    self.exit_times[rank] = time.monotonic() - self.started
+            # One snapshot: a rank exiting between two reads of exitcode would be returned as
+            # exited with no exit time.
             codes = [proc.exitcode for proc in self.procs]
+            now = time.monotonic() - self.started
+            for rank, code in enumerate(codes):
+                if code is not None and rank not in self.exit_times:
+                    self.exit_times[rank] = now
             if all(codes[r] is not None for r in awaited) or time.monotonic() >= deadline:
                 return codes
             time.sleep(0.05)

@@ -146,18 +146,22 @@ def load_sibling(test_file: str | os.PathLike[str], name: str) -> types.ModuleTy
     if not path.is_file():
         raise FileNotFoundError(f"load_sibling: no {path.name} beside {test_file}")
     key = "_nxd_sibling_" + re.sub(r"\W", "_", str(path.with_suffix("")))
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, path)
-        if spec is None or spec.loader is None:  # pragma: no cover - a .py path always has one
-            raise ImportError(f"cannot load {path}")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[key] = module
-        try:
-            spec.loader.exec_module(module)
-        except BaseException:
-            del sys.modules[key]
-            raise
-    return sys.modules[key]
+    return sys.modules[key] if key in sys.modules else _import_file(key, path)
+
+
+def _import_file(name: str, path: str | os.PathLike[str]) -> types.ModuleType:
+    """Import the file ``path`` as module ``name`` (registered in ``sys.modules``)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:  # pragma: no cover - a .py path always has one
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
 
 
 def _get_context() -> multiprocessing.context.BaseContext:
@@ -175,12 +179,7 @@ def _load_function(path: str, module: str, qualname: str) -> Callable[..., Any]:
     loaded = sys.modules.get(module)
     loaded_file = getattr(loaded, "__file__", None)
     if loaded is None or loaded_file is None or str(Path(loaded_file).resolve()) != path:
-        spec = importlib.util.spec_from_file_location(f"_nxd_rank_{module}", path)
-        if spec is None or spec.loader is None:
-            raise ImportError(f"cannot load {path}")
-        loaded = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = loaded
-        spec.loader.exec_module(loaded)
+        loaded = _import_file(f"_nxd_rank_{module}", path)
     target: Any = loaded
     for part in qualname.split("."):
         target = getattr(target, part)
