@@ -38,6 +38,17 @@ def test_grad_accum_steps_must_be_a_positive_integer(value: Any) -> None:
         _module(grad_accum_steps=value)
 
 
+def test_accumulation_needs_an_optimizer_that_scales_its_gradients() -> None:
+    """A custom configure_optimizers returning a plain torch optimizer cannot average the
+    accumulated gradient (nxd's NxDOptimizer.scale_gradients does): refused, named."""
+    module = _module(grad_accum_steps=2)
+    plain = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    module.optimizers = lambda: type("LightningOptimizer", (), {"optimizer": plain})()
+    assert module.finish_step(0) is False  # mid-accumulation: nothing asked of the optimizer
+    with pytest.raises(TypeError, match=r"needs an optimizer with scale_gradients.*got SGD"):
+        module.finish_step(1)
+
+
 def test_sizes_that_do_not_fit_the_world_fail_when_the_trainer_is_built() -> None:
     with pytest.raises(
         ValueError, match=r"tensor_parallel_size\(2\).*does not divide world_size\(3\)"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -25,8 +27,13 @@ def test_config_rejects_unknown_keys_and_bad_values() -> None:
         OptimizerConfig.from_nxd({"zero1_enabled": True})
     with pytest.raises(ValueError, match=r"unknown mixed_precision_config keys \['use_fp32'\]"):
         OptimizerConfig.from_nxd({}, {"use_fp32": True})
-    with pytest.raises(ValueError, match=r"max_grad_norm must be a positive finite number.*-1"):
-        OptimizerConfig(max_grad_norm=-1.0)
+    for bad in (-1.0, 0.0, math.nan):  # inf is allowed: measure the norm, clip nothing
+        with pytest.raises(ValueError, match=rf"max_grad_norm must be positive .*got {bad}"):
+            OptimizerConfig(max_grad_norm=bad)
+        with pytest.raises(ValueError, match=rf"max_norm must be positive .*got {bad}"):
+            NeuronZero1Optimizer([nn.Parameter(torch.zeros(2))], torch.optim.SGD, max_norm=bad)
+    assert OptimizerConfig(max_grad_norm=math.inf).max_grad_norm == math.inf
+    assert OptimizerConfig.from_nxd({"max_grad_norm": float("inf")}).grad_clipping
     with pytest.raises(ValueError, match="bucket_cap_mb must be positive, got 0"):
         OptimizerConfig(bucket_cap_mb=0)
     config = OptimizerConfig.from_nxd(

@@ -34,7 +34,6 @@ import torch
 from lightning.pytorch import LightningModule
 
 import nxd_state
-from nxd_lightning._grads import scale_accumulated_gradients
 from nxd_lightning._loss import reduce_step_loss
 from nxd_lightning._ranks import logging_pipeline_rank
 
@@ -46,6 +45,17 @@ def _check_callable(name: str, value: Any, allow_none: bool = False) -> None:
         return
     if not callable(value):
         raise TypeError(f"{name} must be callable, got {type(value).__qualname__}")
+
+
+def _inner(optimizer: Any) -> Any:
+    """The NxD optimizer inside Lightning's wrapper; it must offer ``scale_gradients``."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    if not callable(getattr(inner, "scale_gradients", None)):
+        raise TypeError(
+            f"grad_accum_steps > 1 needs an optimizer with scale_gradients(factor) (nxd's "
+            f"NxDOptimizer, from configure_optimizers), got {type(inner).__qualname__}"
+        )
+    return inner
 
 
 def _run(fn: Callable[..., Any], batch: Any) -> Any:
@@ -232,9 +242,11 @@ class NeuronLTModule(LightningModule):
         optimizer = self.optimizers()
         assert not isinstance(optimizer, list), "NeuronLTModule configures one optimizer"
         if self.grad_accum_steps > 1:
-            scale_accumulated_gradients(
-                optimizer.optimizer, self.model.parameters(), 1.0 / self.grad_accum_steps
-            )
+            # G = Σ_k ∇L_k -> G / k, the mean (the larger batch's gradient), wherever the
+            # optimizer keeps G (p.grad, fp32 accumulators, ZeRO-1's). The reductions in step()
+            # are linear, so this equals scaling each loss, which at PP > 1 the pipeline's
+            # own backward does not allow.
+            _inner(optimizer).scale_gradients(1.0 / self.grad_accum_steps)
         self.lr = float(optimizer.param_groups[0]["lr"])
         optimizer.step()
         self.global_norm = getattr(optimizer.optimizer, "grad_norm", None)

@@ -10,6 +10,7 @@ Nothing communicates until the optimizer step.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 
 import torch
@@ -69,6 +70,28 @@ class GradientStore:
                 param.grad = torch.zeros_like(param)
             out.append(param.grad)
         return out
+
+    @torch.no_grad()
+    def scale(self, params: Sequence[torch.Tensor], factor: float, where: str) -> None:
+        """G_p <- factor · G_p for every gradient held for ``params``: the accumulation buffer
+        and ``p.grad``, wherever one exists (nothing is allocated, nothing communicated).
+
+        ``factor`` must be a finite number (``where`` names the caller in the error); 1.0 is a
+        no-op. Low-precision gradients are rounded once to their dtype (exact when ``factor``
+        is a power of two)."""
+        value = float(factor)
+        if not math.isfinite(value):
+            raise ValueError(f"{where}: factor must be a finite number, got {factor!r}")
+        if value == 1.0:
+            return
+        grads = [
+            grad
+            for param in params
+            for grad in (self._buffers.get(param), param.grad)
+            if grad is not None
+        ]
+        if grads:
+            torch._foreach_mul_(grads, value)
 
     def zero(self, params: Sequence[torch.Tensor], set_to_none: bool = True) -> None:
         for param in params:

@@ -72,8 +72,11 @@ class Zero1Setup(Optimizer):
             )
         groups = as_param_groups(params, "NeuronZero1Optimizer")
         max_norm = 1.0 if max_norm is None else float(max_norm)
-        if grad_clipping and not max_norm > 0:
-            raise ValueError(f"max_norm must be positive, got {max_norm}")
+        if grad_clipping and not max_norm > 0:  # NaN fails too; inf means measure only
+            raise ValueError(
+                f"max_norm must be positive (math.inf: measure the norm, clip nothing), "
+                f"got {max_norm}"
+            )
         if not float(norm_type) > 0:
             raise ValueError(f"norm_type must be positive (or math.inf), got {norm_type}")
         for name, cap in (

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -21,10 +20,12 @@ class OptimizerConfig:
     """Shard optimizer state (and fp32 master weights) over the data-parallel group (ZeRO-1)."""
 
     grad_clipping: bool = True
-    """Clip the global gradient norm (over DP, TP and PP) to ``max_grad_norm`` before stepping."""
+    """Measure the global gradient norm (over DP, TP and PP; the optimizer's ``grad_norm``) and
+    clip it to ``max_grad_norm`` before stepping. Off: no norm is computed (``grad_norm`` None)."""
 
     max_grad_norm: float = 1.0
-    """The norm gradients are clipped to when ``grad_clipping`` is on."""
+    """The norm gradients are clipped to when ``grad_clipping`` is on: g <- g · min(1, c/‖g‖).
+    ``math.inf`` measures the norm and leaves the gradients as they are."""
 
     norm_type: float = 2.0
     """p of the p-norm used for clipping (``math.inf`` for the max norm)."""
@@ -42,12 +43,10 @@ class OptimizerConfig:
     """Largest flat bucket, in MiB, for the data-parallel gradient all-reduce (without ZeRO-1)."""
 
     def __post_init__(self) -> None:
-        if self.grad_clipping and not (
-            self.max_grad_norm > 0 and math.isfinite(self.max_grad_norm)
-        ):
+        if self.grad_clipping and not self.max_grad_norm > 0:  # NaN fails too; inf is allowed
             raise ValueError(
-                f"max_grad_norm must be a positive finite number when grad_clipping is on, "
-                f"got {self.max_grad_norm}"
+                f"max_grad_norm must be positive when grad_clipping is on (math.inf: measure "
+                f"the norm, clip nothing), got {self.max_grad_norm}"
             )
         if not self.norm_type > 0:
             raise ValueError(f"norm_type must be positive (or math.inf), got {self.norm_type}")

@@ -6,15 +6,18 @@ One step, with n data-parallel ranks:
     g <- Σ_TP g                    for sequence-parallel params (replicated, partial per shard)
     g <- (1/n) Σ_DP g              bucketed all-reduce (or, with ZeRO-1, reduce-scatter)
     g <- g · min(1, c / ‖g‖)       ‖g‖ over the whole model across TP and PP, c = max_grad_norm
+                                   (c = inf: ‖g‖ measured, g left as is)
     θ32 <- inner.step(θ32, g)      fp32 master weights for bf16/fp16 params, then θ <- cast(θ32)
 
 Gradients of micro-batches accumulate locally (in fp32 with ``use_fp32_grad_acc``); nothing is
-communicated before :meth:`NxDOptimizer.step`.
+communicated before :meth:`NxDOptimizer.step`. :meth:`NxDOptimizer.scale_gradients` (``1/k``)
+turns the sum of k micro-batches' gradients into their mean, wherever they are kept.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -23,7 +26,7 @@ import torch
 from torch.optim import Optimizer
 
 import nxd_state
-from nxd_layers import clip_grad_norm, copy_tensor_model_parallel_attributes
+from nxd_layers import clip_grad_norm, copy_tensor_model_parallel_attributes, get_grad_norm
 from nxd_optim._grad_sync import all_reduce_bucketed, is_sequence_parallel_param
 from nxd_optim._groups import check_params_on_backend_device
 from nxd_optim._mixed_precision import GradientStore, is_low_precision
@@ -126,8 +129,33 @@ class NxDOptimizer(Optimizer):
     @property
     def grad_norm(self) -> torch.Tensor | None:
         """The total gradient norm before clipping at the last step; None before the first
-        step or when clipping is off."""
+        step or when clipping is off. To measure it without clipping, keep ``grad_clipping``
+        on with ``max_grad_norm=math.inf`` (the gradients are then left as they are)."""
         return self._grad_norm
+
+    def scale_gradients(self, factor: float) -> None:
+        """G <- factor · G for the gradients accumulated for the coming :meth:`step`, in place.
+
+        k micro-batches accumulate G = Σ_i ∇L_i; ``factor = 1/k`` makes G their mean, the
+        gradient of the mean loss (the larger batch's, for equal micro-batch sizes). Every
+        reduction between backward and step (the sequence-parallel sum over TP, the DP mean,
+        ZeRO-1's reduce-scatter, a pipeline's tied-weight sum) is linear, so this equals
+        scaling every micro-batch's loss by ``factor``, and works where the loss cannot be
+        scaled (a pipeline schedule running the backward). Clipping and :attr:`grad_norm` then
+        see the scaled gradient. Call it after the last backward and before :meth:`step`.
+
+        The gradients are scaled where they wait for the step: ``p.grad``; the fp32 buffers of
+        ``use_fp32_grad_acc`` (``p.grad`` is None there); ZeRO-1's accumulators. bf16/fp16
+        params with fp32 master weights keep their gradient in ``p.grad`` until the step, so it
+        is rounded once to bf16/fp16 (exact when ``factor`` is a power of two); the masters get
+        it in ``step()``. Frozen params are left alone. Local: no collective, no allocation.
+        ``factor`` must be finite; 1.0 does nothing.
+        """
+        if isinstance(self.optimizer, NeuronZero1Optimizer):
+            self.optimizer.scale_gradients(factor)
+            return
+        trainable = [p for p in self._params if p.requires_grad]
+        self._store().scale(trainable, factor, "NxDOptimizer.scale_gradients")
 
     def master_weights_by_param(self) -> dict[torch.Tensor, torch.Tensor]:
         """``{model param: its fp32 master weight}``: θ32 of every bf16/fp16 param that the
@@ -206,13 +234,16 @@ class NxDOptimizer(Optimizer):
                 target.grad = grad.to(target.dtype)
             stepped.append(target)
         if self.config.grad_clipping:
-            self._grad_norm = clip_grad_norm(
-                stepped,
-                self.config.max_grad_norm,
-                self.config.norm_type,
-                tensor_parallel_group=state.tensor_parallel_group,
-                pipeline_parallel_group=state.pipeline_parallel_group,
-            )
+            groups = {
+                "tensor_parallel_group": state.tensor_parallel_group,
+                "pipeline_parallel_group": state.pipeline_parallel_group,
+            }
+            if math.isfinite(self.config.max_grad_norm):
+                self._grad_norm = clip_grad_norm(
+                    stepped, self.config.max_grad_norm, self.config.norm_type, **groups
+                )
+            else:  # max_grad_norm = inf: measure only (clipping would multiply g by 1)
+                self._grad_norm = get_grad_norm(stepped, self.config.norm_type, **groups)
         self.optimizer.step()
         for param, master in self._masters.items():
             param.copy_(master)

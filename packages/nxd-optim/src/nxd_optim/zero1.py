@@ -20,6 +20,7 @@ per bucket.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -58,7 +59,8 @@ class NeuronZero1Optimizer(Zero1Setup):
     * ``sharding_groups`` / ``grad_norm_groups``: a ``ProcessGroup`` or NxD's ``as_list`` form;
       by default the current parallel state's data-parallel and tensor-parallel groups.
     * ``grad_clipping``, ``max_norm`` (``None`` means 1.0, as in torch-xla), ``norm_type``:
-      clip the norm of the whole model's gradient (over the shards, TP and PP).
+      clip the norm of the whole model's gradient (over the shards, TP and PP);
+      ``max_norm=math.inf`` measures it (``grad_norm``) and scales nothing.
     * ``optimizer_dtype``: dtype of the master shards and the optimizer state; by default
       float32 for bf16/fp16 params when ``use_master_weights`` (fp32 master weights), else the
       params' own dtype.
@@ -134,12 +136,33 @@ class NeuronZero1Optimizer(Zero1Setup):
     # The step ------------------------------------------------------------------------
     @property
     def grad_norm(self) -> torch.Tensor | None:
-        """‖G‖ before clipping at the last step; None before the first or without clipping."""
+        """‖G‖ before clipping at the last step; None before the first or without clipping.
+        With ``max_norm=math.inf`` the norm is measured and nothing is scaled."""
         return self._grad_norm
 
     def gradients(self) -> list[torch.Tensor]:
-        """Every param's local gradient (p.grad or its accumulator), in place-editable."""
+        """Every param's local gradient (p.grad or its accumulator), in place-editable; a
+        param without one gets a zero gradient (allocated)."""
+        self._check_inited("gradients")
         return self._store().grads(self._all_params())
+
+    def scale_gradients(self, factor: float) -> None:
+        """G <- factor · G for the gradients accumulated for the coming :meth:`step`, in place.
+
+        k micro-batches accumulate G = Σ_i ∇L_i; ``factor = 1/k`` makes G their mean, the
+        gradient of the mean loss. The reductions between backward and step (the sum over the
+        sharding group; under :class:`~nxd_optim.NxDOptimizer` the sequence-parallel sum over
+        TP) are linear, so this equals scaling every micro-batch's loss by ``factor``; clipping
+        and ``grad_norm`` then see the scaled gradient. Call it after the last backward and
+        before :meth:`step`.
+
+        The gradients are scaled where they wait for the step: ``p.grad``, or the accumulators
+        of ``use_fp32_grad_acc`` / ``use_grad_acc_hook`` (where ``p.grad`` is None). bf16/fp16
+        ``p.grad`` is rounded once to its dtype (exact for powers of two). Local: no collective,
+        no allocation. ``factor`` must be finite; 1.0 does nothing.
+        """
+        self._check_inited("scale_gradients")
+        self._store().scale(self._all_params(), factor, "NeuronZero1Optimizer.scale_gradients")
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -153,7 +176,8 @@ class NeuronZero1Optimizer(Zero1Setup):
         coef = None
         if self.grad_clipping:
             self._grad_norm = self._global_grad_norm(reduced)
-            coef = torch.clamp(self.max_norm / (self._grad_norm + _CLIP_EPS), max=1.0)
+            if math.isfinite(self.max_norm):  # max_norm = inf: measure only, scale nothing
+                coef = torch.clamp(self.max_norm / (self._grad_norm + _CLIP_EPS), max=1.0)
         for bucket, (shard, _) in zip(self._buckets, reduced):
             grad = shard.to(bucket.master.dtype)
             if coef is None:
