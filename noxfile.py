@@ -42,7 +42,18 @@ XLA_PACKAGES = [
     "nxd-ckpt",
     "nxd-trainer",
 ]
-XLA_THIRD_PARTY = ["safetensors", "tqdm", "transformers>=5.4"]
+# What nxd-train needs there too: the xla session runs the main job end to end.
+XLA_THIRD_PARTY = [
+    "safetensors",
+    "tqdm",
+    "transformers>=5.4",
+    "tokenizers",
+    "tensorboardX",
+    "filelock",
+    "tomli-w",
+]
+# Extras a package's own tests need (nxd-trainer's tests run the nxd-train command).
+TEST_EXTRAS = {"nxd-trainer": ["train"]}
 
 
 def _sync(session: nox.Session, *args: str) -> None:
@@ -62,11 +73,16 @@ def _test_group(package: str) -> list[str]:
     return pyproject.get("dependency-groups", {}).get("test", [])
 
 
-def _requirements(package: str) -> list[str]:
-    """The ``[project] dependencies`` of ``package``, as written (sibling names bare)."""
+def _requirements(package: str, extras: list[str] | None = None) -> list[str]:
+    """The ``[project] dependencies`` of ``package`` and of its ``extras``, as written
+    (sibling names bare)."""
     pyproject = tomllib.loads((ROOT / "packages" / package / "pyproject.toml").read_text())
+    project = pyproject["project"]
+    listed = list(project["dependencies"])
+    for extra in extras or []:
+        listed += project["optional-dependencies"][extra]
     out = []
-    for requirement in pyproject["project"]["dependencies"]:
+    for requirement in listed:
         name = requirement.split(";")[0].split("[")[0]
         for stop in "<>=!~ ":
             name = name.split(stop)[0]
@@ -121,7 +137,8 @@ for _package in PACKAGES:
     @nox.session(name=f"tests-{_package}", tags=["ci", "tests"])
     def tests(session: nox.Session, package: str = _package) -> None:
         """One package with its upstream siblings and its test group, nothing else."""
-        _sync(session, "--package", package, "--group", "test")
+        extras = [arg for extra in TEST_EXTRAS.get(package, []) for arg in ("--extra", extra)]
+        _sync(session, "--package", package, "--group", "test", *extras)
         session.run("pytest", f"packages/{package}/tests", *session.posargs)
 
     @nox.session(name=f"wheel-{_package}", tags=["wheels"])
@@ -138,9 +155,11 @@ for _package in PACKAGES:
             for sibling in PACKAGES
             for arg in ("--refresh-package", sibling, "--reinstall-package", sibling)
         ]
-        session.install(
-            _wheel(dist, package), "--find-links", str(dist), *refresh, *_test_group(package)
-        )
+        wheel = _wheel(dist, package)
+        extras = TEST_EXTRAS.get(package)
+        if extras:  # "nxd-trainer[train] @ file:///.../nxd_trainer-0.1.0-py3-none-any.whl"
+            wheel = f"{package}[{','.join(extras)}] @ {Path(wheel).resolve().as_uri()}"
+        session.install(wheel, "--find-links", str(dist), *refresh, *_test_group(package))
         _pytest_outside_repo(session, package)
 
 
@@ -155,7 +174,8 @@ def lowest(session: nox.Session, package: str) -> None:
     proves that the wheels install and that the sibling ranges resolve.
     """
     dist = _build_wheels(session)
-    third_party = [r for r in _requirements(package) if r not in PACKAGES]
+    extras = TEST_EXTRAS.get(package, [])
+    third_party = [r for r in _requirements(package, extras) if r not in PACKAGES]
     # Only the siblings are reinstalled and refreshed (every build is 0.1.0): a bare
     # `--reinstall` implies `--refresh`, which re-downloads torch and its CUDA wheels (~3 GB)
     # into a new cache entry for every session.

@@ -57,8 +57,8 @@ def hf_trainer_step_times(run: Path, common: list[str], steps: int, warmup: int)
 
     from nxd_trainer.train import parse_config
     from nxd_trainer.train.data import PackedLoader, prepare_data
-    from nxd_trainer.train.loop import lr_lambda
     from nxd_trainer.train.model import hf_config
+    from nxd_trainer.train.trainer import lr_lambda
 
     cfg = parse_config([*common, "--runs-dir", str(run.parent), "--name", run.name])
     tokenizer, train, _ = prepare_data(cfg, build=False)

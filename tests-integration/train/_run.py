@@ -89,12 +89,12 @@ def reference(run: Path, extra: list[str], plan: list[tuple[int, list[str]]]) ->
     from transformers import AutoModelForCausalLM
 
     from nxd_trainer.train.data import PackedLoader, prepare_data
-    from nxd_trainer.train.loop import lr_lambda
     from nxd_trainer.train.model import hf_config
+    from nxd_trainer.train.trainer import lr_lambda
 
     cfg = config(run, extra + plan[0][1])
     tokenizer, train, valid = prepare_data(cfg, build=False)
-    model_config = hf_config(cfg, len(tokenizer))
+    model_config = hf_config(cfg, len(tokenizer), tokenizer)
     torch.manual_seed(cfg.seed)
     model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
     model.train()

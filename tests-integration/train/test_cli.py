@@ -95,3 +95,35 @@ def test_help_lists_every_field(capsys: pytest.CaptureFixture[str]) -> None:
     for f in fields(TrainConfig):
         assert "--" + f.name.replace("_", "-") in out
     assert "Tensor-parallel degree" in out  # the field's docstring is its help
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        # an abbreviation is refused (argparse would take --step as --steps)
+        (["--step", "5"], "unrecognized argument '--step' (did you mean '--steps'?)"),
+        (["--stpes", "5"], "unrecognized argument '--stpes' (did you mean '--steps'?)"),
+        (["--zero-1"], "unrecognized argument '--zero-1' (did you mean '--zero1'?)"),
+        (["--schedule", "interleaved_1f1b"], "invalid choice: 'interleaved_1f1b'"),
+        (["--tp", "two"], "argument --tp: invalid int value: 'two'"),
+    ],
+)
+def test_flag_errors_are_one_line(
+    argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    line = _bad([*argv, "--runs-dir", str(tmp_path)], capsys)
+    assert message in line
+    assert "usage:" not in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_help_is_plain_text_with_accepted_values_only(capsys: pytest.CaptureFixture[str]) -> None:
+    from nxd_trainer.train import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "`" not in out  # the docstrings' markup is gone
+    assert "interleaved_1f1b" not in out  # nxd-train refuses it: not offered
+    assert "{gpipe,1f1b,zb_h1}" in out
+    assert "{none,full,selective}" in out

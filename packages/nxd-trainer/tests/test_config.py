@@ -119,8 +119,8 @@ def test_dict_round_trip_keeps_every_setting() -> None:
         # wrong types and values
         ({"optimizer_config": [("zero_one_enabled", True)]}, TypeError, "must be a dict"),
         ({"optimizer_config": {"zero_one_enabled": 1}}, TypeError, "must be a bool"),
-        ({"optimizer_config": {"max_grad_norm": -1.0}}, ValueError, "positive finite"),
-        ({"optimizer_config": {"max_grad_norm": math.inf}}, ValueError, "positive finite"),
+        ({"optimizer_config": {"max_grad_norm": -1.0}}, ValueError, "must be a positive number"),
+        ({"optimizer_config": {"max_grad_norm": math.nan}}, ValueError, "a positive number"),
         ({"tensor_parallel_size": 0}, ValueError, "tensor_parallel_size'] must be a positive"),
         ({"pipeline_parallel_size": 1.5}, ValueError, "pipeline_parallel_size'] must be"),
         (

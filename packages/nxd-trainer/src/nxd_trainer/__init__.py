@@ -29,34 +29,77 @@ The reference's sample, with its import line changed::
   (model, optimizer, scheduler, RNG, user content) through nxd-ckpt.
 """
 
-from importlib.metadata import version as _version
+from __future__ import annotations
 
-from nxd_trainer.activation_checkpoint import (
-    apply_activation_checkpointing,
-    checkpointed_modules,
-    is_checkpointed,
-)
-from nxd_trainer.checkpoint import (
-    finalize_checkpoint,
-    has_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-)
-from nxd_trainer.config import NxDConfig, neuronx_distributed_config
-from nxd_trainer.model import NxDModel, select_loss
-from nxd_trainer.sections import (
-    MixedPrecisionConfig,
-    ModelInitConfig,
-    OptimizerConfig,
-    PipelineConfig,
-)
-from nxd_trainer.trainer import (
-    initialize_parallel_model,
-    initialize_parallel_optimizer,
-    optimizer_param_names,
-)
+import importlib
+from importlib.metadata import version as _version
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from nxd_trainer.activation_checkpoint import (
+        apply_activation_checkpointing,
+        checkpointed_modules,
+        is_checkpointed,
+    )
+    from nxd_trainer.checkpoint import (
+        finalize_checkpoint,
+        has_checkpoint,
+        load_checkpoint,
+        save_checkpoint,
+    )
+    from nxd_trainer.config import NxDConfig, neuronx_distributed_config
+    from nxd_trainer.model import NxDModel, select_loss
+    from nxd_trainer.sections import (
+        MixedPrecisionConfig,
+        ModelInitConfig,
+        OptimizerConfig,
+        PipelineConfig,
+    )
+    from nxd_trainer.trainer import (
+        initialize_parallel_model,
+        initialize_parallel_optimizer,
+        optimizer_param_names,
+    )
 
 __version__ = _version("nxd-trainer")
+
+# The public names and the module of each. They are imported on first use (PEP 562), so
+# ``import nxd_trainer.train.cli`` (the ``nxd-train`` entry point) does not import torch:
+# ``nxd-train --help`` answers at once and Ctrl-C during the heavy imports is handled there.
+_EXPORTS = {
+    "apply_activation_checkpointing": "activation_checkpoint",
+    "checkpointed_modules": "activation_checkpoint",
+    "is_checkpointed": "activation_checkpoint",
+    "finalize_checkpoint": "checkpoint",
+    "has_checkpoint": "checkpoint",
+    "load_checkpoint": "checkpoint",
+    "save_checkpoint": "checkpoint",
+    "NxDConfig": "config",
+    "neuronx_distributed_config": "config",
+    "NxDModel": "model",
+    "select_loss": "model",
+    "MixedPrecisionConfig": "sections",
+    "ModelInitConfig": "sections",
+    "OptimizerConfig": "sections",
+    "PipelineConfig": "sections",
+    "initialize_parallel_model": "trainer",
+    "initialize_parallel_optimizer": "trainer",
+    "optimizer_param_names": "trainer",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'nxd_trainer' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"nxd_trainer.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
 
 __all__ = [
     "MixedPrecisionConfig",

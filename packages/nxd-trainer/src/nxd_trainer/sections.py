@@ -10,7 +10,6 @@ in :class:`nxd_trainer.NxDConfig`.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
 from types import ModuleType
@@ -63,7 +62,8 @@ class OptimizerConfig:
     """Clip the global gradient norm (across DP, TP and PP) to ``max_grad_norm`` each step."""
 
     max_grad_norm: float = 1.0
-    """The norm gradients are clipped to when ``grad_clipping`` is on: positive, finite."""
+    """The norm gradients are clipped to when ``grad_clipping`` is on: positive; ``math.inf``
+    measures the norm (``optimizer.grad_norm``) and clips nothing."""
 
     norm_type: float = 2.0
     """nxd: p of the clipping p-norm (``math.inf`` for the max norm)."""
@@ -78,12 +78,12 @@ class OptimizerConfig:
         if self.grad_clipping and not (
             isinstance(self.max_grad_norm, (int, float))
             and not isinstance(self.max_grad_norm, bool)
-            and self.max_grad_norm > 0
-            and math.isfinite(self.max_grad_norm)
+            and self.max_grad_norm > 0  # NaN fails this too
         ):
             raise ValueError(
-                f"optimizer_config['max_grad_norm'] must be a positive finite number when "
-                f"grad_clipping is on, got {self.max_grad_norm!r}"
+                f"optimizer_config['max_grad_norm'] must be a positive number (math.inf: "
+                f"measure the norm, clip nothing) when grad_clipping is on, got "
+                f"{self.max_grad_norm!r}"
             )
         if not (isinstance(self.norm_type, (int, float)) and self.norm_type > 0):
             raise ValueError(

@@ -6,22 +6,78 @@
 
 Built only on the public pieces: the HF parallelizer (:mod:`nxd_trainer.hf`),
 ``initialize_parallel_model`` / ``_optimizer`` and ``save`` / ``load_checkpoint``; workers
-are started by ``torch.distributed.run``'s elastic API. Needs the ``train`` extra
-(``pip install "nxd-trainer[train]"``: transformers, tokenizers, tqdm, tensorboardX).
+are started by ``torch.distributed.run``'s elastic API. A :class:`Trainer` holds one rank's
+state and step; a :class:`RunDir` owns the run folder. Needs the ``train`` extra
+(``pip install "nxd-trainer[train]"``: transformers, tokenizers, tqdm, tensorboardX, filelock,
+tomli-w).
+
+The names below are imported on first use, so the command line starts without torch.
 """
 
-from nxd_trainer.train.cli import build_parser, main, parse_config
-from nxd_trainer.train.config import ConfigError, TrainConfig, load_toml
-from nxd_trainer.train.data import PackedLoader, load_corpus, prepare_data, train_tokenizer
-from nxd_trainer.train.export import export_run, generate_sample
-from nxd_trainer.train.launch import torchrun_args, under_torchrun
-from nxd_trainer.train.layout import format_layout
-from nxd_trainer.train.loop import run_worker
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from nxd_trainer.train.cli import build_parser, main, parse_config
+    from nxd_trainer.train.config import ConfigError, TrainConfig, load_toml
+    from nxd_trainer.train.data import (
+        PackedLoader,
+        load_corpus,
+        prepare_data,
+        train_tokenizer,
+    )
+    from nxd_trainer.train.export import export_run, generate_sample
+    from nxd_trainer.train.launch import torchrun_args, under_torchrun
+    from nxd_trainer.train.layout import format_layout
+    from nxd_trainer.train.loop import run_worker
+    from nxd_trainer.train.rundir import RunDir
+    from nxd_trainer.train.trainer import StepResult, Trainer
+
+_EXPORTS = {
+    "build_parser": "cli",
+    "main": "cli",
+    "parse_config": "cli",
+    "ConfigError": "config",
+    "TrainConfig": "config",
+    "load_toml": "config",
+    "PackedLoader": "data",
+    "load_corpus": "data",
+    "prepare_data": "data",
+    "train_tokenizer": "data",
+    "export_run": "export",
+    "generate_sample": "export",
+    "torchrun_args": "launch",
+    "under_torchrun": "launch",
+    "format_layout": "layout",
+    "run_worker": "loop",
+    "RunDir": "rundir",
+    "StepResult": "trainer",
+    "Trainer": "trainer",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'nxd_trainer.train' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"nxd_trainer.train.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
 
 __all__ = [
     "ConfigError",
     "PackedLoader",
+    "RunDir",
+    "StepResult",
     "TrainConfig",
+    "Trainer",
     "build_parser",
     "export_run",
     "format_layout",

@@ -2,6 +2,10 @@
 
 import sys
 
-from nxd_trainer.train.cli import main
+try:
+    from nxd_trainer.train.cli import main
+except KeyboardInterrupt:  # Ctrl-C while the (light) command-line module loads
+    print("nxd-train: interrupted", file=sys.stderr)
+    sys.exit(130)
 
 sys.exit(main())

@@ -1,24 +1,45 @@
 """The ``nxd-train`` command line: ``nxd-train [flags]`` and ``nxd-train export RUN_DIR``.
 
 Every field of :class:`~nxd_trainer.train.config.TrainConfig` is a flag (``--seq-len``; bools
-as ``--zero1`` / ``--no-zero1``), its help text the field's docstring. Bad input ends with one
-line, ``nxd-train: error: ...``, and exit status 2 (1 when a worker failed, 130 when
-interrupted after saving); never a traceback, except for a bug.
+as ``--zero1`` / ``--no-zero1``), its help text the field's docstring. Flags are spelled out
+(an abbreviation such as ``--step`` is an error, not ``--steps``). Bad input ends with one
+line, ``nxd-train: error: ...`` (with the closest valid flag when one is misspelled), and exit
+status 2, before anything is written; 1 when a worker failed; 130 when interrupted (Ctrl-C
+anywhere, imports included: one line, nothing half written). Never a traceback, except for a
+bug.
+
+This module imports no torch at import time (nor does the ``nxd_trainer`` package), so
+``--help`` answers at once and Ctrl-C while the heavy modules load is handled here.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import difflib
+import os
 import sys
 import types
 import typing
 from dataclasses import fields
-from typing import Any
+from typing import Any, NoReturn
 
-from nxd_trainer.train.config import ConfigError, TrainConfig, default_of, field_docs, load_toml
+from nxd_trainer.train import _signals
+from nxd_trainer.train.config import (
+    CHECKPOINTING,
+    DEVICES,
+    SCHEDULES,
+    ConfigError,
+    TrainConfig,
+    default_of,
+    field_docs,
+    load_toml,
+)
 
 __all__ = ["build_parser", "main", "parse_config"]
 
+EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130
 EXAMPLES = """\
 examples:
   nxd-train                                  tiny Llama, TP=2 on 2 CPU processes, stdlib corpus
@@ -31,7 +52,8 @@ examples:
   nxd-train export runs/tiny                 (HF folder of the newest checkpoint)
 
 run folder <runs-dir>/<name>/: config.toml, tokenizer/, data/, checkpoints/step_NNNNNNNN/,
-tb/, metrics.jsonl, summary.json, hf/. Rerunning the same command resumes.
+tb/, metrics.jsonl, summary.json, hf/. Rerunning the same command resumes; Ctrl-C finishes
+the step, saves it and exits 130.
 """
 # Groups of --help, in the order of the dataclass.
 GROUPS = {
@@ -43,6 +65,27 @@ GROUPS = {
     "parallelism and numerics": "tp",
     "progress, evaluation, checkpoints, export": "eval_every",
 }
+CHOICES = {"schedule": SCHEDULES, "activation_checkpointing": CHECKPOINTING, "device": DEVICES}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: no usage block, the closest flag for a misspelled one."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(f"{message} (nxd-train --help lists the flags)")
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            flag = unknown[0]
+            known = [o for action in self._actions for o in action.option_strings]
+            hint = difflib.get_close_matches(flag.split("=")[0], known, n=1, cutoff=0.6)
+            raise ConfigError(
+                f"unrecognized argument {flag!r}"
+                + (f" (did you mean {hint[0]!r}?)" if hint else "")
+                + "; nxd-train --help lists the flags"
+            )
+        return parsed
 
 
 def _base_type(annotation: Any) -> Any:
@@ -52,14 +95,20 @@ def _base_type(annotation: Any) -> Any:
     return annotation
 
 
+def _plain(text: str) -> str:
+    """Help text without the docstrings' reST markup."""
+    return text.replace("``", "").replace("%", "%%")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="nxd-train",
         description="Train a Llama-family causal LM with any TP/PP/DP mix (nxd's main job). "
         "Defaults < --config TOML < flags.",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         argument_default=argparse.SUPPRESS,
+        allow_abbrev=False,
     )
     parser.add_argument(
         "--config", metavar="TOML", help="TOML file of settings (keys as below, underscored)"
@@ -74,11 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
         flag = "--" + f.name.replace("_", "-")
         kind = _base_type(hints[f.name])
         default = default_of(f.name)
-        text = f"{docs.get(f.name, '')} (default: {default!r})".replace("%", "%%")
+        text = _plain(f"{docs.get(f.name, '')} (default: {default!r})")
         if kind is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, help=text)
         elif typing.get_origin(kind) is list:
             group.add_argument(flag, nargs="+", metavar="NAME", help=text)
+        elif f.name in CHOICES:
+            group.add_argument(flag, choices=CHOICES[f.name], help=text)
         else:
             metavar = f.name.upper() if kind is str else None
             group.add_argument(flag, type=kind, metavar=metavar, help=text)
@@ -94,23 +145,31 @@ def parse_config(argv: list[str]) -> TrainConfig:
 
 
 def _export_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="nxd-train export",
         description="Write a run's newest checkpoint as a Hugging Face folder (model + "
         "tokenizer) and print a sample generated from it.",
+        allow_abbrev=False,
     )
     parser.add_argument("run_dir", metavar="RUN_DIR", help="the run folder (runs/<name>)")
     parser.add_argument("--out", help="output folder (default: RUN_DIR/hf)")
     parser.add_argument("--tag", help="checkpoint tag (default: the newest complete one)")
-    parser.add_argument("--prompt", default="def ", help="sample prompt (default: 'def ')")
-    parser.add_argument("--sample-tokens", type=int, default=40, help="0: no sample")
+    parser.add_argument("--prompt", help="sample prompt (default: the run's --prompt)")
+    parser.add_argument(
+        "--sample-tokens", type=int, help="0: no sample (default: the run's --sample-tokens)"
+    )
+    parser.add_argument("--seed", type=int, help="sampling seed (default: the run's --seed)")
     args = parser.parse_args(argv)
-    from nxd_trainer.train.export import export_run, generate_sample
+    from nxd_trainer.train.export import export_run, generate_sample, run_settings
 
+    settings = run_settings(args.run_dir)
     out = export_run(args.run_dir, args.out, args.tag)
     print(f"nxd-train: exported {out}")
-    if args.sample_tokens > 0:
-        print(generate_sample(out, args.prompt, args.sample_tokens, seed=0))
+    tokens = settings["sample_tokens"] if args.sample_tokens is None else args.sample_tokens
+    if tokens > 0:
+        prompt = settings["prompt"] if args.prompt is None else args.prompt
+        seed = settings["seed"] if args.seed is None else args.seed
+        print(generate_sample(out, prompt, tokens, seed=seed))
     return 0
 
 
@@ -132,35 +191,94 @@ def _dry_run(cfg: TrainConfig) -> int:
 
 
 def _launcher(cfg: TrainConfig, argv: list[str]) -> int:
-    """Check everything checkable here (one clear line, no worker started), prepare the
-    data once, then start the workers."""
-    from nxd_trainer.train.data import prepare_data, prepare_lock
+    """Check everything checkable here (one clear line, no worker started, nothing written),
+    hold the run folder, check the resume point against the command, prepare the data once,
+    record the settings, then start the workers."""
+    from nxd_trainer.train.data import check_inputs, prepare_data, prepare_lock
     from nxd_trainer.train.launch import launch
     from nxd_trainer.train.model import hf_config, model_source
+    from nxd_trainer.train.rundir import OWNER_ENV, RunDir
 
-    cfg.check_world(cfg.world_size)
+    dp = cfg.check_world(cfg.world_size)
     model_source(cfg)
-    print(f"nxd-train: preparing data and tokenizer in {cfg.run_dir} ...", file=sys.stderr)
-    with prepare_lock(cfg):
-        tokenizer, _, _ = prepare_data(cfg, build=True)
-    hf_config(cfg, len(tokenizer))
-    cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    (cfg.run_dir / "config.toml").write_text(cfg.to_toml(), encoding="utf-8")
+    check_inputs(cfg)
+    run = RunDir.of(cfg)
+    single_node = cfg.nnodes == 1  # else global rank 0 owns the run (the nodes share it)
+    created = not run.root.exists()
+    try:
+        with run.lock() if single_node else contextlib.nullcontext():
+            point = run.resume_point()
+            if point is not None:
+                run.check_resume(point)  # before anything in the folder changes
+                if _finished(cfg, run, point.step):
+                    return 0
+            print(f"nxd-train: preparing data and tokenizer in {run.root} ...", file=sys.stderr)
+            with prepare_lock(cfg):
+                tokenizer, _, _ = prepare_data(cfg, build=True)
+            hf_config(cfg, len(tokenizer))
+            if single_node:
+                run.begin()
+                os.environ[OWNER_ENV] = "1"
+            print(
+                f"nxd-train: starting {cfg.nproc_per_node} worker(s) on this node (world "
+                f"{cfg.world_size}, tp={cfg.tp} pp={cfg.pp} dp={dp})",
+                file=sys.stderr,
+            )
+            code = launch(cfg, argv)
+    except BaseException:
+        if created:
+            _remove_if_unused(run.root)
+        raise
+    if code == EXIT_INTERRUPTED:
+        _say_interrupted(run)
+    return code
+
+
+def _finished(cfg: TrainConfig, run: Any, step: int) -> bool:
+    """A run at its last step, summarised (and exported, if asked) by an earlier command:
+    say so with its final figures, start nothing, change nothing."""
+    from nxd_trainer.train.loop import summary_line
+
+    summary = run.read_summary()
+    if step < cfg.steps or summary is None or summary.get("step") != step:
+        return False
+    if cfg.export and not (run.export_dir / "config.json").is_file():
+        return False
     print(
-        f"nxd-train: starting {cfg.nproc_per_node} worker(s) on this node (world "
-        f"{cfg.world_size}, tp={cfg.tp} pp={cfg.pp} dp={cfg.check_world(cfg.world_size)})",
+        f"nxd-train: the run {run.root} is finished (step {step}, --steps {cfg.steps}); pass "
+        f"a larger --steps to train further. {summary_line(run, summary)}",
         file=sys.stderr,
     )
-    return launch(cfg, argv)
+    return True
+
+
+def _remove_if_unused(root: Any) -> None:
+    """A run folder this command created and left holding only its lock files goes again."""
+    leftovers = {".lock", ".prepare.lock"}
+    with contextlib.suppress(OSError):
+        if root.is_dir() and {p.name for p in root.iterdir()} <= leftovers:
+            for name in leftovers:
+                (root / name).unlink(missing_ok=True)
+            root.rmdir()
+
+
+def _say_interrupted(run: Any) -> None:
+    tag = run.newest_tag()
+    where = (
+        f"the newest checkpoint is {run.checkpoints / tag}: rerun the same command to resume"
+        if tag is not None
+        else "no checkpoint was saved: rerunning the same command starts the run again"
+    )
+    print(f"nxd-train: interrupted; {where}", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``nxd-train`` (the launcher, or a worker under torchrun)."""
-    import os
-
     argv = list(sys.argv[1:] if argv is None else argv)
-    worker = False
+    worker = "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+    interrupted = False
     try:
+        _signals.install()
         if argv[:1] == ["export"]:
             return _export_main(argv[1:])
         cfg = parse_config(argv)
@@ -175,14 +293,19 @@ def main(argv: list[str] | None = None) -> int:
             return run_worker(cfg)
         return _launcher(cfg, argv)
     except ConfigError as error:
-        if not worker or os.environ.get("RANK", "0") == "0" or os.environ.get("LOCAL_RANK") == "0":
+        if not worker or os.environ.get("RANK", "0") == "0":
             print(f"nxd-train: error: {error}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     except KeyboardInterrupt:
-        return 130
+        interrupted = True
     except Exception as error:
         from nxd_trainer.train.loop import PeerFailed
 
+        if worker and _signals.was_received():  # a peer stopped by the same interrupt
+            return EXIT_INTERRUPTED
         if isinstance(error, PeerFailed):
             return 1
         raise
+    if interrupted and not worker:  # a worker stays quiet: its launcher says it
+        print("nxd-train: interrupted", file=sys.stderr, flush=True)
+    return EXIT_INTERRUPTED

@@ -23,7 +23,9 @@ from typing import Any
 __all__ = ["ConfigError", "TrainConfig", "field_docs", "load_toml"]
 
 PRESETS = ("tiny", "small")
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
+# Schedules nxd-train runs (nxd-pipeline also has interleaved 1F1B, which needs virtual stages
+# per rank: the main job does not offer them).
+SCHEDULES = ("gpipe", "1f1b", "zb_h1")
 CHECKPOINTING = ("none", "full", "selective")
 DEVICES = ("cpu", "cuda", "xla")
 
@@ -109,7 +111,8 @@ class TrainConfig:
     """AdamW's decoupled weight decay."""
 
     clip: float = 1.0
-    """Clip the global gradient norm to this (0: no clipping)."""
+    """Clip the global gradient norm to this (0: no clipping; the norm is logged either
+    way)."""
 
     # --- launch ------------------------------------------------------------------------
     nproc_per_node: int = 2
@@ -141,7 +144,7 @@ class TrainConfig:
     """Pipeline micro-batches per micro-step (``pp`` > 1); the per-rank batch must divide."""
 
     schedule: str = "1f1b"
-    """Pipeline schedule: gpipe, 1f1b, interleaved_1f1b or zb_h1."""
+    """Pipeline schedule: gpipe, 1f1b or zb_h1."""
 
     zero1: bool = False
     """ZeRO-1: shard AdamW's state over data parallelism."""
@@ -154,7 +157,8 @@ class TrainConfig:
     (attention only) or ``none``."""
 
     bf16: bool = False
-    """bf16 parameters and activations with fp32 master weights in the optimizer."""
+    """bf16 parameters and activations; the optimizer keeps fp32 master weights and
+    accumulates gradients in fp32."""
 
     compile: bool = False
     """torch.compile the decoder layers (CUDA only)."""
@@ -292,22 +296,20 @@ class TrainConfig:
                 f"the per-rank micro-step batch {int(per_rank)} (batch_size / (dp x "
                 f"grad_accum)) is not divisible by microbatches {self.microbatches}"
             )
-        if self.schedule == "interleaved_1f1b" and self.pp > 1:
-            raise ConfigError("schedule 'interleaved_1f1b' needs virtual stages: not offered here")
         return dp
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def to_toml(self) -> str:
-        """The resolved config as TOML (unset values as comments), loadable with ``--config``."""
-        lines = []
-        for key, value in self.to_dict().items():
-            if value is None:
-                lines.append(f"# {key} = (unset)")
-            else:
-                lines.append(f"{key} = {_toml_value(value)}")
-        return "\n".join(lines) + "\n"
+        """The resolved config as TOML, loadable with ``--config`` (unset values, which TOML
+        cannot hold, are listed in a comment)."""
+        import tomli_w
+
+        values = self.to_dict()
+        unset = [key for key, value in values.items() if value is None]
+        head = f"# unset: {', '.join(unset)}\n" if unset else ""
+        return head + tomli_w.dumps({k: v for k, v in values.items() if v is not None})
 
     @classmethod
     def resolve(cls, toml: dict[str, Any] | None, flags: dict[str, Any]) -> TrainConfig:
@@ -393,13 +395,3 @@ def _float(name: str, value: Any, low: float, high: float) -> None:
 def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    return repr(value)

@@ -3,8 +3,12 @@ and the data-parallel loader.
 
 * **Corpus**: ``--data`` (a text file, a folder of text files, a ``datasets`` folder saved with
   ``save_to_disk``), else the Python standard library's own ``.py`` sources, found through
-  ``sysconfig`` (real text wherever Python is, no download). A document goes to validation
-  when ``crc32(its name) mod 10_000 < val_fraction · 10_000``: the split depends only on names.
+  ``sysconfig`` (real text wherever Python is, no download). A file is text by its content,
+  whatever its name (no NUL byte in its first 8000 bytes, git's rule); ``.git``, ``.hg`` and
+  ``.svn`` folders are skipped. Every text is cut into documents of about 64 KiB (at line
+  ends), named ``<file>#<i>``; a document goes to validation when ``crc32(its name) mod
+  10_000 < val_fraction · 10_000``: the split depends only on names. A corpus too small for
+  that to give both splits (a few documents) holds out its last ``val_fraction`` instead.
 * **Tokenizer**: a byte-level BPE trained with Hugging Face ``tokenizers`` on the training
   split (deterministic), saved as an HF tokenizer folder in the run; or ``--tokenizer DIR``.
 * **Packing**: every document's ids, then ``<|endoftext|>``, concatenated and cut into blocks
@@ -33,14 +37,25 @@ from typing import Any
 import torch
 
 from nxd_trainer.train.config import ConfigError, TrainConfig
+from nxd_trainer.train.rundir import replace_dir
 
-__all__ = ["EOS", "Corpus", "PackedLoader", "load_corpus", "prepare_data"]
+__all__ = [
+    "EOS",
+    "Corpus",
+    "PackedLoader",
+    "check_inputs",
+    "load_corpus",
+    "prepare_data",
+    "prepare_lock",
+]
 
 logger = logging.getLogger(__name__)
 
 EOS = "<|endoftext|>"
-TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".json", ".jsonl", ".csv", ".tex", ".html", ""}
-_CHUNK = 1 << 16  # a single text file is split into documents of about 64 KiB (at newlines)
+_CHUNK = 1 << 16  # texts are cut into documents of about 64 KiB (at newlines)
+_SNIFF = 8000  # a file holding a NUL byte in its first 8000 bytes is binary (git's rule)
+_SKIPPED_DIRS = {".git", ".hg", ".svn"}
+_ENCODE_BATCH = 256  # documents per tokenizer call (Ctrl-C is seen between calls)
 
 
 @dataclass
@@ -57,31 +72,54 @@ def _is_validation(name: str, fraction: float) -> bool:
 
 
 def _read_text(path: Path) -> str | None:
+    """The file's text, or None when its content is binary (whatever its name)."""
     data = path.read_bytes()
-    if b"\x00" in data[:4096]:
-        return None  # binary
+    if b"\x00" in data[:_SNIFF]:
+        return None
     return data.decode("utf-8", errors="replace")
 
 
 def _split_named(
     named: Iterator[tuple[str, str]], fraction: float, budget: int, source: str
 ) -> Corpus:
-    train, valid, size = [], [], 0
+    """Documents (``name``, text) cut into ~64 KiB pieces and split by a hash of their name;
+    a corpus too small for the hash to give both splits holds out its last ``fraction``."""
+    pieces: list[tuple[str, str]] = []
+    size = 0
     for name, text in named:
         if not text.strip():
             continue
-        (valid if _is_validation(name, fraction) else train).append(text)
+        pieces.extend((f"{name}#{i}", chunk) for i, chunk in enumerate(_chunks(text)))
         size += len(text.encode("utf-8"))
         if budget and size >= budget:
             break
-    if not train or not valid:
-        raise ConfigError(
-            f"the corpus {source} has no text"
-            if not train and not valid
-            else f"the corpus {source} is too small to split into training and validation "
-            f"documents ({len(train)} / {len(valid)}); give more text or another val_fraction"
-        )
+    if not pieces:
+        raise ConfigError(f"the corpus {source} has no text")
+    train = [text for name, text in pieces if not _is_validation(name, fraction)]
+    valid = [text for name, text in pieces if _is_validation(name, fraction)]
+    if train and valid:
+        return Corpus(train, valid, source)
+    train, valid = _tail_split([text for _, text in pieces], fraction)
+    logger.info(
+        "the corpus %s has %d document(s): its last %.0f%% is the validation split",
+        source, len(pieces), 100 * fraction,
+    )  # fmt: skip
     return Corpus(train, valid, source)
+
+
+def _tail_split(texts: list[str], fraction: float) -> tuple[list[str], list[str]]:
+    """The last ``fraction`` of the documents (of the text, for one document: cut at the
+    line end nearest the cut point) is validation; the rest is training."""
+    if len(texts) >= 2:
+        held = min(len(texts) - 1, max(1, round(fraction * len(texts))))
+        return texts[:-held], texts[-held:]
+    text = texts[0]
+    cut = round(len(text) * (1 - fraction))
+    line_end = text.rfind("\n", 0, cut)
+    if line_end > 0:
+        cut = line_end + 1
+    cut = min(max(cut, 1), len(text) - 1) if len(text) > 1 else len(text)
+    return [text[:cut]], [text[cut:]]
 
 
 def _stdlib_files() -> tuple[Path, list[Path]]:
@@ -105,6 +143,14 @@ def _chunks(text: str) -> Iterator[str]:
         start = end
 
 
+def check_inputs(cfg: TrainConfig) -> None:
+    """The paths the run reads exist (checked before anything is written)."""
+    if cfg.data is not None and not Path(cfg.data).expanduser().exists():
+        raise ConfigError(f"data path {cfg.data!r} does not exist")
+    if cfg.tokenizer is not None and not Path(cfg.tokenizer).expanduser().is_dir():
+        raise ConfigError(f"tokenizer {cfg.tokenizer!r} is not a folder")
+
+
 def load_corpus(cfg: TrainConfig) -> Corpus:
     """The documents of ``cfg.data`` (or the standard library), split train/validation."""
     budget = int(cfg.corpus_mb * 1e6)
@@ -123,9 +169,14 @@ def load_corpus(cfg: TrainConfig) -> Corpus:
         text = _read_text(path)
         if text is None:
             raise ConfigError(f"data file {cfg.data!r} is not text (it holds NUL bytes)")
-        named = ((f"{path.name}#{i}", chunk) for i, chunk in enumerate(_chunks(text)))
-        return _split_named(named, cfg.val_fraction, budget, f"file {cfg.data!r}")
-    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
+        return _split_named(
+            iter([(path.name, text)]), cfg.val_fraction, budget, f"file {cfg.data!r}"
+        )
+    files = sorted(
+        p
+        for p in path.rglob("*")
+        if p.is_file() and not _SKIPPED_DIRS.intersection(p.relative_to(path).parts[:-1])
+    )
 
     def named_files() -> Iterator[tuple[str, str]]:
         for p in files:
@@ -203,21 +254,28 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Any:
     return tokenizer
 
 
-def _pack(tokenizer: Any, texts: list[str], seq_len: int) -> torch.Tensor:
+def _token_ids(tokenizer: Any, texts: list[str]) -> list[int]:
+    """Every document's ids followed by EOS, concatenated (documents are encoded in batches,
+    so Ctrl-C is seen between them)."""
     eos = tokenizer.eos_token_id
     ids: list[int] = []
     backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(
         tokenizer, "_tokenizer", None
     )
-    if backend is not None:
-        encodings = backend.encode_batch(texts, add_special_tokens=False)
-        for encoding in encodings:
-            ids.extend(encoding.ids)
+    for start in range(0, len(texts), _ENCODE_BATCH):
+        batch = texts[start : start + _ENCODE_BATCH]
+        if backend is not None:
+            encoded = [e.ids for e in backend.encode_batch(batch, add_special_tokens=False)]
+        else:
+            encoded = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in batch]
+        for doc in encoded:
+            ids.extend(doc)
             ids.append(eos)
-    else:
-        for text in texts:
-            ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
-            ids.append(eos)
+    return ids
+
+
+def _blocks(ids: list[int], seq_len: int) -> torch.Tensor:
+    """``ids`` cut into ``(n, seq_len)`` blocks; the tail shorter than a block is dropped."""
     n = len(ids) // seq_len
     return torch.tensor(ids[: n * seq_len], dtype=torch.int32).view(n, seq_len)
 
@@ -229,11 +287,29 @@ def _fingerprint(cfg: TrainConfig) -> str:
     ).hexdigest()[:16]
 
 
+def _check_enough(source: str, train: list[int], valid: list[int], seq_len: int) -> None:
+    """Both splits must hold a block of ``seq_len`` tokens: else name the value that works."""
+    if len(train) >= seq_len and len(valid) >= seq_len:
+        return
+    fits = min(len(train), len(valid))
+    hint = (
+        f"use --seq-len {fits} or less, or give more text"
+        if fits >= 2
+        else "give more text (or a larger val_fraction)"
+    )
+    raise ConfigError(
+        f"the corpus {source} gives {len(train)} training and {len(valid)} validation tokens, "
+        f"too few for one sequence of seq_len {seq_len} in each; {hint}"
+    )
+
+
 def prepare_data(cfg: TrainConfig, *, build: bool) -> tuple[Any, torch.Tensor, torch.Tensor]:
     """The tokenizer and the packed train/validation blocks ``(n, seq_len)`` of the run.
 
     With ``build`` this process makes whatever is missing from the run folder (the tokenizer,
-    the packed ids) and writes it atomically; without it, it reads what is there.
+    the packed ids): everything is computed first, then written under temporary names and
+    renamed, ``data/meta.json`` last, so an error or Ctrl-C leaves the folder as it was.
+    Without ``build`` it reads what is there.
     """
     from safetensors.torch import load_file, save_file
 
@@ -250,46 +326,40 @@ def prepare_data(cfg: TrainConfig, *, build: bool) -> tuple[Any, torch.Tensor, t
         else:
             logger.info("training a byte-level BPE (vocab %d) on %s", cfg.vocab_size, corpus.source)
             tokenizer = train_tokenizer(corpus.train, cfg.vocab_size)
-        tmp = run / f".tokenizer.{os.getpid()}"
-        tokenizer.save_pretrained(str(tmp))
-        _replace_dir(tmp, tok_dir)
-        train, valid = (_pack(tokenizer, t, cfg.seq_len) for t in (corpus.train, corpus.valid))
-        if len(train) == 0 or len(valid) == 0:
-            raise ConfigError(
-                f"the corpus {corpus.source} gives {len(train)} training / {len(valid)} "
-                f"validation sequences of {cfg.seq_len} tokens: too little text"
-            )
-        data_dir.mkdir(parents=True, exist_ok=True)
-        tmp_file = data_dir / f".blocks.{os.getpid()}"
-        save_file({"train": train, "valid": valid}, str(tmp_file))
-        os.replace(tmp_file, data_dir / "blocks.safetensors")
+        train_ids, valid_ids = (_token_ids(tokenizer, t) for t in (corpus.train, corpus.valid))
+        _check_enough(corpus.source, train_ids, valid_ids, cfg.seq_len)
+        train, valid = _blocks(train_ids, cfg.seq_len), _blocks(valid_ids, cfg.seq_len)
         meta = {
             "fingerprint": fingerprint,
             "source": corpus.source,
             "documents": [len(corpus.train), len(corpus.valid)],
+            "tokens": [len(train_ids), len(valid_ids)],
             "sequences": [len(train), len(valid)],
             "vocab": len(tokenizer),
         }
-        tmp_meta = data_dir / f".meta.{os.getpid()}"
-        tmp_meta.write_text(json.dumps(meta, indent=1))
-        os.replace(tmp_meta, meta_path)
+        data_dir.mkdir(parents=True, exist_ok=True)
+        suffix = f".{os.getpid()}.tmp"
+        tmp_tok, tmp_blocks = run / f".tokenizer{suffix}", data_dir / f".blocks{suffix}"
+        tmp_meta = data_dir / f".meta{suffix}"
+        try:
+            tokenizer.save_pretrained(str(tmp_tok))
+            save_file({"train": train, "valid": valid}, str(tmp_blocks))
+            tmp_meta.write_text(json.dumps(meta, indent=1))
+            meta_path.unlink(missing_ok=True)  # the old cache is invalid from here on
+            replace_dir(tmp_tok, tok_dir)
+            os.replace(tmp_blocks, data_dir / "blocks.safetensors")
+            os.replace(tmp_meta, meta_path)
+        finally:
+            import shutil
+
+            shutil.rmtree(tmp_tok, ignore_errors=True)
+            tmp_blocks.unlink(missing_ok=True)
+            tmp_meta.unlink(missing_ok=True)
     if not meta_path.is_file():
         raise ConfigError(f"no prepared data in {data_dir}")  # a rank read before the barrier
     tokenizer = load_tokenizer(tok_dir)
     blocks = load_file(str(data_dir / "blocks.safetensors"))
     return tokenizer, blocks["train"], blocks["valid"]
-
-
-def _replace_dir(tmp: Path, target: Path) -> None:
-    import shutil
-
-    if target.exists():
-        old = target.with_name(f".{target.name}.old.{os.getpid()}")
-        os.replace(target, old)
-        os.replace(tmp, target)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, target)
 
 
 # --- loader ---------------------------------------------------------------------------------
@@ -336,19 +406,9 @@ class PackedLoader:
 
 
 def prepare_lock(cfg: TrainConfig) -> Any:
-    """An exclusive lock on the run folder's data (two launchers of one host prepare in turn;
-    the second finds the cache)."""
-    import contextlib
-    import fcntl
+    """An exclusive lock on the run folder's data (launchers of several nodes sharing the
+    folder prepare in turn; the later ones find the cache)."""
+    from filelock import FileLock
 
-    @contextlib.contextmanager
-    def lock() -> Iterator[None]:
-        cfg.run_dir.mkdir(parents=True, exist_ok=True)
-        with open(cfg.run_dir / ".prepare.lock", "w") as handle:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(handle, fcntl.LOCK_UN)
-
-    return lock()
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    return FileLock(str(cfg.run_dir / ".prepare.lock"))

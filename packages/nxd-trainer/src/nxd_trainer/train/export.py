@@ -1,21 +1,35 @@
 """Export a run to a Hugging Face folder and generate a sample from that folder.
 
 ``export_run(run_dir)`` assembles the newest complete checkpoint (any TP/PP degrees it was
-saved at) into ``<run>/hf``: ``config.json``, ``model.safetensors`` and the run's tokenizer,
-which ``transformers.AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer`` load. The
-sample printed at the end of training is generated from that folder, so it shows what a user
-of the export gets.
+saved at) into ``<run>/hf``: ``config.json`` (the tokenizer's BOS/EOS/padding ids),
+``generation_config.json``, ``model.safetensors`` and the run's tokenizer, which
+``transformers.AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer`` load. The folder is
+written next to its place and renamed into it, so an interrupted export leaves the previous
+one whole. The sample printed at the end of training is generated from that folder with the
+run's seed, so it shows what a user of the export gets.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from nxd_trainer.train.config import ConfigError
+from nxd_trainer.train.config import ConfigError, default_of, load_toml
 
-__all__ = ["export_run", "generate_sample"]
+__all__ = ["export_run", "generate_sample", "run_settings"]
+
+
+def run_settings(run_dir: str | Path) -> dict[str, Any]:
+    """The sample settings of a run (its ``config.toml``; the defaults for a run without one):
+    ``seed``, ``prompt``, ``sample_tokens``."""
+    keys = ("seed", "prompt", "sample_tokens")
+    path = Path(run_dir) / "config.toml"
+    saved = load_toml(path) if path.is_file() else {}
+    return {k: saved.get(k, default_of(k)) for k in keys}
 
 
 def export_run(
@@ -24,15 +38,19 @@ def export_run(
     """Write the HF folder of ``run_dir``'s newest (or ``tag``) checkpoint; returns it."""
     from nxd_trainer.hf import export_hf
     from nxd_trainer.train.data import load_tokenizer
-    from nxd_trainer.train.loop import CHECKPOINT_DIR, newest_tag
+    from nxd_trainer.train.rundir import RunDir, replace_dir
 
     run = Path(run_dir)
-    ckpt = run / CHECKPOINT_DIR
     if not run.is_dir():
         raise ConfigError(f"run folder {str(run)!r} does not exist")
-    tag = tag or newest_tag(ckpt)
-    if tag is None or not (ckpt / tag / "done").is_file():
-        raise ConfigError(f"no complete checkpoint in {ckpt}" + (f" named {tag!r}" if tag else ""))
+    tags = RunDir(run).complete_tags()
+    ckpt = run / "checkpoints"
+    if tag is None:
+        tag = tags[-1] if tags else None
+    elif tag not in tags:
+        raise ConfigError(f"{tag!r} is not a complete checkpoint of {run}; complete: {tags}")
+    if tag is None:
+        raise ConfigError(f"no complete checkpoint in {ckpt}")
     source = ckpt / tag
     import nxd_ckpt
 
@@ -42,9 +60,15 @@ def export_run(
             raise ConfigError(f"{run} is a LoRA run without a merged export checkpoint")
     tokenizer = load_tokenizer(run / "tokenizer")
     out = Path(out_dir) if out_dir is not None else run / "hf"
-    export_hf(
-        source, out, tag="" if source.name == "export_checkpoint" else None, tokenizer=tokenizer
-    )
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        export_hf(
+            source, tmp, tag="" if source.name == "export_checkpoint" else None,
+            tokenizer=tokenizer,
+        )  # fmt: skip
+        replace_dir(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

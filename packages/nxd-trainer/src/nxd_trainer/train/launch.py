@@ -75,7 +75,7 @@ def launch(cfg: TrainConfig, argv: list[str]) -> int:
         elastic_launch(config, cmd)(*cmd_args)
     except ChildFailedError as error:
         codes = sorted({f.exitcode for f in error.failures.values()})
-        if codes == [EXIT_INTERRUPTED]:
+        if EXIT_INTERRUPTED in codes:  # the others stopped because of it
             return EXIT_INTERRUPTED
         if EXIT_BAD_INPUT in codes:  # a worker found bad input and said so in one line
             return EXIT_BAD_INPUT

@@ -8,7 +8,9 @@ Rows of ``metrics.jsonl`` (one JSON object a line)::
 
 TensorBoard tags: ``train/loss``, ``train/lr``, ``train/grad_norm``, ``train/tokens_per_s``,
 ``val/loss``, ``val/perplexity`` (``<run>/tb``). On resume, rows after the resumed step are
-dropped from the JSONL file, so it always reads as one uninterrupted run.
+dropped from the JSONL file, so it always reads as one uninterrupted run. Every line is strict
+JSON: a value that is not a finite number (a diverged loss) is written as ``null`` and left out
+of TensorBoard.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from nxd_trainer.train.rundir import dumps_strict
 
 __all__ = ["Metrics"]
 
@@ -64,8 +68,12 @@ class Metrics:
         os.replace(tmp, self.path)
 
     def _row(self, row: dict[str, Any]) -> None:
-        self._file.write(json.dumps(row) + "\n")
+        self._file.write(dumps_strict(row) + "\n")
         self._file.flush()
+
+    def _scalar(self, tag: str, value: float, step: int) -> None:
+        if math.isfinite(value):
+            self._tb.add_scalar(tag, value, step)
 
     def train(self, step: int, loss: float, lr: float, grad_norm: float, tokens: int,
               tokens_per_s: float) -> None:  # fmt: skip
@@ -76,7 +84,7 @@ class Metrics:
                    "time": time.time()})  # fmt: skip
         for tag, value in (("loss", loss), ("lr", lr), ("grad_norm", grad_norm),
                            ("tokens_per_s", tokens_per_s)):  # fmt: skip
-            self._tb.add_scalar(f"train/{tag}", value, step)
+            self._scalar(f"train/{tag}", value, step)
         if self._bar is not None:
             self._bar.set_postfix(
                 loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}", lr=f"{lr:.2e}",
@@ -89,8 +97,8 @@ class Metrics:
         if self.writer:
             self._row({"kind": "eval", "step": step, "val_loss": loss,
                        "val_perplexity": perplexity, "time": time.time()})  # fmt: skip
-            self._tb.add_scalar("val/loss", loss, step)
-            self._tb.add_scalar("val/perplexity", perplexity, step)
+            self._scalar("val/loss", loss, step)
+            self._scalar("val/perplexity", perplexity, step)
             self.write(f"step {step}: validation loss {loss:.4f}, perplexity {perplexity:.2f}")
         return perplexity
 

@@ -9,6 +9,7 @@ read) and ``initialize_parallel_model`` parallelises it through the HF paralleli
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -52,9 +53,13 @@ def model_source(cfg: TrainConfig) -> tuple[str, Path | None]:
     )
 
 
-def hf_config(cfg: TrainConfig, vocab: int) -> Any:
+def hf_config(cfg: TrainConfig, vocab: int, tokenizer: Any = None) -> Any:
     """The ``transformers`` config of the run's model (the preset's vocabulary is the
-    tokenizer's, rounded up to a multiple of 64 so every TP degree splits it evenly)."""
+    tokenizer's, rounded up to a multiple of 64 so every TP degree splits it evenly).
+
+    With ``tokenizer`` (the run's), the config's BOS/EOS/padding ids are the tokenizer's:
+    they are what the model learns between documents and what ``generate()`` of the export
+    stops at."""
     import transformers
 
     kind, path = model_source(cfg)
@@ -64,6 +69,7 @@ def hf_config(cfg: TrainConfig, vocab: int) -> Any:
             max_position_embeddings=max(cfg.seq_len, 128),
             rms_norm_eps=1e-5,
             tie_word_embeddings=False,
+            architectures=["LlamaForCausalLM"],
             **PRESET_SHAPES[cfg.model],
         )
     else:
@@ -93,7 +99,22 @@ def hf_config(cfg: TrainConfig, vocab: int) -> Any:
     if cfg.pp > config.num_hidden_layers:
         raise ConfigError(f"pp({cfg.pp}) exceeds the model's {config.num_hidden_layers} layers")
     config._attn_implementation = "sdpa"
+    if tokenizer is not None:
+        _special_ids_from(tokenizer, config)
     return config
+
+
+def _special_ids_from(tokenizer: Any, config: Any) -> None:
+    """Set the config's bos/eos/pad ids to the tokenizer's where they differ (an id list, as
+    Llama 3's EOS, is kept when it holds the tokenizer's id)."""
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = getattr(tokenizer, key, None)
+        if value is None:
+            continue
+        current = getattr(config, key, None)
+        if value == current or (isinstance(current, list) and value in current):
+            continue
+        setattr(config, key, value)
 
 
 def make_model_fn(cfg: TrainConfig, config: Any) -> Any:
@@ -154,15 +175,17 @@ def build_nxd_config(cfg: TrainConfig, config: Any) -> dict[str, Any]:
             lora_alpha=cfg.lora_alpha,
             target_modules=list(cfg.lora_targets),
         )
-    mixed = {"use_master_weights": True} if cfg.bf16 else None
+    # bf16: fp32 master weights and fp32 gradient accumulation (Megatron's bf16 default).
+    mixed = {"use_master_weights": True, "use_fp32_grad_acc": True} if cfg.bf16 else None
     return nxd.neuronx_distributed_config(
         tensor_parallel_size=cfg.tp,
         pipeline_parallel_size=cfg.pp,
         pipeline_config=pipeline_config,
         optimizer_config={
             "zero_one_enabled": cfg.zero1,
-            "grad_clipping": cfg.clip > 0,
-            "max_grad_norm": cfg.clip if cfg.clip > 0 else 1.0,
+            # The norm is measured at every step; clip 0 clips at infinity (scales nothing).
+            "grad_clipping": True,
+            "max_grad_norm": cfg.clip if cfg.clip > 0 else math.inf,
         },
         activation_checkpoint_config=checkpointing,
         sequence_parallel=cfg.sequence_parallel,
