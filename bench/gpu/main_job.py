@@ -267,13 +267,14 @@ class Bench:
         os.replace(tmp, self.json_path)
 
     def run(self, name: str, argv: list[str], limit_s: float) -> dict[str, Any]:
-        """Run ``argv`` (its own process group, killed at the limit); rc, time, memory, tail."""
+        """Run ``argv`` (its own process group, killed at the limit); rc, time, memory, tail
+        (Python >= 3.11: ``process_group``; the GPU machine has 3.12)."""
         limit = min(limit_s, self.left())
         entry: dict[str, Any] = {"command": argv}
         if limit < 0.5 * limit_s:  # not enough budget left to be worth starting
             entry |= {
                 "ok": False,
-                "skipped": f"budget: {self.left():.0f} s left, needs {limit_s:.0f} s",
+                "skipped": f"budget: {self.left():.0f} s left, < half of its {limit_s:.0f} s",
             }
             self._line(f"[{name}] skipped ({entry['skipped']})")
             return entry
@@ -288,7 +289,9 @@ class Bench:
                 stderr=subprocess.STDOUT,
                 env=self.env,
                 cwd=self.work,
-                start_new_session=True,
+                # A process group of its own (killed whole at the limit), in this session: the
+                # device tool ends a session's processes with the command, but not a new session.
+                process_group=0,
             )
             try:
                 rc = process.wait(timeout=limit)
