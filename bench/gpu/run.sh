@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Run THERE (the GPU machine, through the device tool's `run`, carry ["bench/gpu/.wheels"]):
+# installs the wheels that bench/gpu/prepare.sh made here (no network there), then runs the
+# benchmark; its files go to $OUT (the tool's output folder), else bench/results/gpu.
+#
+#     bash bench/gpu/run.sh [main_job.py flags, e.g. --budget-s 420 --only main,peer-amp]
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+wheels=bench/gpu/.wheels
+if ! ls "$wheels"/nxd_trainer-*.whl >/dev/null 2>&1; then
+    echo "run.sh: no nxd wheels in $wheels: run bench/gpu/prepare.sh first and carry $wheels" >&2
+    exit 2
+fi
+site=${NXD_BENCH_SITE:-/tmp/nxd-bench-site}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$site" "$wheels"/*.whl || exit 1
+export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+python3 -c "import nxd_trainer.train.cli, tensorboardX, isal, tqdm, tokenizers" || exit 1
+nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader || true
+out=${OUT:-bench/results/gpu}
+mkdir -p "$out"
+python3 bench/gpu/main_job.py --out "$out" "$@" 2>&1 | tee "$out/console.log"
+exit "${PIPESTATUS[0]}"
