@@ -108,12 +108,12 @@ def test_ctrl_c_while_training_saves_the_step(tmp_path: Path) -> None:
     job = _start(args, tmp_path)
     metrics = tmp_path / "tiny" / "metrics.jsonl"
     _wait_for(
-        job, lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= 3, "step 3"
+        job, lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= 1, "step 1"
     )
     _, err = _ctrl_c(job)
     line = _check_one_line(job.returncode, err)
     last = max(R.losses(tmp_path / "tiny"))
-    assert 3 <= last < 400  # stopped early, after a whole step
+    assert 1 <= last < 400  # stopped early, after a whole step
     tag = tmp_path / "tiny" / "checkpoints" / f"step_{last:08d}"
     assert (tag / "done").is_file()  # the interrupted step was saved
     assert f"the newest checkpoint is {tag}" in line

@@ -197,20 +197,28 @@ def test_export_command(default_run: tuple[Path, str], tmp_path: Path, capsys: A
 @pytest.mark.slow
 def test_rerun_of_a_finished_run_trains_nothing(runs: Path, default_run: tuple[Path, str]) -> None:
     shutil.copytree(default_run[0], runs / "again")
-    before = (runs / "again" / "metrics.jsonl").read_text()
+    before = {p: p.read_bytes() for p in (runs / "again").rglob("*") if p.is_file()}
     done = R.nxd_train([*R.TINY, *STEPS, "--runs-dir", str(runs), "--name", "again"], runs)
-    assert "the run is already at step 6 (--steps 6): nothing to train" in done.stderr
-    assert (runs / "again" / "metrics.jsonl").read_text() == before
-    assert "nxd-train: 6 steps, 768 tokens" in done.stderr
+    assert f"the run {runs / 'again'} is finished (step 6, --steps 6)" in done.stderr
+    assert "6 steps, 768 tokens" in done.stderr  # its final figures
+    assert "starting" not in done.stderr  # no worker was started
+    after = {p: p.read_bytes() for p in (runs / "again").rglob("*") if p.is_file()}
+    assert after == before  # nothing changed
 
 
-@pytest.mark.slow
 def test_resume_with_other_frozen_settings_is_refused(
     runs: Path, default_run: tuple[Path, str]
 ) -> None:
+    """Refused before anything in the run folder changes (data, tokenizer, config.toml)."""
     shutil.copytree(default_run[0], runs / "changed")
-    args = [*R.TINY, *STEPS, "--runs-dir", str(runs), "--name", "changed", "--batch-size", "2"]
+    before = {p: p.read_bytes() for p in (runs / "changed").rglob("*") if p.is_file()}
+    args = [*R.TINY, *STEPS, "--runs-dir", str(runs), "--name", "changed", "--batch-size", "2",
+            "--seq-len", "16"]  # fmt: skip
     done = R.nxd_train(args, runs, check=False)
     assert done.returncode == 2
-    assert "holds a checkpoint of another setup (batch_size: 4 -> 2)" in done.stderr
+    assert "holds a checkpoint of another setup (seq_len: 32 -> 16, batch_size: 4 -> 2)" in (
+        done.stderr
+    )
     assert "Traceback" not in done.stderr
+    after = {p: p.read_bytes() for p in (runs / "changed").rglob("*") if p.is_file()}
+    assert after == before
