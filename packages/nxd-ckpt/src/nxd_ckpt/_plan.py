@@ -96,18 +96,19 @@ def _whole(category: str, name: str, tensor: torch.Tensor) -> TensorItem:
 def _add_model(plan: RankPlan, model: Any) -> None:
     tensors, aliases = model_tensors(model, plan.ctx)
     for local in tensors:
-        name = rank_local_name(local.name, plan.ctx) if local.spec.rank_local else local.name
         stable = isinstance(local.tensor, nn.Parameter)  # buffers may change in forward
-        plan.add(
-            TensorItem(
-                "model",
-                name,
-                local.tensor.dtype,
-                local.spec,
-                DenseSource(local.tensor),
-                stable=stable,
+        for stored, spec in local.stored():  # its own name, or its declared parts
+            name = rank_local_name(stored, plan.ctx) if spec.rank_local else stored
+            plan.add(
+                TensorItem(
+                    "model",
+                    name,
+                    local.tensor.dtype,
+                    spec,
+                    DenseSource(local.tensor),
+                    stable=stable,
+                )
             )
-        )
     if aliases:
         plan.aliases["model"] = aliases
 
