@@ -122,12 +122,25 @@ def _add_json(plan: RankPlan, category: str, value: Any, what: str) -> None:
 
 
 def _model_config(model: Any) -> dict[str, Any] | None:
-    """A Hugging Face model's config as JSON-safe data (for export), else None."""
-    holders = (model, getattr(model, "module", None), getattr(model, "original_torch_module", None))
-    for holder in holders:
+    """A Hugging Face model's config as JSON-safe data (for export), else None; its
+    ``architectures`` is the model's class when the config does not say (a model built with
+    ``from_config``), as ``save_pretrained`` would write it."""
+    holders = [model]
+    for holder in holders:  # wrappers (LoRAModel, NxDPPModel) forward .config: find its owner
+        for attribute in ("module", "original_torch_module"):
+            inner = getattr(holder, "__dict__", {}).get(attribute)
+            if inner is None and isinstance(holder, nn.Module):
+                inner = holder._modules.get(attribute)
+            if inner is not None and inner not in holders:
+                holders.append(inner)
+    owners = [h for h in holders if "config" in getattr(h, "__dict__", {})] or holders
+    for holder in owners:
         to_json = getattr(getattr(holder, "config", None), "to_json_string", None)
         if callable(to_json):
-            return json.loads(to_json(use_diff=False))
+            config = json.loads(to_json(use_diff=False))
+            if not config.get("architectures"):
+                config["architectures"] = [type(holder).__name__]
+            return config
     return None
 
 
