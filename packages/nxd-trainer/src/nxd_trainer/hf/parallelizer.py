@@ -141,6 +141,8 @@ class Parallelizer:
             )
         state = nxd_state.get_parallel_state()
         cls.check_model(model)
+        if fuse_qkv is not None and not isinstance(fuse_qkv, bool):
+            raise TypeError(f"fuse_qkv must be a bool or None, got {fuse_qkv!r}")
         layout_for(model.config, state.tensor_parallel_size, kv_size_multiplier)
         if sequence_parallel_enabled and state.tensor_parallel_size == 1:
             raise ValueError("sequence_parallel_enabled=True needs tensor_parallel_size > 1")
