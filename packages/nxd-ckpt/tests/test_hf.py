@@ -121,7 +121,11 @@ def test_export_of_a_tp2_pp2_llama_loads_in_transformers(tmp_path: Path, llama_d
     assert saved == expected
     config = AutoConfig.from_pretrained(llama_dir)
     export_hf(ckpt, out, tag="trained", config=config)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+    ]
     theirs = AutoModelForCausalLM.from_pretrained(out).eval()
     with torch.no_grad():
         result = theirs(input_ids=_batch(), labels=_batch())

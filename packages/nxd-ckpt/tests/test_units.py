@@ -227,7 +227,16 @@ def test_cli_info_and_export(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"model_type": "custom"}))
     out = tmp_path / "hf"
-    assert cli(["export-hf", str(tmp_path / "ckpt"), str(out), "--config", str(config)]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    ids = '{"eos_token_id": 3}'
+    args = ["export-hf", str(tmp_path / "ckpt"), str(out), "--config", str(config)]
+    assert cli([*args, "--token-ids", ids]) == 0
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+    ]
+    written = json.loads((out / "config.json").read_text())
+    assert (written["eos_token_id"], written["use_cache"]) == (3, True)
+    assert json.loads((out / "generation_config.json").read_text()) == {"eos_token_id": 3}
     assert cli(["info", str(tmp_path / "missing")]) == 1
     assert "does not exist" in capsys.readouterr().err

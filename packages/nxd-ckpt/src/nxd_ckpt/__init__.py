@@ -13,6 +13,8 @@
 * :func:`load_nxd_checkpoint` / :func:`convert_nxd_checkpoint`: NxD's own pickled layout,
   read with ``torch.load(weights_only=True)`` only.
 * :mod:`nxd_ckpt.legacy`: NxD's ``parallel_layers.save`` / ``load``.
+* :class:`StoredPart` (:mod:`nxd_ckpt.parts`): a module's declaration of the names its
+  parameters are stored under (one degree-independent name for a layout that depends on TP).
 * :mod:`nxd_ckpt.format`: the on-disk format (index dataclasses, format version); the
   ``nxd-ckpt`` command (:mod:`nxd_ckpt.cli`): ``info``, ``export-hf``, ``convert-nxd``.
 """
@@ -28,14 +30,17 @@ from nxd_ckpt.checkpoint import (
 from nxd_ckpt.format import FORMAT_VERSION, CheckpointIndex, FormatError, read_index
 from nxd_ckpt.hf import export_hf, load_hf_checkpoint
 from nxd_ckpt.nxd_format import convert_nxd_checkpoint, is_nxd_checkpoint, load_nxd_checkpoint
+from nxd_ckpt.parts import CHECKPOINT_PARTS, StoredPart
 from nxd_ckpt.user_content import read_user_content
 
 __version__ = _version("nxd-ckpt")
 
 __all__ = [
+    "CHECKPOINT_PARTS",
     "FORMAT_VERSION",
     "CheckpointIndex",
     "FormatError",
+    "StoredPart",
     "__version__",
     "convert_nxd_checkpoint",
     "export_hf",

@@ -112,22 +112,24 @@ def model_reads(model: Any, reader: CheckpointReader, ctx: RankContext, strict: 
     index = reader.index
     stored = index.category("model")
     requested, missing, mismatched, used = [], [], [], set()
+    names = set(index.names("model"))
     for local in tensors:
-        name = rank_local_name(local.name, ctx) if local.spec.rank_local else local.name
-        target = index.resolve("model", name)
-        record = stored.get(target)
-        if record is None:
-            missing.append(name)
-            continue
-        used.add(target)
-        spec = spec_for_stored_shape(local.spec, tuple(record.shape))
-        if spec is None:
-            mismatched.append(
-                f"{local.name}: checkpoint {tuple(record.shape)}, model "
-                f"{tuple(local.spec.global_shape)}"
-            )
-            continue
-        requested.append((local, target, spec))
+        for part, part_spec in local.stored_in(names):  # its own name, or its stored parts
+            name = rank_local_name(part, ctx) if part_spec.rank_local else part
+            target = index.resolve("model", name)
+            record = stored.get(target)
+            if record is None:
+                missing.append(name)
+                continue
+            used.add(target)
+            spec = spec_for_stored_shape(part_spec, tuple(record.shape))
+            if spec is None:
+                mismatched.append(
+                    f"{part}: checkpoint {tuple(record.shape)}, model "
+                    f"{tuple(part_spec.global_shape)}"
+                )
+                continue
+            requested.append((local, target, spec))
     for alias, first in aliases.items():  # tied names: present in the checkpoint or not
         target = index.resolve("model", alias)
         if target in stored:

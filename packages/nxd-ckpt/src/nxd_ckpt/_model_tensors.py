@@ -5,28 +5,111 @@ checkpoint saved under pipeline parallelism is a union of the stages' names. Tie
 (one tensor under several names on a rank) are stored once; the other names become aliases.
 A plain ``dict`` of tensors is accepted too (NxD allows it); without sharding attributes its
 tensors are saved per (TP, PP) rank and load back at the same degrees only.
+
+A module declaring ``nxd_checkpoint_parts`` (:mod:`nxd_ckpt.parts`) has those parameters
+stored under the declared names: :meth:`LocalTensor.stored` is what a save writes,
+:meth:`LocalTensor.stored_in` what a load reads from a checkpoint holding given names.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Container, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from nxd_ckpt._context import RankContext
-from nxd_ckpt._sharding import ShardSpec, rank_local_spec, spec_for_tensor
+from nxd_ckpt._sharding import ShardSpec, part_spec, rank_local_spec, spec_for_tensor
+from nxd_ckpt.parts import CHECKPOINT_PARTS, StoredPart
 
-__all__ = ["LocalTensor", "model_tensors", "named_parameters"]
+__all__ = ["LocalTensor", "Part", "declared_parts", "model_tensors", "named_parameters"]
+
+
+@dataclass
+class Part:
+    """A stored part of a local tensor: its full stored name, spec and older names."""
+
+    name: str
+    spec: ShardSpec
+    aliases: tuple[str, ...] = ()
 
 
 @dataclass
 class LocalTensor:
+    """A tensor of the model on this rank: its own (state-dict) name and spec, and the stored
+    parts its module declares (None: stored under its own name)."""
+
     name: str
     tensor: torch.Tensor
     spec: ShardSpec
+    parts: list[Part] | None = field(default=None)
+
+    def stored(self) -> list[tuple[str, ShardSpec]]:
+        """(stored name, spec) of what a save writes for this tensor."""
+        if self.parts is None:
+            return [(self.name, self.spec)]
+        return [(part.name, part.spec) for part in self.parts]
+
+    def stored_in(self, names: Container[str]) -> list[tuple[str, ShardSpec]]:
+        """What to read from a checkpoint holding ``names``: the parts (each under its name or
+        an alias); else the tensor's own name (a checkpoint written before the parts were
+        declared); else the parts, which the caller reports missing."""
+        if self.parts is None:
+            return [(self.name, self.spec)]
+        chosen = []
+        for part in self.parts:
+            found = next((n for n in (part.name, *part.aliases) if n in names), None)
+            if found is None:
+                break
+            chosen.append((found, part.spec))
+        else:
+            return chosen
+        if self.name in names:
+            return [(self.name, self.spec)]
+        return self.stored()
+
+
+def _sibling(prefix: str, name: str) -> str:
+    """``name`` relative to the parent of the module at ``prefix``."""
+    parent = prefix.rpartition(".")[0]
+    return f"{parent}.{name}" if parent else name
+
+
+def declared_parts(
+    module: nn.Module | None, prefix: str, local: str, spec: ShardSpec
+) -> list[Part] | None:
+    """The stored parts ``module`` (at ``prefix``) declares for its tensor ``local``, with
+    their specs cut from ``spec`` (:func:`nxd_ckpt._sharding.part_spec`); None if none."""
+    declared = getattr(module, CHECKPOINT_PARTS, None) if module is not None else None
+    if not declared or local not in declared:
+        return None
+    what = f"{prefix}.{local}" if prefix else local
+    parts = tuple(declared[local])
+    if not parts or not all(isinstance(p, StoredPart) for p in parts):
+        raise TypeError(
+            f"{what}: {CHECKPOINT_PARTS} must map it to a non-empty tuple of "
+            f"nxd_ckpt.StoredPart, got {parts!r}"
+        )
+    total = spec.global_shape[0] if spec.global_shape else 0
+    if len(parts) == 1 and parts[0].rows is None:
+        rows = [total]
+    else:
+        rows = [p.rows for p in parts]  # type: ignore[misc]
+        if None in rows or sum(rows) != total:
+            raise ValueError(
+                f"{what}: declared parts of {[p.rows for p in parts]} rows do not add up to "
+                f"its global tensor's {total} rows (shape {spec.global_shape})"
+            )
+    out, start = [], 0
+    for part, count in zip(parts, rows):
+        cut = part_spec(spec, start, count, what)
+        cut.info["stored_part_of"] = {"name": what, "row_offset": start}
+        aliases = tuple(_sibling(prefix, a) for a in part.aliases)
+        out.append(Part(_sibling(prefix, part.name), cut, aliases))
+        start += count
+    return out
 
 
 def _stages(model: Any) -> list[nn.Module]:
@@ -88,7 +171,8 @@ def model_tensors(
                 module=modules.get(prefix),
                 local_name=local,
             )
-            out.append(LocalTensor(name, tensor, spec))
+            parts = declared_parts(modules.get(prefix), prefix, local, spec)
+            out.append(LocalTensor(name, tensor, spec, parts))
     return out, aliases
 
 

@@ -14,7 +14,9 @@ module resolves an optimizer into one of two shapes:
   optimizer steps fp32 master copies of low-precision params, read by
   :func:`nxd_optimizer_masters` through ``NxDOptimizer.master_weights_by_param()``).
 
-Parameter names come from the model; without a model, ``pp<r>.group<i>.<j>`` positions.
+Parameter names come from the model; without a model, ``pp<r>.group<i>.<j>`` positions. A
+parameter whose module declares stored parts (:mod:`nxd_ckpt.parts`) has its state stored
+under the parts' names, each part's blocks cut from the parameter's.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any
 import torch
 
 from nxd_ckpt._context import RankContext
-from nxd_ckpt._model_tensors import model_tensors
+from nxd_ckpt._model_tensors import LocalTensor, model_tensors
 from nxd_ckpt._sharding import ShardSpec, spec_for_tensor
 
 __all__ = [
@@ -166,8 +168,23 @@ class OptimizerView:
     masters_in_ckpt: bool = False
     names: dict[int, str] = field(default_factory=dict)
     """id(model param) -> name."""
-    specs: dict[str, ShardSpec] = field(default_factory=dict)
-    """name -> shard spec of the parameter."""
+    tensors: dict[str, LocalTensor] = field(default_factory=dict)
+    """name -> the parameter as the model describes it (spec, stored parts)."""
+    targets: dict[str, list[tuple[str, ShardSpec]]] = field(default_factory=dict)
+    """name -> (stored name, spec) of each tensor its state is stored as: what a save
+    writes; a load sets what the checkpoint holds (:meth:`match`)."""
+
+    def stored(self, name: str) -> list[tuple[str, ShardSpec]]:
+        return self.targets[name]
+
+    def stored_names(self, names: list[str]) -> list[str]:
+        """The stored names of parameters ``names``, in order."""
+        return [stored for name in names for stored, _ in self.targets[name]]
+
+    def match(self, saved: set[str]) -> None:
+        """Read each parameter's state from the stored names a checkpoint holding ``saved``
+        has (its parts, or its own name: :meth:`LocalTensor.stored_in`)."""
+        self.targets = {name: t.stored_in(saved) for name, t in self.tensors.items()}
 
     @property
     def class_name(self) -> str:
@@ -190,20 +207,28 @@ class OptimizerView:
         return [self.model_param.get(id(p), p) for p in group["params"]]
 
 
-def _param_names(model: Any, optimizer_params: list[torch.Tensor], ctx: RankContext):
+def _param_names(
+    model: Any, optimizer_params: list[torch.Tensor], ctx: RankContext
+) -> tuple[dict[int, str], dict[str, LocalTensor]]:
     names: dict[int, str] = {}
-    specs: dict[str, ShardSpec] = {}
+    described: dict[str, LocalTensor] = {}
     if model is not None:
         tensors, _ = model_tensors(model, ctx)
         for local in tensors:
             names.setdefault(id(local.tensor), local.name)
-            specs[local.name] = local.spec
-        return names, specs
+            described[local.name] = local
+        return names, described
     for index, param in enumerate(optimizer_params):  # positions: same layout only
         name = f"pp{ctx.pp_rank}.param{index}"
         names[id(param)] = name
-        specs[name] = spec_for_tensor(param, tp_rank=ctx.tp_rank, tp_size=ctx.tp_size)
-    return names, specs
+        spec = spec_for_tensor(param, tp_rank=ctx.tp_rank, tp_size=ctx.tp_size)
+        described[name] = LocalTensor(name, param, spec)
+    return names, described
+
+
+def _view(kind: str, optimizer: Any, names: dict, tensors: dict, **rest: Any) -> OptimizerView:
+    targets = {name: local.stored() for name, local in tensors.items()}
+    return OptimizerView(kind, optimizer, names=names, tensors=tensors, targets=targets, **rest)
 
 
 def resolve_optimizer(optimizer: Any, model: Any, ctx: RankContext) -> OptimizerView:
@@ -214,13 +239,9 @@ def resolve_optimizer(optimizer: Any, model: Any, ctx: RankContext) -> Optimizer
     core = wrapper.optimizer if wrapper is not None else optimizer
     if isinstance(core, NeuronZero1Optimizer):
         params = [p for group in core.param_groups for p in group["params"]]
-        names, specs = _param_names(model, params, ctx)
-        return OptimizerView(
-            "zero1",
-            core,
-            masters_in_ckpt=bool(core.use_master_weights_in_ckpt),
-            names=names,
-            specs=specs,
+        names, tensors = _param_names(model, params, ctx)
+        return _view(
+            "zero1", core, names, tensors, masters_in_ckpt=bool(core.use_master_weights_in_ckpt)
         )
     if not isinstance(core, torch.optim.Optimizer):
         raise TypeError(
@@ -234,15 +255,15 @@ def resolve_optimizer(optimizer: Any, model: Any, ctx: RankContext) -> Optimizer
         model_param = {id(master): param for param, master in masters.items()}
         masters_in_ckpt = bool(masters) and bool(wrapper.config.use_master_weights_in_ckpt)
     inner_params = [p for group in core.param_groups for p in group["params"]]
-    names, specs = _param_names(model, [model_param.get(id(p), p) for p in inner_params], ctx)
-    return OptimizerView(
+    names, tensors = _param_names(model, [model_param.get(id(p), p) for p in inner_params], ctx)
+    return _view(
         "plain",
         wrapper if wrapper is not None else core,
+        names,
+        tensors,
         inner=core,
         model_param=model_param,
         masters_in_ckpt=masters_in_ckpt,
-        names=names,
-        specs=specs,
     )
 
 

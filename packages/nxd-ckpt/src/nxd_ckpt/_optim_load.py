@@ -6,7 +6,9 @@ ranges of vec(local param) in this rank's ZeRO-1 shard (zero elsewhere: the padd
 result is handed to the optimizer's own ``load_state_dict`` (ZeRO-1: its local state dict,
 whose ``shard`` metadata is taken from the optimizer itself). Hyper-parameters come from the
 saved param group holding the same parameter names. Masters are restored when saved, else
-rebuilt from the (already loaded) model parameters by the optimizer.
+rebuilt from the (already loaded) model parameters by the optimizer. A parameter stored in
+parts (:mod:`nxd_ckpt.parts`) reads each part's state into its blocks of the local tensor;
+state saved under the parameter's own name (before the parts were declared) loads too.
 """
 
 from __future__ import annotations
@@ -92,25 +94,28 @@ def _fill(reader: CheckpointReader, item: TensorItem) -> None:
 
 
 def _check(view: OptimizerView, saved: _Saved, names: list[str], strict: bool) -> None:
-    """Key and shape checks (collective); ``view.specs`` of a padded parameter whose state
-    was stored padded (older checkpoints) switch to its padded spec."""
-    missing = [n for n in names if n not in saved.group_of]
+    """Match the stored names (collective key and shape checks); the spec of a padded
+    parameter whose state was stored padded (older checkpoints) switches to its padded spec."""
+    view.match(set(saved.group_of))
+    stored_names = view.stored_names(names)
+    missing = [n for n in stored_names if n not in saved.group_of]
     mismatched = []
     for name in names:
-        for key in saved.keys.get(name, []):
-            shape = tuple(saved.reader.record("optimizer", f"{name}/{key}").shape)
-            spec = spec_for_stored_shape(view.specs[name], shape)
-            if spec is None:
-                mismatched.append(
-                    f"{name}/{key}: checkpoint {shape}, model "
-                    f"{tuple(view.specs[name].global_shape)}"
-                )
-            else:
-                view.specs[name] = spec
+        targets = view.stored(name)
+        for position, (stored, spec) in enumerate(targets):
+            for key in saved.keys.get(stored, []):
+                shape = tuple(saved.reader.record("optimizer", f"{stored}/{key}").shape)
+                fitted = spec_for_stored_shape(spec, shape)
+                if fitted is None:
+                    mismatched.append(
+                        f"{stored}/{key}: checkpoint {shape}, model {tuple(spec.global_shape)}"
+                    )
+                else:
+                    targets[position] = (stored, fitted)
     check_keys(
         "optimizer",
         saved.names(),
-        set(names),
+        set(stored_names),
         missing,
         mismatched,
         strict,
@@ -135,22 +140,42 @@ def _zero1_items(
 ) -> Iterator[TensorItem]:
     """State ``key`` of each parameter of a ZeRO-1 bucket, held in this rank's ``flat``."""
     located = flat_pieces(bucket.shapes, bucket.num_shards, bucket.rank)
+    first = _first(view, names[0])
     for piece, name, shape in zip(located, names, bucket.shapes):
-        if f"{name}/{key}" not in saved.reader.index.category("optimizer"):
-            raise ValueError(
-                f"checkpoint optimizer state lacks {name}/{key} but has "
-                f"{names[0]}/{key} (same ZeRO-1 bucket)"
+        for stored, spec in view.stored(name):
+            _require(saved, stored, key, first)
+            source = FlatSource(flat, piece.shard_start, piece.param_start, piece.numel, shape)
+            yield TensorItem(
+                "optimizer", f"{stored}/{key}", flat.dtype, spec, source, dp_replicated=False
             )
-        source = FlatSource(flat, piece.shard_start, piece.param_start, piece.numel, shape)
-        yield TensorItem(
-            "optimizer", f"{name}/{key}", flat.dtype, view.specs[name], source, dp_replicated=False
+
+
+def _first(view: OptimizerView, name: str) -> str:
+    """The first stored name of parameter ``name`` (its keys, dtypes and scalars are read)."""
+    return view.stored(name)[0][0]
+
+
+def _require(saved: _Saved, stored: str, key: str, first: str) -> None:
+    if f"{stored}/{key}" not in saved.reader.index.category("optimizer"):
+        raise ValueError(
+            f"checkpoint optimizer state lacks {stored}/{key} but has {first}/{key} (state "
+            f"loaded together)"
         )
 
 
-def _plain_item(view: OptimizerView, name: str, key: str, value: torch.Tensor) -> TensorItem:
-    return TensorItem(
-        "optimizer", f"{name}/{key}", value.dtype, view.specs[name], DenseSource(value)
-    )
+def _plain_items(
+    view: OptimizerView, saved: _Saved, name: str, key: str, value: torch.Tensor
+) -> list[TensorItem]:
+    """State ``key`` of parameter ``name`` held in ``value`` (shaped like the parameter), one
+    item per stored part."""
+    out = []
+    first = _first(view, name)
+    for stored, spec in view.stored(name):
+        _require(saved, stored, key, first)
+        out.append(
+            TensorItem("optimizer", f"{stored}/{key}", value.dtype, spec, DenseSource(value))
+        )
+    return out
 
 
 def _inner_names(view: OptimizerView) -> tuple[list[torch.Tensor], list[str]]:
@@ -164,10 +189,11 @@ def _boxes(view: OptimizerView, saved: _Saved) -> Iterator[tuple[str, str, Box]]
     if view.kind == "zero1":
         for bucket in zero1_buckets(view.optimizer):
             names = [view.name_of(p) for p in bucket.params]
-            if names[0] not in saved.group_of:
+            first = _first(view, names[0])
+            if first not in saved.group_of:
                 continue
-            for key in saved.tensor_keys(names[0], masters=True):
-                dtype = saved.dtype(names[0], key)
+            for key in saved.tensor_keys(first, masters=True):
+                dtype = saved.dtype(first, key)
                 flat = torch.empty(bucket.master.numel(), dtype=dtype, device="meta")
                 for item in _zero1_items(view, saved, bucket, names, key, flat):
                     for piece in pieces(item):
@@ -175,10 +201,12 @@ def _boxes(view: OptimizerView, saved: _Saved) -> Iterator[tuple[str, str, Box]]
         return
     params, names = _inner_names(view)
     for param, name in zip(params, names):
-        for key in saved.tensor_keys(name, masters=True):
-            value = torch.empty(param.shape, dtype=saved.dtype(name, key), device="meta")
-            for piece in pieces(_plain_item(view, name, key, value)):
-                yield "optimizer", f"{name}/{key}", piece.global_box
+        first = _first(view, name)
+        for key in saved.tensor_keys(first, masters=True):
+            value = torch.empty(param.shape, dtype=saved.dtype(first, key), device="meta")
+            for item in _plain_items(view, saved, name, key, value):
+                for piece in pieces(item):
+                    yield "optimizer", item.name, piece.global_box
 
 
 def _load_zero1(view: OptimizerView, saved: _Saved) -> None:
@@ -188,11 +216,12 @@ def _load_zero1(view: OptimizerView, saved: _Saved) -> None:
     refresh = False
     for bucket in zero1_buckets(zero):
         names = [view.name_of(p) for p in bucket.params]
-        keys = saved.tensor_keys(names[0], masters=True) if names[0] in saved.group_of else []
+        first = _first(view, names[0])
+        keys = saved.tensor_keys(first, masters=True) if first in saved.group_of else []
         entry: dict[str, Any] = {}
         has_master = False
         for key in keys:
-            flat = torch.zeros(bucket.master.numel(), dtype=saved.dtype(names[0], key))
+            flat = torch.zeros(bucket.master.numel(), dtype=saved.dtype(first, key))
             for item in _zero1_items(view, saved, bucket, names, key, flat):
                 _fill(saved.reader, item)
             if key == MASTER_KEY:
@@ -201,7 +230,7 @@ def _load_zero1(view: OptimizerView, saved: _Saved) -> None:
                 has_master = True
             else:
                 entry[key] = _as_state(flat, bucket.master, key)
-        for key, value in saved.scalars(names[0]).items():
+        for key, value in saved.scalars(first).items():
             entry[key] = value
         if entry:
             inner.state[bucket.master] = entry
@@ -210,7 +239,7 @@ def _load_zero1(view: OptimizerView, saved: _Saved) -> None:
         refresh = refresh or not has_master
     groups = zero.param_groups
     for gi, group in enumerate(groups):
-        names = [view.name_of(p) for p in group["params"]]
+        names = view.stored_names([view.name_of(p) for p in group["params"]])
         hyper = saved.hyper(names, gi, len(groups), group)
         group.update(hyper)
         inner.param_groups[gi].update(hyper)
@@ -226,23 +255,27 @@ def _load_plain(view: OptimizerView, saved: _Saved) -> None:
     masters: list[torch.Tensor] = []
     for index, (param, name) in enumerate(zip(inner_params, names)):
         entry: dict[str, Any] = {}
-        padded = view.specs[name].padded is not None  # its padding is stored nowhere: zeros
-        for key in saved.tensor_keys(name, masters=True):
+        # Padding is stored nowhere (zeros); parts tile the tensor exactly.
+        padded = any(spec.padded is not None for _, spec in view.stored(name))
+        first = _first(view, name)
+        for key in saved.tensor_keys(first, masters=True):
             allocate = torch.zeros if padded else torch.empty
-            value = allocate(param.shape, dtype=saved.dtype(name, key))
-            _fill(saved.reader, _plain_item(view, name, key, value))
+            value = allocate(param.shape, dtype=saved.dtype(first, key))
+            for item in _plain_items(view, saved, name, key, value):
+                _fill(saved.reader, item)
             if key == MASTER_KEY:
                 if id(param) in view.model_param:
                     masters.append(value)
             else:
                 entry[key] = value
-        entry.update(saved.scalars(name))
+        entry.update(saved.scalars(first))
         if entry:
             state[index] = entry
     groups, position = [], 0
     for gi, group in enumerate(inner.param_groups):
         count = len(group["params"])
-        hyper = saved.hyper(names[position : position + count], gi, len(inner.param_groups), group)
+        group_names = view.stored_names(names[position : position + count])
+        hyper = saved.hyper(group_names, gi, len(inner.param_groups), group)
         groups.append({**hyper, "params": list(range(position, position + count))})
         position += count
     state_dict: dict[str, Any] = {"state": state, "param_groups": groups}

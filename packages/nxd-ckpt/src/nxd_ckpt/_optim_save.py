@@ -4,7 +4,9 @@ For parameter ``w`` and state key ``k`` the global tensor ``w/k`` has ``w``'s gl
 a plain optimizer's state tensor is sharded like ``w`` (same spec); a ZeRO-1 rank holds a
 contiguous range of vec(local ``w``) of it, which :class:`FlatSource` maps to boxes. fp32
 master weights are ``w/master`` when the optimizer keeps them in checkpoints. Scalars
-(``step``) and each param group's hyper-parameters and parameter names go to JSON.
+(``step``) and each param group's hyper-parameters and parameter names go to JSON. A
+parameter stored in parts (:mod:`nxd_ckpt.parts`) has its state stored per part, under the
+parts' names, each with the part's spec (blocks of the same local tensor or shard range).
 """
 
 from __future__ import annotations
@@ -54,24 +56,27 @@ def _zero1_items(view: OptimizerView) -> tuple[list[TensorItem], dict]:
         for key, value in values.items():
             sharded = isinstance(value, torch.Tensor) and value.shape == bucket.master.shape
             for piece, name, shape in zip(located, names, bucket.shapes):
-                if not sharded:
-                    where = f"{name}/{key}"
-                    meta["scalars"].setdefault(name, {})[key] = encode_scalar(value, where)
-                    continue
-                source = FlatSource(value, piece.shard_start, piece.param_start, piece.numel, shape)
-                items.append(
-                    TensorItem(
-                        "optimizer",
-                        f"{name}/{key}",
-                        value.dtype,
-                        view.specs[name],
-                        source,
-                        dp_replicated=False,
-                        stable=True,
+                for stored, spec in view.stored(name):
+                    if not sharded:
+                        where = f"{stored}/{key}"
+                        meta["scalars"].setdefault(stored, {})[key] = encode_scalar(value, where)
+                        continue
+                    source = FlatSource(
+                        value, piece.shard_start, piece.param_start, piece.numel, shape
                     )
-                )
+                    items.append(
+                        TensorItem(
+                            "optimizer",
+                            f"{stored}/{key}",
+                            value.dtype,
+                            spec,
+                            source,
+                            dp_replicated=False,
+                            stable=True,
+                        )
+                    )
     for gi, group in enumerate(zero.param_groups):
-        names = [view.name_of(p) for p in group["params"]]
+        names = view.stored_names([view.name_of(p) for p in group["params"]])
         meta["param_groups"].append({"hyper": _hyper(group, f"param_groups.{gi}"), "params": names})
     return items, meta
 
@@ -85,35 +90,41 @@ def _plain_items(view: OptimizerView) -> tuple[list[TensorItem], dict]:
     meta: dict[str, Any] = {"param_groups": [], "scalars": {}}
     for index, param in enumerate(inner_params):
         model_param = view.model_param.get(id(param), param)
-        name = view.name_of(model_param)
-        spec = view.specs[name]
-        for key, value in state_dict["state"].get(index, {}).items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == param.shape:
-                source = DenseSource(value)
-                item = TensorItem(
-                    "optimizer", f"{name}/{key}", value.dtype, spec, source, stable=True
+        for name, spec in view.stored(view.name_of(model_param)):
+            for key, value in state_dict["state"].get(index, {}).items():
+                if (
+                    isinstance(value, torch.Tensor)
+                    and value.dim() > 0
+                    and value.shape == param.shape
+                ):
+                    source = DenseSource(value)
+                    item = TensorItem(
+                        "optimizer", f"{name}/{key}", value.dtype, spec, source, stable=True
+                    )
+                    items.append(item)
+                else:
+                    where = f"{name}/{key}"
+                    meta["scalars"].setdefault(name, {})[key] = encode_scalar(value, where)
+            if view.masters_in_ckpt and id(param) in view.model_param:
+                items.append(
+                    TensorItem(
+                        "optimizer",
+                        f"{name}/{MASTER_KEY}",
+                        param.dtype,
+                        spec,
+                        DenseSource(param),
+                        stable=True,
+                    )
                 )
-                items.append(item)
-            else:
-                meta["scalars"].setdefault(name, {})[key] = encode_scalar(value, f"{name}/{key}")
-        if view.masters_in_ckpt and id(param) in view.model_param:
-            items.append(
-                TensorItem(
-                    "optimizer",
-                    f"{name}/{MASTER_KEY}",
-                    param.dtype,
-                    spec,
-                    DenseSource(param),
-                    stable=True,
-                )
-            )
     position = 0
     for gi, group in enumerate(state_dict["param_groups"]):
         count = len(group["params"])
-        names = [
-            view.name_of(view.model_param.get(id(p), p))
-            for p in inner_params[position : position + count]
-        ]
+        names = view.stored_names(
+            [
+                view.name_of(view.model_param.get(id(p), p))
+                for p in inner_params[position : position + count]
+            ]
+        )
         position += count
         meta["param_groups"].append({"hyper": _hyper(group, f"param_groups.{gi}"), "params": names})
     return items, meta

@@ -96,18 +96,19 @@ def _whole(category: str, name: str, tensor: torch.Tensor) -> TensorItem:
 def _add_model(plan: RankPlan, model: Any) -> None:
     tensors, aliases = model_tensors(model, plan.ctx)
     for local in tensors:
-        name = rank_local_name(local.name, plan.ctx) if local.spec.rank_local else local.name
         stable = isinstance(local.tensor, nn.Parameter)  # buffers may change in forward
-        plan.add(
-            TensorItem(
-                "model",
-                name,
-                local.tensor.dtype,
-                local.spec,
-                DenseSource(local.tensor),
-                stable=stable,
+        for stored, spec in local.stored():  # its own name, or its declared parts
+            name = rank_local_name(stored, plan.ctx) if spec.rank_local else stored
+            plan.add(
+                TensorItem(
+                    "model",
+                    name,
+                    local.tensor.dtype,
+                    spec,
+                    DenseSource(local.tensor),
+                    stable=stable,
+                )
             )
-        )
     if aliases:
         plan.aliases["model"] = aliases
 
@@ -121,12 +122,25 @@ def _add_json(plan: RankPlan, category: str, value: Any, what: str) -> None:
 
 
 def _model_config(model: Any) -> dict[str, Any] | None:
-    """A Hugging Face model's config as JSON-safe data (for export), else None."""
-    holders = (model, getattr(model, "module", None), getattr(model, "original_torch_module", None))
-    for holder in holders:
+    """A Hugging Face model's config as JSON-safe data (for export), else None; its
+    ``architectures`` is the model's class when the config does not say (a model built with
+    ``from_config``), as ``save_pretrained`` would write it."""
+    holders = [model]
+    for holder in holders:  # wrappers (LoRAModel, NxDPPModel) forward .config: find its owner
+        for attribute in ("module", "original_torch_module"):
+            inner = getattr(holder, "__dict__", {}).get(attribute)
+            if inner is None and isinstance(holder, nn.Module):
+                inner = holder._modules.get(attribute)
+            if inner is not None and inner not in holders:
+                holders.append(inner)
+    owners = [h for h in holders if "config" in getattr(h, "__dict__", {})] or holders
+    for holder in owners:
         to_json = getattr(getattr(holder, "config", None), "to_json_string", None)
         if callable(to_json):
-            return json.loads(to_json(use_diff=False))
+            config = json.loads(to_json(use_diff=False))
+            if not config.get("architectures"):
+                config["architectures"] = [type(holder).__name__]
+            return config
     return None
 
 

@@ -34,6 +34,7 @@ __all__ = [
     "ShardSpec",
     "gqa_spec",
     "is_gqa",
+    "part_spec",
     "rank_local_spec",
     "spec_for_stored_shape",
     "spec_for_tensor",
@@ -282,6 +283,38 @@ def _padded_spec(
     if not shape:
         raise ValueError("a 0-d tensor cannot be tensor-parallel")
     return _partitioned(shape, dim, stride, tp_rank, tp_size)
+
+
+def part_spec(spec: ShardSpec, start: int, rows: int, what: str) -> ShardSpec:
+    """Global rows ``[start, start + rows)`` of ``spec``'s tensor as a tensor of its own
+    (a stored part, :mod:`nxd_ckpt.parts`): every block cut to those rows along dim 0, its
+    local box still a box of the same local tensor, its global offset shifted by ``-start``:
+
+        block (local rows [l, l + n) = global rows [g, g + n))  ∩  [start, start + rows)
+        = local rows [l + a - g, l + b - g) = part rows [a - start, b - start),
+        a = max(g, start), b = min(g + n, start + rows).
+    """
+    if spec.rank_local or spec.padded is not None or not spec.global_shape:
+        kind = "rank-local" if spec.rank_local else "padded" if spec.padded else "0-d"
+        raise ValueError(f"{what}: a {kind} tensor cannot be stored in parts")
+    if start < 0 or rows <= 0 or start + rows > spec.global_shape[0]:
+        raise ValueError(
+            f"{what}: part rows [{start}, {start + rows}) are outside the global tensor's "
+            f"{spec.global_shape[0]} rows"
+        )
+    blocks = []
+    for block in spec.blocks:
+        g, n = block.global_offsets[0], block.local.shape[0]
+        lo, hi = max(g, start), min(g + n, start + rows)
+        if lo >= hi:
+            continue
+        local_offsets, shape = list(block.local.offsets), list(block.local.shape)
+        local_offsets[0] += lo - g
+        shape[0] = hi - lo
+        global_offsets = (lo - start, *block.global_offsets[1:])
+        blocks.append(Block(Box(tuple(local_offsets), tuple(shape)), global_offsets, block.primary))
+    shape = (rows, *spec.global_shape[1:])
+    return ShardSpec(shape, blocks, spec.tp_replicated, dict(spec.info))
 
 
 def rank_local_spec(tensor: torch.Tensor) -> ShardSpec:

@@ -4,6 +4,7 @@
 
     nxd-ckpt info CKPT [--tag T] [--tensors] [--verify] [--json]
     nxd-ckpt export-hf CKPT OUT [--tag T] [--config FILE_OR_DIR] [--tokenizer DIR]
+                       [--token-ids JSON]
                        [--max-shard-size 5GB] [--dtype bfloat16]
     nxd-ckpt convert-nxd SRC DST [--tag T] [--out-tag T] [--rules llama|FILE.json]
                          [--allow-pickle]
@@ -118,6 +119,17 @@ def _load_config(value: str | None) -> Any:
     return json.loads(path.read_text())
 
 
+def _token_ids(value: str | None) -> dict[str, int] | None:
+    if value is None:
+        return None
+    ids = json.loads(value)
+    if not isinstance(ids, dict):
+        raise ValueError(
+            f'--token-ids must be a JSON object such as {{"eos_token_id": 0}}: {value}'
+        )
+    return ids
+
+
 def _export(args: argparse.Namespace) -> int:
     import torch
 
@@ -132,6 +144,7 @@ def _export(args: argparse.Namespace) -> int:
         tokenizer=args.tokenizer,
         max_shard_size=args.max_shard_size,
         dtype=dtype,
+        token_ids=_token_ids(args.token_ids),
     )
     print(f"wrote {out}")
     return 0
@@ -173,6 +186,11 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--tag")
     export.add_argument("--config", help="config.json (or its folder); default: the saved one")
     export.add_argument("--tokenizer", help="a folder to copy tokenizer files from")
+    export.add_argument(
+        "--token-ids",
+        help='special token ids to write, JSON: {"eos_token_id": 0, ...} (default: the '
+        "config's, which must agree with the tokenizer's)",
+    )
     export.add_argument("--max-shard-size", default="5GB")
     export.add_argument(
         "--dtype", choices=_EXPORT_DTYPES, help="cast floating tensors, e.g. bfloat16"

@@ -2,10 +2,13 @@
 
 Export writes what ``transformers.AutoModelForCausalLM.from_pretrained`` reads:
 ``model.safetensors`` (or ``model-0000k-of-0000n.safetensors`` shards of at most
-``max_shard_size`` and ``model.safetensors.index.json``), ``config.json`` and the tokenizer
-files when given. It streams: each global tensor is assembled from its chunks, written, and
-dropped, so host memory stays near the largest tensor. Names are the model's state-dict names
-(a Hugging Face model parallelised in place keeps its own); ``name_map`` renames or drops.
+``max_shard_size`` and ``model.safetensors.index.json``), ``config.json`` (``use_cache: true``,
+``architectures`` as saved), ``generation_config.json`` (the special token ids, checked
+against the tokenizer's: :mod:`nxd_ckpt._hf_config`) and the tokenizer files when given. It
+streams: each global tensor is assembled from its chunks, written, and dropped, so host memory
+stays near the largest tensor. Names are the stored names (a Hugging Face model parallelised
+in place keeps its own, or declares them: :mod:`nxd_ckpt.parts`); ``name_map`` renames or
+drops.
 
 Import builds an in-memory index of a Hugging Face folder (one whole-tensor chunk per
 tensor) and loads it like a checkpoint: each rank reads only the slices its shards need.
@@ -26,6 +29,7 @@ import torch
 
 from nxd_ckpt import _tags
 from nxd_ckpt._context import current_context
+from nxd_ckpt._hf_config import export_configs
 from nxd_ckpt._load_model import load_model
 from nxd_ckpt._reader import CheckpointReader
 from nxd_ckpt._stfile import _ST_DTYPES, dtype_from_name, dtype_name, plan_file, write_planned
@@ -114,15 +118,23 @@ def export_hf(
     dtype: torch.dtype | None = None,
     name_map: NameMap | None = None,
     progress: bool = True,
+    token_ids: dict[str, Any] | None = None,
+    architectures: list[str] | None = None,
 ) -> Path:
     """Write the model of a checkpoint tag as a Hugging Face folder; returns ``out_dir``.
 
     ``checkpoint``: a tag folder, or a checkpoint path with ``tag`` (None: newest complete).
     ``config``: a dict or ``PretrainedConfig`` (default: the one saved with the model, if
-    it had one). ``tokenizer``: a folder to copy tokenizer files from, or an object with
-    ``save_pretrained``. ``dtype``: cast floating tensors (e.g. ``torch.bfloat16``).
-    ``name_map(name)``: the output name, or None to leave a tensor out. A LoRA adapter-only
-    checkpoint is written as a PEFT adapter folder instead (``adapter_model.safetensors``).
+    it had one); written with ``use_cache: true``. ``tokenizer``: a folder to copy tokenizer
+    files from, or an object with ``save_pretrained``; its bos/eos/pad ids must agree with
+    the saved config's (an error names both ids otherwise; an explicit ``config`` is taken as
+    it is). ``token_ids``: ``{"eos_token_id": …}`` written as given (nxd's keyword).
+    ``generation_config.json`` carries the ids. ``architectures``: written when the config
+    has none (checkpoints saved before the model class was recorded). ``dtype``: cast
+    floating tensors (e.g. ``torch.bfloat16``). ``name_map(name)``: the output name, or None
+    to leave a tensor out.
+    A LoRA adapter-only checkpoint is written as a PEFT adapter folder instead
+    (``adapter_model.safetensors``).
     """
     from tqdm.auto import tqdm
 
@@ -147,6 +159,17 @@ def export_hf(
         raise ValueError(
             f"{tag_dir} has no model config saved (the model had no .config): pass config= "
             f"(a dict or transformers PretrainedConfig) to write config.json"
+        )
+    config_dict, generation = export_configs(
+        config_dict, tokenizer=tokenizer, token_ids=token_ids, explicit_config=config is not None
+    )
+    if not config_dict.get("architectures") and architectures:
+        config_dict["architectures"] = list(architectures)
+    if not config_dict.get("architectures"):
+        logger.warning(
+            "%s: the config has no architectures (the checkpoint was saved without the model "
+            "class); transformers' Auto classes still load it by model_type",
+            tag_dir,
         )
     selected: list[tuple[str, str]] = []
     for name in tensors:
@@ -198,6 +221,7 @@ def export_hf(
             )
         )
     (out / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True))
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True))
     copied = _copy_tokenizer(tokenizer, out)
     logger.info(
         "exported %s to %s: %d tensors in %d file(s), %d bytes, tokenizer %s",

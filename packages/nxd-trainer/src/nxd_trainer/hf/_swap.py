@@ -2,10 +2,19 @@
 
 Every new layer is built on the ``meta`` device (no memory) and remembers, per parameter, the
 :class:`~nxd_trainer.hf._sources.Source` of its values: which original tensor, and which
-rows/columns of it this TP rank holds. :class:`Plan` fills them later (each rank reading only
-its part), after the pipeline has decided which layers this rank keeps. Module names stay
-the original ones, except the GQA projection (``qkv_proj`` replaces ``q_proj`` / ``k_proj``
-/ ``v_proj``, its parameters ``weight_q`` / ``weight_k`` / ``weight_v``).
+rows/columns of it this TP rank holds (a fused ``weight_qkv``: the concatenation of three).
+:class:`Plan` fills them later (each rank reading only its part), after the pipeline has
+decided which layers this rank keeps. Module names stay the original ones, except the GQA
+projection (``qkv_proj`` replaces ``q_proj`` / ``k_proj`` / ``v_proj``, its parameters
+``weight_q`` / ``weight_k`` / ``weight_v``, or one ``weight_qkv`` with ``fuse_qkv``).
+
+Checkpoints do not see that difference: the GQA projection declares its parameters' stored
+names (``nxd_checkpoint_parts``, :mod:`nxd_ckpt.parts`): ``weight_k`` is stored as
+``k_proj.weight``, ``weight_qkv`` as ``q_proj.weight``, ``k_proj.weight``, ``v_proj.weight``
+(row ranges of its global ``[Q; K; V]``), so a checkpoint holds the Hugging Face names at every
+TP degree and resumes at any other. The Q/K/V column-parallel layers used when TP divides the
+KV heads accept the GQA names checkpoints written before that declaration held
+(``qkv_proj.weight_k``) as aliases.
 """
 
 from __future__ import annotations
@@ -24,11 +33,13 @@ from nxd_trainer.hf._loss import ParallelCausalLMLoss
 from nxd_trainer.hf._sources import FolderStore, MemoryStore, Source, Store
 from nxd_trainer.hf.spec import ModelSpec
 
-__all__ = ["Layout", "Plan", "layout_for", "make_meta", "swap_layers"]
+__all__ = ["Layout", "Plan", "layout_for", "make_meta", "qkv_stored_parts", "swap_layers"]
 
 logger = logging.getLogger(__name__)
 
 GQA_NAME = "qkv_proj"
+SourceSpec = Source | tuple[Source, ...]
+"""Where one parallel tensor comes from: one source, or sources concatenated along dim 0."""
 
 
 @dataclass(frozen=True)
@@ -96,7 +107,7 @@ def layout_for(config: Any, tp: int, kv_size_multiplier: int | None) -> Layout:
 class Plan:
     """Sources of every tensor to fill, and the stores they are read from."""
 
-    sources: dict[str, Source] = field(default_factory=dict)
+    sources: dict[str, SourceSpec] = field(default_factory=dict)
     memory: MemoryStore = field(default_factory=lambda: MemoryStore({}))
     folder: FolderStore | None = None
     deferred: bool = False
@@ -124,14 +135,14 @@ class Plan:
                 continue
             full = f"{prefix}.{name}" if prefix else name
             source = self.sources.get(full)
-            if source is None or not self.store(source).has(source.name):
+            if source is None or not self.has(source):
                 unsourced.append(full)
                 continue
             value = self.read(source)
             if tuple(value.shape) != tuple(tensor.shape):
                 raise ValueError(
-                    f"{full}: {source.name} gives a piece of shape {tuple(value.shape)}, the "
-                    f"parallel tensor has shape {tuple(tensor.shape)}"
+                    f"{full}: {_source_names(source)} give a piece of shape "
+                    f"{tuple(value.shape)}, the parallel tensor has shape {tuple(tensor.shape)}"
                 )
             if name in module._buffers and tensor.is_meta:
                 module._buffers[name] = value.to(dtype=tensor.dtype)
@@ -142,7 +153,13 @@ class Plan:
     def store(self, source: Source) -> Store:
         return self.memory if source.memory or self.folder is None else self.folder
 
-    def read(self, source: Source) -> torch.Tensor:
+    def has(self, source: SourceSpec) -> bool:
+        parts = source if isinstance(source, tuple) else (source,)
+        return all(self.store(part).has(part.name) for part in parts)
+
+    def read(self, source: SourceSpec) -> torch.Tensor:
+        if isinstance(source, tuple):  # a fused tensor: its pieces one after another
+            return torch.cat([self.read(part) for part in source], dim=0)
         with self.store(source).view(source.name) as (view, shape):
             return source.read(view, shape)
 
@@ -167,6 +184,37 @@ class Plan:
         return init
 
 
+def _source_names(source: SourceSpec) -> str:
+    return ", ".join(part.name for part in (source if isinstance(source, tuple) else (source,)))
+
+
+def qkv_stored_parts(
+    spec: ModelSpec, layout: Layout, *, fused: bool, bias: bool
+) -> dict[str, tuple[Any, ...]]:
+    """The GQA projection's ``nxd_checkpoint_parts``: each parameter stored under the Hugging
+    Face names of the projections it holds (relative to the attention module); fused, the
+    global ``[Q; K; V]`` is cut at ``q_size`` and ``q_size + kv_size`` rows."""
+    from nxd_ckpt import StoredPart
+
+    q_rows = layout.heads * layout.head_dim
+    kv_rows = layout.kv_heads * layout.head_dim
+    projections = (
+        ("q", spec.q_proj, q_rows),
+        ("k", spec.k_proj, kv_rows),
+        ("v", spec.v_proj, kv_rows),
+    )
+    parts: dict[str, tuple[Any, ...]] = {}
+    for kind in ("weight", "bias") if bias else ("weight",):
+        if fused:
+            parts[f"{kind}_qkv"] = tuple(
+                StoredPart(f"{proj}.{kind}", rows) for _, proj, rows in projections
+            )
+        else:
+            for part, proj, _ in projections:
+                parts[f"{kind}_{part}"] = (StoredPart(f"{proj}.{kind}"),)
+    return parts
+
+
 def _meta_like(param: nn.Parameter) -> nn.Parameter:
     new = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
     new.__dict__.update(param.__dict__)
@@ -177,9 +225,16 @@ class _Swapper:
     """One model's swap (see the module docstring)."""
 
     def __init__(
-        self, model: nn.Module, spec: ModelSpec, layout: Layout, sp: bool, plan: Plan
+        self,
+        model: nn.Module,
+        spec: ModelSpec,
+        layout: Layout,
+        sp: bool,
+        plan: Plan,
+        fuse_qkv: bool = False,
     ) -> None:
         self.model, self.spec, self.layout, self.sp, self.plan = model, spec, layout, sp, plan
+        self.fuse_qkv = fuse_qkv
         self.rank = nxd_state.get_tensor_model_parallel_rank()
 
     def shard(self, name: str, dim: int, padded: int | None = None) -> Source:
@@ -229,10 +284,11 @@ class _Swapper:
 
     def gqa(self, attn_path: str) -> None:
         """Q, K, V -> one GQA projection with K/V heads replicated ``kv_size_multiplier``
-        times, head by head (``[k0, k0, k1, k1]``): local replicated head j is head j // m."""
+        times, head by head (``[k0, k0, k1, k1]``): local replicated head j is head j // m;
+        ``fuse_qkv``: one ``weight_qkv`` holding this rank's Q, K, V rows one after another."""
         from nxd_layers import GQAQKVColumnParallelLinear
 
-        spec, layout = self.spec, self.layout
+        spec, layout, fused = self.spec, self.layout, self.fuse_qkv
         attn = self.model.get_submodule(attn_path)
         q = attn.get_submodule(spec.q_proj)
         bias = q.bias is not None
@@ -245,7 +301,7 @@ class _Swapper:
             dtype=q.weight.dtype,
             device="meta",
             kv_size_multiplier=layout.kv_size_multiplier,
-            fuse_qkv=False,
+            fuse_qkv=fused,
             head_dim=layout.head_dim,
             sequence_dimension=1,
         )
@@ -255,13 +311,18 @@ class _Swapper:
         ]
         rows = tuple(h * layout.head_dim + i for h in heads for i in range(layout.head_dim))
         for kind in ("weight", "bias") if bias else ("weight",):
+            pieces = []
             for part, proj in (("q", spec.q_proj), ("k", spec.k_proj), ("v", spec.v_proj)):
                 original = f"{attn_path}.{proj}.{kind}"
-                target = f"{attn_path}.{GQA_NAME}.{kind}_{part}"
                 source = (
                     self.shard(original, 0) if part == "q" else Source(original, "rows", rows=rows)
                 )
-                self.plan.sources[target] = source
+                pieces.append(source)
+                if not fused:
+                    self.plan.sources[f"{attn_path}.{GQA_NAME}.{kind}_{part}"] = source
+            if fused:
+                self.plan.sources[f"{attn_path}.{GQA_NAME}.{kind}_qkv"] = tuple(pieces)
+        layer.nxd_checkpoint_parts = qkv_stored_parts(spec, layout, fused=fused, bias=bias)
         for proj in (spec.q_proj, spec.k_proj, spec.v_proj):
             delattr(attn, proj)
         attn.add_module(GQA_NAME, layer)
@@ -273,8 +334,9 @@ class _Swapper:
             self.gqa(attn_path)
             qkv: tuple[str, ...] = (GQA_NAME,)
         else:
-            for proj in (spec.q_proj, spec.k_proj, spec.v_proj):
-                self.column(f"{attn_path}.{proj}")
+            for part, proj in (("q", spec.q_proj), ("k", spec.k_proj), ("v", spec.v_proj)):
+                layer = self.column(f"{attn_path}.{proj}")
+                layer.nxd_checkpoint_parts = _legacy_gqa_aliases(proj, part, layer.bias is not None)
             qkv = (spec.q_proj, spec.k_proj, spec.v_proj)
         self.row(f"{attn_path}.{spec.o_proj}")
         attn = self.model.get_submodule(attn_path)
@@ -323,6 +385,19 @@ class _Swapper:
         self.model._loss_function = ParallelCausalLMLoss(layout.vocab)
 
 
+def _legacy_gqa_aliases(proj: str, part: str, bias: bool) -> dict[str, tuple[Any, ...]]:
+    """A Q/K/V column-parallel layer stored under its own names, also read from the GQA
+    projection's names that checkpoints written before the stored parts held (at a TP degree
+    above the KV heads): ``k_proj.weight`` from ``qkv_proj.weight_k``."""
+    from nxd_ckpt import StoredPart
+
+    kinds = ("weight", "bias") if bias else ("weight",)
+    return {
+        kind: (StoredPart(f"{proj}.{kind}", aliases=(f"{GQA_NAME}.{kind}_{part}",)),)
+        for kind in kinds
+    }
+
+
 def _scatter_sequence(module: nn.Module, args: tuple) -> tuple:
     """Before the first decoder layer: this rank's slice of the sequence (dim 1)."""
     from nxd_layers.mappings import scatter_to_sequence_parallel_region
@@ -346,12 +421,14 @@ def swap_layers(
     parallelize_embeddings: bool,
     should_parallelize_layer: Callable[[nn.Module], bool] | None = None,
     swap_at_tp1: bool = False,
+    fuse_qkv: bool = False,
 ) -> Plan:
     """Swap ``model``'s layers in place for parallel ones on ``meta``; returns their sources.
 
     The model's other tensors keep their values (in memory); their sources name themselves.
     At TP = 1 nothing is swapped (the plan still says where every tensor comes from), unless
-    ``swap_at_tp1`` (benchmarks: the parallel layers' own cost).
+    ``swap_at_tp1`` (benchmarks: the parallel layers' own cost). ``fuse_qkv``: the GQA
+    projection (when K/V heads are replicated) holds one fused ``weight_qkv``.
     """
     from nxd_layers import mark_sequence_parallel_parameter
 
@@ -361,7 +438,7 @@ def swap_layers(
         **dict(model.named_buffers(remove_duplicate=False)),
     }
     plan.memory = MemoryStore({n: t for n, t in originals.items() if not t.is_meta})
-    swapper = _Swapper(model, spec, layout, sequence_parallel, plan)
+    swapper = _Swapper(model, spec, layout, sequence_parallel, plan, fuse_qkv)
     layers = model.get_submodule(spec.layers)
     swap = layout.tp > 1 or swap_at_tp1
     for index, layer in enumerate(layers):

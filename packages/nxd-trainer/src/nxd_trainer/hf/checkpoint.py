@@ -4,9 +4,11 @@
 every tensor's global shape and how each rank's piece maps into it; no pickle), so the
 checkpoint loads at any TP/PP/DP degrees: ``load_model_sharded_checkpoint``, or
 ``parallelize(checkpoint_dir=...)``. :func:`export_hf` assembles the full tensors one by one
-into a folder ``transformers``' ``from_pretrained`` loads, under the original names (the GQA
-projection's ``weight_q/k/v`` become ``q_proj/k_proj/v_proj.weight``; K/V replicas are stored
-once).
+into a folder ``transformers``' ``from_pretrained`` and ``generate`` use: the original names
+(the GQA projection stores its tensors as ``q_proj/k_proj/v_proj``, K/V replicas once; older
+checkpoints' ``weight_q/k/v`` are renamed), ``config.json`` with ``use_cache: true`` and the
+model class in ``architectures``, and ``generation_config.json`` with the special token ids,
+which must agree with the tokenizer's (:func:`nxd_ckpt.export_hf`).
 """
 
 from __future__ import annotations
@@ -79,26 +81,42 @@ def export_hf(
     tokenizer: Any = None,
     max_shard_size: int | str = "5GB",
     dtype: torch.dtype | None = None,
+    config: Any = None,
+    token_ids: dict[str, Any] | None = None,
 ) -> Path:
     """Write the model of a sharded checkpoint as a Hugging Face folder (one process; host
-    memory near the largest tensor); returns ``out_dir``."""
+    memory near the largest tensor); returns ``out_dir``. ``tokenizer`` (a folder or an
+    object with ``save_pretrained``) is written too, and its bos/eos/pad ids must agree with
+    the saved config's: an error names both otherwise (``config=`` or ``token_ids=``, e.g.
+    ``{"eos_token_id": 0}``, are written as given instead). A config saved without
+    ``architectures`` gets the family's causal-LM class."""
     import nxd_ckpt
     from nxd_trainer.hf.manager import ParallelizersManager
 
     tag_dir = _tag_dir(Path(checkpoint_dir), tag)
     index = nxd_ckpt.read_index(tag_dir)
-    config = index.hf_config
-    if config is None:
+    saved = index.hf_config
+    if saved is None:
         raise ValueError(f"{tag_dir} holds no Hugging Face config: not a parallelised HF model")
-    parallelizer = ParallelizersManager.parallelizer_for_model(config["model_type"])
+    parallelizer = ParallelizersManager.parallelizer_for_model(saved["model_type"])
     spec = parallelizer.spec
     records = index.category("model")
+    fused = [n for n in records if len(parallelizer.hf_names(n)) > 1]
+    if fused:
+        raise NotImplementedError(
+            f"{tag_dir} stores fused QKV tensors under their own names ({fused[:2]}): it was "
+            f"written before the GQA projection declared its stored names; load it into the "
+            f"fused model and save it again to export it"
+        )
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(saved["model_type"])
     for name in (f"{spec.embed_tokens}.weight", f"{spec.lm_head}.weight"):
         record = records.get(name)
-        if record is not None and record.shape[0] != config["vocab_size"]:
+        if record is not None and record.shape[0] != saved["vocab_size"]:
             raise NotImplementedError(
                 f"{name} was saved padded to {record.shape[0]} rows (vocab_size "
-                f"{config['vocab_size']} is not divisible by the TP degree); nxd-ckpt stores "
+                f"{saved['vocab_size']} is not divisible by the TP degree); nxd-ckpt stores "
                 f"padded tensors as they are, so this export would not load in transformers"
             )
     return nxd_ckpt.export_hf(
@@ -108,4 +126,7 @@ def export_hf(
         max_shard_size=max_shard_size,
         dtype=dtype,
         name_map=parallelizer.hf_name,
+        config=config,
+        token_ids=token_ids,
+        architectures=[architecture] if architecture is not None else None,
     )

@@ -77,7 +77,7 @@ def parameter_mapping(
     """``id(original parameter) -> parallel parameter`` for :func:`optimizer_for_mp`, from
     :func:`original_parameter_ids` taken before parallelising and the parallel model (an
     NxDPPModel: this rank's stages). The GQA projection's ``weight_q/k/v`` stand for the
-    original ``q_proj/k_proj/v_proj`` weights."""
+    original ``q_proj/k_proj/v_proj`` weights; a fused ``weight_qkv`` for all three."""
     from nxd_trainer.hf.manager import ParallelizersManager
 
     named = getattr(parallel_model, "local_named_parameters", None)
@@ -85,9 +85,10 @@ def parameter_mapping(
     parallelizer = ParallelizersManager.parallelizer_for_model(_config_holder(parallel_model))
     out: dict[int, nn.Parameter] = {}
     for name, param in pairs:
-        original = original_ids.get(parallelizer.hf_name(name))
-        if original is not None:
-            out[original] = param
+        for hf_name in parallelizer.hf_names(name):
+            original = original_ids.get(hf_name)
+            if original is not None:
+                out[original] = param
     return out
 
 
@@ -110,10 +111,26 @@ def optimizer_for_mp(
     else:
         optimizer_class, defaults = type(optimizer), dict(optimizer.defaults)
     groups = []
+    placed: dict[int, dict[str, Any]] = {}  # a fused parallel parameter stands for several
     for group in optimizer.param_groups:
-        params = [mapping[id(p)] for p in group["params"] if id(p) in mapping]
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        params = []
+        for p in group["params"]:
+            parallel = mapping.get(id(p))
+            if parallel is None:
+                continue
+            if id(parallel) in placed:
+                if placed[id(parallel)] != hyper:
+                    raise ValueError(
+                        f"a parallel parameter of shape {tuple(parallel.shape)} stands for "
+                        f"original parameters in param groups with different hyper-parameters "
+                        f"({placed[id(parallel)]} vs {hyper}): put the Q, K and V projections "
+                        f"of an attention layer in one group, or use fuse_qkv=False"
+                    )
+                continue
+            placed[id(parallel)] = hyper
+            params.append(parallel)
         if params:
-            hyper = {k: v for k, v in group.items() if k != "params"}
             groups.append({**hyper, "params": params})
     if not groups:
         raise ValueError(

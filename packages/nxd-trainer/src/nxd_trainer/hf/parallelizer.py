@@ -56,6 +56,11 @@ class Parallelizer:
 
     spec: ClassVar[ModelSpec]
 
+    fuse_qkv: ClassVar[bool] = False
+    """The GQA projection (used when TP exceeds the KV heads) holds one fused ``weight_qkv``
+    instead of ``weight_q/k/v`` (default for ``fuse_qkv=None``). Checkpoints are the same
+    either way (the Hugging Face names, :mod:`nxd_trainer.hf._swap`)."""
+
     # Checks -------------------------------------------------------------------------------
     @classmethod
     def check_model(cls, model: nn.Module) -> None:
@@ -83,9 +88,14 @@ class Parallelizer:
         **parallel_layer_specific_kwargs: Any,
     ) -> nn.Module:
         """Swap the layers for parallel ones on ``meta`` (no values yet: :meth:`parallelize`
-        fills them). ``kv_size_multiplier`` is the one layer-specific keyword used."""
+        fills them). Layer-specific keywords used: ``kv_size_multiplier`` and ``fuse_qkv``
+        (None: :attr:`fuse_qkv`)."""
         del device  # the layers are built on meta; parallelize allocates them
         cls.check_model(model)
+        fuse_qkv = parallel_layer_specific_kwargs.get("fuse_qkv")
+        fuse_qkv = cls.fuse_qkv if fuse_qkv is None else fuse_qkv
+        if not isinstance(fuse_qkv, bool):
+            raise TypeError(f"fuse_qkv must be a bool or None, got {fuse_qkv!r}")
         layout = layout_for(
             model.config,
             nxd_state.get_tensor_model_parallel_size(),
@@ -98,6 +108,7 @@ class Parallelizer:
             sequence_parallel=sequence_parallel_enabled,
             parallelize_embeddings=parallelize_embeddings,
             should_parallelize_layer=should_parallelize_layer_predicate_func,
+            fuse_qkv=fuse_qkv,
         )
         model._nxd_plan = plan  # parallelize reads it (and removes it)
         return model
@@ -116,9 +127,11 @@ class Parallelizer:
         pipeline_parallel_gradient_checkpointing_enabled: bool = False,
         checkpoint_dir: str | Path | None = None,
         num_local_ranks_per_step: int = 8,
+        fuse_qkv: bool | None = None,
     ) -> nn.Module:
         """The parallelised model (an ``nxd_pipeline.NxDPPModel`` when PP > 1) with every
-        parameter holding its values (see the module docstring). Collective."""
+        parameter holding its values (see the module docstring). Collective. ``fuse_qkv``:
+        see :attr:`fuse_qkv` (nxd's keyword)."""
         from nxd_trainer._materialize import build_in_waves, materialize_meta_module
 
         if not nxd_state.model_parallel_is_initialized():
@@ -128,6 +141,8 @@ class Parallelizer:
             )
         state = nxd_state.get_parallel_state()
         cls.check_model(model)
+        if fuse_qkv is not None and not isinstance(fuse_qkv, bool):
+            raise TypeError(f"fuse_qkv must be a bool or None, got {fuse_qkv!r}")
         layout_for(model.config, state.tensor_parallel_size, kv_size_multiplier)
         if sequence_parallel_enabled and state.tensor_parallel_size == 1:
             raise ValueError("sequence_parallel_enabled=True needs tensor_parallel_size > 1")
@@ -152,6 +167,7 @@ class Parallelizer:
                 parallelize_embeddings=parallelize_embeddings,
                 sequence_parallel_enabled=sequence_parallel_enabled,
                 kv_size_multiplier=kv_size_multiplier,
+                fuse_qkv=fuse_qkv,
             )
             plan: Plan = model._nxd_plan
             plan.folder = FolderStore(folder) if folder is not None else None
@@ -303,11 +319,23 @@ class Parallelizer:
     @classmethod
     def hf_name(cls, name: str) -> str:
         """The Hugging Face name of a parallel model's tensor (the GQA projection's parts are
-        ``q_proj`` / ``k_proj`` / ``v_proj`` there)."""
+        ``q_proj`` / ``k_proj`` / ``v_proj`` there; a fused ``weight_qkv``: the first,
+        :meth:`hf_names` lists all three)."""
+        return cls.hf_names(name)[0]
+
+    @classmethod
+    def hf_names(cls, name: str) -> list[str]:
+        """The Hugging Face tensors a parallel model's tensor holds: itself, or for the GQA
+        projection's ``weight_k`` its ``k_proj.weight``, for ``weight_qkv`` the Q, K and V
+        weights (in that order)."""
         spec = cls.spec
-        for part, proj in (("q", spec.q_proj), ("k", spec.k_proj), ("v", spec.v_proj)):
-            for kind in ("weight", "bias"):
+        projections = (("q", spec.q_proj), ("k", spec.k_proj), ("v", spec.v_proj))
+        for kind in ("weight", "bias"):
+            fused = f".{GQA_NAME}.{kind}_qkv"
+            if name.endswith(fused):
+                return [f"{name[: -len(fused)]}.{proj}.{kind}" for _, proj in projections]
+            for part, proj in projections:
                 suffix = f".{GQA_NAME}.{kind}_{part}"
                 if name.endswith(suffix):
-                    return f"{name[: -len(suffix)]}.{proj}.{kind}"
-        return name
+                    return [f"{name[: -len(suffix)]}.{proj}.{kind}"]
+        return [name]
