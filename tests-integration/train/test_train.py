@@ -19,6 +19,7 @@ the trainer's own parity tests).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -66,6 +67,15 @@ def test_default_run_matches_one_process_and_exports(default_run: tuple[Path, st
     exported = AutoModelForCausalLM.from_pretrained(run / "hf")
     tokenizer = AutoTokenizer.from_pretrained(run / "hf")
     assert len(tokenizer) <= exported.config.vocab_size
+    # generate() stops at the tokenizer's EOS (the trained BPE's <|endoftext|> is id 0, not
+    # Llama's default 2, which is a quote character here).
+    assert tokenizer.eos_token_id == 0
+    config = json.loads((run / "hf" / "config.json").read_text())
+    generation = json.loads((run / "hf" / "generation_config.json").read_text())
+    for ids in (config, generation):
+        assert (ids["bos_token_id"], ids["eos_token_id"], ids["pad_token_id"]) == (0, 0, 0)
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert config["use_cache"] is True
     ids = ref["valid"][:2].long()
     with torch.no_grad():
         torch.testing.assert_close(

@@ -22,6 +22,8 @@ from nxd_trainer.train.config import ConfigError, default_of, load_toml
 
 __all__ = ["export_run", "generate_sample", "run_settings"]
 
+_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
 
 def run_settings(run_dir: str | Path) -> dict[str, Any]:
     """The sample settings of a run (its ``config.toml``; the defaults for a run without one):
@@ -62,9 +64,12 @@ def export_run(
     out = Path(out_dir) if out_dir is not None else run / "hf"
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
+        # The run's tokenizer defines what the model learned between documents: its ids are
+        # the export's (runs saved before the model config carried them had Llama's 1 / 2).
+        ids = {key: getattr(tokenizer, key) for key in _TOKEN_IDS}
         export_hf(
             source, tmp, tag="" if source.name == "export_checkpoint" else None,
-            tokenizer=tokenizer,
+            tokenizer=tokenizer, token_ids={k: v for k, v in ids.items() if v is not None},
         )  # fmt: skip
         replace_dir(tmp, out)
     finally:
