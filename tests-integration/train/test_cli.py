@@ -58,6 +58,10 @@ def test_bad_inputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "tp(3) x pp(1) = 3 does not divide the world size 2" in _bad(
         [*base, "--tp", "3"], capsys
     )
+    # The model against the degrees, before the data is prepared (nothing written).
+    heads = [*base, "--name", "heads", "--tp", "3", "--nproc-per-node", "3"]
+    assert "tp(3) does not divide the model's 4 attention heads" in _bad(heads, capsys)
+    assert not (tmp_path / "heads").exists()
     folder = tmp_path / "no-weights"
     folder.mkdir()
     (folder / "config.json").write_text('{"model_type": "llama"}')

@@ -47,7 +47,9 @@ def test_flags_override_toml_override_defaults(tmp_path: Path) -> None:
         ({"pp": 2, "activation_checkpointing": "full"}, "use pp=1"),
         ({"microbatches": 2}, "microbatches=2 needs pp > 1"),
         ({"nnodes": 2}, "nnodes=2 needs rdzv_endpoint"),
-        ({"val_fraction": 0.9}, "val_fraction must be a number in [0.0, 0.5]"),
+        ({"val_fraction": 0.9}, "val_fraction must be a finite number [0.0, 0.5], got 0.9"),
+        ({"lr": float("inf")}, "lr must be a finite number >= 0.0, got inf"),
+        ({"weight_decay": float("nan")}, "weight_decay must be a finite number >= 0.0, got nan"),
         ({"name": "a/b"}, "name must be a plain folder name"),
     ],
 )

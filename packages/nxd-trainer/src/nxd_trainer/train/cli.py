@@ -196,11 +196,11 @@ def _launcher(cfg: TrainConfig, argv: list[str]) -> int:
     record the settings, then start the workers."""
     from nxd_trainer.train.data import check_inputs, prepare_data, prepare_lock
     from nxd_trainer.train.launch import launch
-    from nxd_trainer.train.model import hf_config, model_source
+    from nxd_trainer.train.model import hf_config
     from nxd_trainer.train.rundir import OWNER_ENV, RunDir
 
     dp = cfg.check_world(cfg.world_size)
-    model_source(cfg)
+    hf_config(cfg, 1)  # the model against the degrees (heads, layers), before any write
     check_inputs(cfg)
     run = RunDir.of(cfg)
     single_node = cfg.nnodes == 1  # else global rank 0 owns the run (the nodes share it)

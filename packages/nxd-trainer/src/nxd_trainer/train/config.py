@@ -387,9 +387,11 @@ def _int(name: str, value: Any, minimum: int) -> None:
 
 
 def _float(name: str, value: Any, low: float, high: float) -> None:
+    """A finite number in [low, high] (an infinite learning rate trains to NaN silently)."""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not ok or not (low <= value <= high) or math.isnan(value):
-        raise ConfigError(f"{name} must be a number in [{low}, {high}], got {value!r}")
+    if not ok or not math.isfinite(value) or not (low <= value <= high):
+        bounds = f"[{low}, {high}]" if math.isfinite(high) else f">= {low}"
+        raise ConfigError(f"{name} must be a finite number {bounds}, got {value!r}")
 
 
 def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
