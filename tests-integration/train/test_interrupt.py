@@ -134,3 +134,26 @@ def test_interrupted_run_resumes_from_the_saved_step(tmp_path: Path) -> None:
     done = R.nxd_train([*args, "--steps", str(last + 2)], tmp_path)  # the last flag wins
     assert f"(step {last})" in done.stderr
     assert sorted(R.losses(tmp_path / "tiny")) == list(range(1, last + 3))
+
+
+def test_workers_stop_when_the_launcher_dies(tmp_path: Path) -> None:
+    """SIGKILL of the launcher alone (a lost login session, an OOM kill): its workers get the
+    parent-death signal, finish their step, save it and exit; none is left running."""
+    args = [*R.TINY, "--steps", "400", "--save-every", "1000", "--eval-every", "0",
+            "--runs-dir", str(tmp_path)]  # fmt: skip
+    job = _start(args, tmp_path)
+    metrics = tmp_path / "tiny" / "metrics.jsonl"
+    _wait_for(
+        job, lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= 1, "step 1"
+    )
+    workers = R.children(job.pid)
+    assert workers
+    job.kill()  # the launcher only
+    job.communicate(timeout=R.TIMEOUT)
+    deadline = time.monotonic() + STOP_WITHIN_S
+    while any(R.alive(pid) for pid in workers):
+        assert time.monotonic() < deadline, "workers still running after the launcher died"
+        time.sleep(0.1)
+    last = max(R.losses(tmp_path / "tiny"))
+    assert last < 400
+    assert (tmp_path / "tiny" / "checkpoints" / f"step_{last:08d}" / "done").is_file()

@@ -110,19 +110,6 @@ def test_default_run_writes_tensorboard_and_jsonl(default_run: tuple[Path, str])
     assert (run / "config.toml").is_file()
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                out.append(int(entry.name))
-    return out
-
-
 def test_killed_run_resumes_bitwise(runs: Path, default_run: tuple[Path, str]) -> None:
     args = [*R.TINY, *STEPS, "--runs-dir", str(runs), "--name", "killed"]
     marker = runs / "killed" / "checkpoints" / "step_00000004" / "done"
@@ -132,7 +119,7 @@ def test_killed_run_resumes_bitwise(runs: Path, default_run: tuple[Path, str]) -
     deadline = time.monotonic() + R.TIMEOUT
     while not marker.exists() and launcher.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
-    workers = _children(launcher.pid)
+    workers = R.children(launcher.pid)
     for pid in workers:
         os.kill(pid, signal.SIGKILL)
     launcher.communicate(timeout=R.TIMEOUT)

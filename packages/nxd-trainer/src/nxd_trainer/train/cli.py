@@ -219,6 +219,7 @@ def _launcher(cfg: TrainConfig, argv: list[str]) -> int:
             if single_node:
                 run.begin()
                 os.environ[OWNER_ENV] = "1"
+            os.environ[_signals.LAUNCHER_PID_ENV] = str(os.getpid())
             print(
                 f"nxd-train: starting {cfg.nproc_per_node} worker(s) on this node (world "
                 f"{cfg.world_size}, tp={cfg.tp} pp={cfg.pp} dp={dp})",
@@ -288,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
 
         if under_torchrun():
             worker = True
+            _signals.die_with_launcher()
             from nxd_trainer.train.loop import run_worker
 
             return run_worker(cfg)
