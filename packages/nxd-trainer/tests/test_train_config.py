@@ -4,6 +4,7 @@ torch's launcher, and the packed loader's data-parallel sharding and resume posi
 
 from __future__ import annotations
 
+import os
 from dataclasses import fields
 from pathlib import Path
 
@@ -142,3 +143,28 @@ def test_bpe_is_deterministic_and_lossless() -> None:
     assert first.backend_tokenizer.to_str() == second.backend_tokenizer.to_str()
     text = corpus.valid[0][:500]
     assert first.decode(first(text)["input_ids"]) == text  # byte-level: lossless
+
+
+def test_help_needs_no_source_files(tmp_path: Path) -> None:
+    """The help text comes from the fields' metadata, not from reading ``.py`` files: an
+    install with only compiled modules (``compileall -b``, sources removed) prints it."""
+    import compileall
+    import shutil
+    import subprocess
+    import sys
+
+    import nxd_trainer
+
+    package = tmp_path / "nxd_trainer"
+    shutil.copytree(Path(nxd_trainer.__file__).parent, package)
+    assert compileall.compile_dir(package, legacy=True, quiet=1)
+    for source in package.rglob("*.py"):
+        source.unlink()
+    shown = subprocess.run(
+        [sys.executable, "-c", "from nxd_trainer.train.cli import build_parser; "
+         "import nxd_trainer; print(nxd_trainer.__file__); print(build_parser().format_help())"],
+        env={**os.environ, "PYTHONPATH": str(tmp_path)}, capture_output=True, text=True,
+        check=True,
+    )  # fmt: skip
+    assert shown.stdout.startswith(str(package))  # the compiled copy was imported
+    assert "Tensor-parallel degree" in shown.stdout

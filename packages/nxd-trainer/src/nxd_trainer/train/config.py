@@ -9,14 +9,11 @@ value on its own; :meth:`TrainConfig.check_world` checks what depends on the wor
 
 from __future__ import annotations
 
-import ast
 import difflib
-import inspect
-import itertools
 import math
 import os
+from collections.abc import Callable
 from dataclasses import MISSING, asdict, dataclass, field, fields
-from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -34,163 +31,264 @@ class ConfigError(ValueError):
     """A bad setting or input: the message names the value and what was expected."""
 
 
+def setting(
+    default: Any = MISSING, doc: str = "", *, factory: Callable[[], Any] | None = None
+) -> Any:
+    """A field of :class:`TrainConfig` with its documentation: the text ``--help`` prints,
+    kept in the field's metadata (read at run time, so it needs no source files)."""
+    metadata = {"doc": " ".join(doc.split())}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
 @dataclass(kw_only=True)
 class TrainConfig:
     """Everything one ``nxd-train`` run needs; the defaults train the tiny model at TP=2 on
     2 CPU processes in about three minutes."""
 
     # --- run ---------------------------------------------------------------------------
-    name: str = "tiny"
-    """Run name: everything the run writes goes to ``<runs_dir>/<name>/``."""
+    name: str = setting(
+        "tiny",
+        "Run name: everything the run writes goes to ``<runs_dir>/<name>/``.",
+    )
 
-    runs_dir: str = "runs"
-    """Folder holding the runs (relative to the working directory)."""
+    runs_dir: str = setting(
+        "runs",
+        "Folder holding the runs (relative to the working directory).",
+    )
 
-    seed: int = 1234
-    """Seed of the model's initial weights, the data order and every RNG stream."""
+    seed: int = setting(
+        1234,
+        "Seed of the model's initial weights, the data order and every RNG stream.",
+    )
 
     # --- model -------------------------------------------------------------------------
-    model: str = "tiny"
-    """``tiny`` (4 layers, hidden 128), ``small`` (8 layers, hidden 512), a Hugging Face
-    ``config.json`` (trained from scratch) or an HF model folder with weights (fine-tuned)."""
+    model: str = setting(
+        "tiny",
+        """``tiny`` (4 layers, hidden 128), ``small`` (8 layers, hidden 512), a Hugging Face
+        ``config.json`` (trained from scratch) or an HF model folder with weights (fine-tuned).""",
+    )
 
-    lora_rank: int = 0
-    """LoRA rank r for fine-tuning (0: train every weight; > 0: freeze the base, train
-    adapters B·A of rank r on ``lora_targets``)."""
+    lora_rank: int = setting(
+        0,
+        """LoRA rank r for fine-tuning (0: train every weight; > 0: freeze the base, train
+        adapters B·A of rank r on ``lora_targets``).""",
+    )
 
-    lora_alpha: float = 16.0
-    """LoRA scaling numerator: adapters add (alpha / r) · B·A·x."""
+    lora_alpha: float = setting(
+        16.0,
+        "LoRA scaling numerator: adapters add (alpha / r) · B·A·x.",
+    )
 
-    lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
-    """Module names (last component) that get LoRA adapters."""
+    lora_targets: list[str] = setting(  # noqa: RUF009 (a dataclasses.field)
+        factory=lambda: ["q_proj", "v_proj"],
+        doc="Module names (last component) that get LoRA adapters.",
+    )
 
     # --- data --------------------------------------------------------------------------
-    data: str | None = None
-    """Training text: a text file, a folder of text files, or a ``datasets`` folder saved
-    with ``save_to_disk``. None: the Python standard library's own sources (no download)."""
+    data: str | None = setting(
+        None,
+        """Training text: a text file, a folder of text files, or a ``datasets`` folder saved
+        with ``save_to_disk``. None: the Python standard library's own sources (no download).""",
+    )
 
-    text_field: str = "text"
-    """Column holding the text in a ``datasets`` folder."""
+    text_field: str = setting(
+        "text",
+        "Column holding the text in a ``datasets`` folder.",
+    )
 
-    tokenizer: str | None = None
-    """An HF tokenizer folder. None: train a byte-level BPE on the training split (cached in
-    the run folder)."""
+    tokenizer: str | None = setting(
+        None,
+        """An HF tokenizer folder. None: train a byte-level BPE on the training split (cached in
+        the run folder).""",
+    )
 
-    vocab_size: int = 2048
-    """Vocabulary of the trained BPE tokenizer (ignored with ``tokenizer``)."""
+    vocab_size: int = setting(
+        2048,
+        "Vocabulary of the trained BPE tokenizer (ignored with ``tokenizer``).",
+    )
 
-    seq_len: int = 128
-    """Tokens per packed training sequence."""
+    seq_len: int = setting(
+        128,
+        "Tokens per packed training sequence.",
+    )
 
-    corpus_mb: float = 2.0
-    """At most this many MB of text are read (train and validation together; 0: all)."""
+    corpus_mb: float = setting(
+        2.0,
+        "At most this many MB of text are read (train and validation together; 0: all).",
+    )
 
-    val_fraction: float = 0.05
-    """Fraction of documents held out for validation (chosen by a hash of their name)."""
+    val_fraction: float = setting(
+        0.05,
+        "Fraction of documents held out for validation (chosen by a hash of their name).",
+    )
 
     # --- optimization ------------------------------------------------------------------
-    steps: int = 150
-    """Optimizer steps to train (a rerun with more steps continues the run)."""
+    steps: int = setting(
+        150,
+        "Optimizer steps to train (a rerun with more steps continues the run).",
+    )
 
-    batch_size: int = 8
-    """Sequences per optimizer step, over all data-parallel ranks and accumulation steps."""
+    batch_size: int = setting(
+        8,
+        "Sequences per optimizer step, over all data-parallel ranks and accumulation steps.",
+    )
 
-    grad_accum: int = 1
-    """Micro-steps accumulated per optimizer step (gradients averaged over them)."""
+    grad_accum: int = setting(
+        1,
+        "Micro-steps accumulated per optimizer step (gradients averaged over them).",
+    )
 
-    lr: float = 3e-3
-    """Peak learning rate of AdamW."""
+    lr: float = setting(
+        3e-3,
+        "Peak learning rate of AdamW.",
+    )
 
-    warmup_steps: int = 20
-    """Steps of linear warm-up from 0 to ``lr``; then cosine decay to ``min_lr_ratio · lr``."""
+    warmup_steps: int = setting(
+        20,
+        "Steps of linear warm-up from 0 to ``lr``; then cosine decay to ``min_lr_ratio · lr``.",
+    )
 
-    min_lr_ratio: float = 0.1
-    """Final learning rate as a fraction of ``lr``."""
+    min_lr_ratio: float = setting(
+        0.1,
+        "Final learning rate as a fraction of ``lr``.",
+    )
 
-    weight_decay: float = 0.1
-    """AdamW's decoupled weight decay."""
+    weight_decay: float = setting(
+        0.1,
+        "AdamW's decoupled weight decay.",
+    )
 
-    clip: float = 1.0
-    """Clip the global gradient norm to this (0: no clipping; the norm is logged either
-    way)."""
+    clip: float = setting(
+        1.0,
+        """Clip the global gradient norm to this (0: no clipping; the norm is logged either
+        way).""",
+    )
 
     # --- launch ------------------------------------------------------------------------
-    nproc_per_node: int = 2
-    """Worker processes on this machine (one per GPU on CUDA)."""
+    nproc_per_node: int = setting(
+        2,
+        "Worker processes on this machine (one per GPU on CUDA).",
+    )
 
-    nnodes: int = 1
-    """Machines taking part; each runs ``nxd-train`` with the same flags and its
-    ``node_rank``."""
+    nnodes: int = setting(
+        1,
+        """Machines taking part; each runs ``nxd-train`` with the same flags and its
+        ``node_rank``.""",
+    )
 
-    node_rank: int | None = None
-    """This machine's rank among ``nnodes`` (static rendezvous); None with ``nnodes`` > 1:
-    torch's c10d rendezvous assigns it."""
+    node_rank: int | None = setting(
+        None,
+        """This machine's rank among ``nnodes`` (static rendezvous); None with ``nnodes`` > 1:
+        torch's c10d rendezvous assigns it.""",
+    )
 
-    rdzv_endpoint: str | None = None
-    """``host:port`` of the rendezvous for multi-node runs (the node-rank-0 machine)."""
+    rdzv_endpoint: str | None = setting(
+        None,
+        "``host:port`` of the rendezvous for multi-node runs (the node-rank-0 machine).",
+    )
 
-    device: str | None = None
-    """``cpu`` (gloo), ``cuda`` (NCCL) or ``xla``; None: nxd_state's choice (``NXD_DEVICE``,
-    else CUDA when present, else CPU)."""
+    device: str | None = setting(
+        None,
+        """``cpu`` (gloo), ``cuda`` (NCCL) or ``xla``; None: nxd_state's choice (``NXD_DEVICE``,
+        else CUDA when present, else CPU).""",
+    )
 
     # --- parallelism and numerics ------------------------------------------------------
-    tp: int = 2
-    """Tensor-parallel degree (heads, MLP and vocabulary split over ``tp`` ranks)."""
+    tp: int = setting(
+        2,
+        "Tensor-parallel degree (heads, MLP and vocabulary split over ``tp`` ranks).",
+    )
 
-    pp: int = 1
-    """Pipeline-parallel degree (layers cut into ``pp`` even stages)."""
+    pp: int = setting(
+        1,
+        "Pipeline-parallel degree (layers cut into ``pp`` even stages).",
+    )
 
-    microbatches: int = 1
-    """Pipeline micro-batches per micro-step (``pp`` > 1); the per-rank batch must divide."""
+    microbatches: int = setting(
+        1,
+        "Pipeline micro-batches per micro-step (``pp`` > 1); the per-rank batch must divide.",
+    )
 
-    schedule: str = "1f1b"
-    """Pipeline schedule: gpipe, 1f1b or zb_h1."""
+    schedule: str = setting(
+        "1f1b",
+        "Pipeline schedule: gpipe, 1f1b or zb_h1.",
+    )
 
-    zero1: bool = False
-    """ZeRO-1: shard AdamW's state over data parallelism."""
+    zero1: bool = setting(
+        False,
+        "ZeRO-1: shard AdamW's state over data parallelism.",
+    )
 
-    sequence_parallel: bool = False
-    """Sequence parallelism on the norms and dropouts between TP regions (``tp`` > 1)."""
+    sequence_parallel: bool = setting(
+        False,
+        "Sequence parallelism on the norms and dropouts between TP regions (``tp`` > 1).",
+    )
 
-    activation_checkpointing: str = "none"
-    """Recompute activations in backward: ``full`` (every decoder layer), ``selective``
-    (attention only) or ``none``."""
+    activation_checkpointing: str = setting(
+        "none",
+        """Recompute activations in backward: ``full`` (every decoder layer), ``selective``
+        (attention only) or ``none``.""",
+    )
 
-    bf16: bool = False
-    """bf16 parameters and activations; the optimizer keeps fp32 master weights and
-    accumulates gradients in fp32."""
+    bf16: bool = setting(
+        False,
+        """bf16 parameters and activations; the optimizer keeps fp32 master weights and
+        accumulates gradients in fp32.""",
+    )
 
-    compile: bool = False
-    """torch.compile the decoder layers (CUDA only)."""
+    compile: bool = setting(
+        False,
+        "torch.compile the decoder layers (CUDA only).",
+    )
 
     # --- progress, evaluation, checkpoints, export ------------------------------------
-    eval_every: int = 50
-    """Validation loss and perplexity every this many steps (and at the end; 0: end only)."""
+    eval_every: int = setting(
+        50,
+        "Validation loss and perplexity every this many steps (and at the end; 0: end only).",
+    )
 
-    eval_batches: int = 4
-    """Batches of ``batch_size`` sequences in each validation pass."""
+    eval_batches: int = setting(
+        4,
+        "Batches of ``batch_size`` sequences in each validation pass.",
+    )
 
-    save_every: int = 50
-    """Checkpoint every this many steps (and at the end)."""
+    save_every: int = setting(
+        50,
+        "Checkpoint every this many steps (and at the end).",
+    )
 
-    keep: int = 2
-    """Newest checkpoint tags kept (older ones are deleted)."""
+    keep: int = setting(
+        2,
+        "Newest checkpoint tags kept (older ones are deleted).",
+    )
 
-    export: bool = True
-    """Write the Hugging Face folder (model + tokenizer) at the end and print a sample."""
+    export: bool = setting(
+        True,
+        "Write the Hugging Face folder (model + tokenizer) at the end and print a sample.",
+    )
 
-    prompt: str = "def "
-    """Prompt of the sample generated from the exported folder."""
+    prompt: str = setting(
+        "def ",
+        "Prompt of the sample generated from the exported folder.",
+    )
 
-    sample_tokens: int = 40
-    """Tokens generated for the sample (0: no sample)."""
+    sample_tokens: int = setting(
+        40,
+        "Tokens generated for the sample (0: no sample).",
+    )
 
-    progress: bool = True
-    """Show the progress bar (on one rank)."""
+    progress: bool = setting(
+        True,
+        "Show the progress bar (on one rank).",
+    )
 
-    dry_run: bool = False
-    """Print the resolved layout (rank coordinates, parameters per rank, pipeline schedule)
-    and exit without training."""
+    dry_run: bool = setting(
+        False,
+        """Print the resolved layout (rank coordinates, parameters per rank, pipeline schedule)
+        and exit without training.""",
+    )
 
     def __post_init__(self) -> None:
         for name in ("seed",):
@@ -356,22 +454,9 @@ def load_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
     return flat
 
 
-@cache
 def field_docs(cls: type = TrainConfig) -> dict[str, str]:
-    """Each field's docstring (the string literal under it in the class body)."""
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs = {}
-    for node, after in itertools.pairwise(body):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(after, ast.Expr)
-            and isinstance(after.value, ast.Constant)
-            and isinstance(after.value.value, str)
-        ):
-            docs[node.target.id] = " ".join(after.value.value.split())
-    return docs
+    """Each field's documentation (from :func:`setting`), in the order of the fields."""
+    return {f.name: f.metadata["doc"] for f in fields(cls) if "doc" in f.metadata}
 
 
 def default_of(name: str) -> Any:
