@@ -61,6 +61,7 @@ __all__ = [
     "RankDiedError",
     "RemoteTraceback",
     "add_preload",
+    "cpu_test_environment",
     "launch_ranks",
     "load_sibling",
     "process_alive",
@@ -174,12 +175,25 @@ def _import_file(name: str, path: str | os.PathLike[str]) -> types.ModuleType:
     return module
 
 
+def cpu_test_environment() -> dict[str, str]:
+    """What a CPU test pins, in its ranks and in the test process itself: the CPU device
+    (``NXD_DEVICE=cpu``: a visible GPU or ``PJRT_DEVICE`` must not move it) and one OpenMP
+    thread for every process it starts. A package's ``conftest.py`` applies it to its tests::
+
+        @pytest.fixture(autouse=True)
+        def _cpu_tests(monkeypatch):
+            for key, value in cpu_test_environment().items():
+                monkeypatch.setenv(key, value)
+    """
+    return {"NXD_DEVICE": "cpu", "OMP_NUM_THREADS": "1"}
+
+
 def rank_environment(env: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment every rank of :func:`run_distributed` and :func:`launch_ranks` gets on
-    top of the forkserver's: the CPU device (``NXD_DEVICE=cpu``), one OpenMP thread, gloo on
-    the loopback interface (Linux), then ``env`` (a test that runs its ranks elsewhere says so
-    there, e.g. ``env={"NXD_DEVICE": "cuda"}``)."""
-    pinned = {"NXD_DEVICE": "cpu", "OMP_NUM_THREADS": "1"}
+    top of the forkserver's: :func:`cpu_test_environment` (the CPU device, one OpenMP thread),
+    gloo on the loopback interface (Linux), then ``env`` (a test that runs its ranks elsewhere
+    says so there, e.g. ``env={"NXD_DEVICE": "cuda"}``)."""
+    pinned = cpu_test_environment()
     if sys.platform.startswith("linux"):
         pinned["GLOO_SOCKET_IFNAME"] = "lo"
     pinned.update(env or {})
