@@ -55,7 +55,9 @@ def test_backend_devices_table() -> None:
 
 
 # On the ranks --------------------------------------------------------------------------------
-_HANDED: list[int] = []  # storage addresses of the tensors handed to torch.distributed
+# The tensors handed to torch.distributed, kept alive so no later tensor can reuse the memory
+# of a freed staging copy (addresses are compared at the end).
+_HANDED: list[torch.Tensor] = []
 _SPIED = (
     "all_reduce",
     "broadcast",
@@ -75,7 +77,7 @@ def _spy(name: str) -> Callable[..., Any]:
     def spy(*args: Any, **kwargs: Any) -> Any:
         for value in [*args, *kwargs.values()]:
             if isinstance(value, torch.Tensor):
-                _HANDED.append(value.untyped_storage().data_ptr())
+                _HANDED.append(value)
         return real(*args, **kwargs)
 
     return spy
@@ -89,7 +91,7 @@ def _install_spies() -> None:
     real_p2p = dist.P2POp
 
     def p2p(op: Any, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        _HANDED.append(tensor.untyped_storage().data_ptr())
+        _HANDED.append(tensor)
         return real_p2p(unspied.get(op, op), tensor, *args, **kwargs)  # P2POp checks op
 
     dist.P2POp = p2p  # type: ignore[misc, assignment]
@@ -155,7 +157,7 @@ def staged_ops(stage_everything: bool) -> dict[str, Any]:
     _install_spies()
     with C.count_collectives() as counter:
         out, callers = _ops(rank, world)
-    handed = set(_HANDED)
+    handed = {t.untyped_storage().data_ptr() for t in _HANDED}
     shared = [t for t in callers if t.untyped_storage().data_ptr() in handed]
     return {"out": out, "shared": len(shared), "counter": counter.as_dict()}
 
