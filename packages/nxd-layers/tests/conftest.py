@@ -1,6 +1,21 @@
 """The rank processes and the trace workers fork from one forkserver: have it import the
-export machinery (torch._dynamo, seconds) and the trace worker once, for all of them."""
+export machinery (torch._dynamo, seconds) and the trace worker once, for all of them.
 
-from nxd_state.testing import add_preload
+These are CPU tests, wherever they run: every test sees ``nxd_state.testing.
+cpu_test_environment()``: ``NXD_DEVICE=cpu`` (a visible GPU must not move a trace to CUDA; the
+harness's ranks are pinned the same way) and ``OMP_NUM_THREADS=1``, which the trace workers and
+any fresh process take as their thread count, the harness's ranks' one thread: results compared
+bit for bit with the ranks' must not depend on how many cores the machine has.
+"""
+
+import pytest
+
+from nxd_state.testing import add_preload, cpu_test_environment
 
 add_preload("torch.export", "torch._dynamo", "nxd_layers.trace._worker")
+
+
+@pytest.fixture(autouse=True)
+def _cpu_tests(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in cpu_test_environment().items():
+        monkeypatch.setenv(key, value)

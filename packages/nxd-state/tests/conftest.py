@@ -1,8 +1,13 @@
-"""Tests marked ``xla`` need torch-xla; they run in the ``xla`` nox session."""
+"""Tests marked ``xla`` need torch-xla; they run in the ``xla`` nox session. Every other test is
+a CPU test wherever it runs: it sees ``nxd_state.testing.cpu_test_environment()``
+(``NXD_DEVICE=cpu``, one OpenMP thread), as the harness's ranks do; tests of the device choice
+itself set or clear the variables they need."""
 
 import importlib.util
 
 import pytest
+
+from nxd_state.testing import cpu_test_environment
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -12,3 +17,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "xla" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _cpu_tests(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    if request.node.get_closest_marker("xla") is None:
+        for key, value in cpu_test_environment().items():
+            monkeypatch.setenv(key, value)

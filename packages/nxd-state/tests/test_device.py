@@ -83,6 +83,44 @@ def test_init_distributed_env_and_single_process() -> None:
     assert run_distributed(reinit, 1, "single", 0) == [(0, 1, "gloo:1")]
 
 
+def device_after_init_on_a_gpu_machine() -> dict[str, str]:
+    """In a rank: a job that asked for the CPU on a machine showing a GPU and PJRT_DEVICE."""
+    import nxd_state
+
+    dist.destroy_process_group()  # the harness's group; the job makes its own
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        os.environ.pop(key, None)
+    torch.cuda.is_available = lambda: True  # this rank's process only
+    os.environ.update(NXD_DEVICE="cuda", PJRT_DEVICE="CPU")
+    init_distributed(device_type="cpu")
+    seen = {
+        "resolved": resolve_device_type(),
+        "current": str(current_device()),
+        "tracker": nxd_state.get_rng_tracker().device_type,
+        "cpu_mode": str(is_cpu_mode()),
+        "argument": resolve_device_type("xla"),  # an explicit argument still wins
+    }
+    dist.destroy_process_group()
+    seen["after_destroy"] = resolve_device_type()  # the environment again
+    init_distributed(device_type="cpu")  # the harness ends with a barrier on the default group
+    return seen
+
+
+def test_the_device_init_distributed_chose_sticks_to_the_process() -> None:
+    # Without it: "cuda" everywhere (NXD_DEVICE and the visible GPU) while the job runs gloo on
+    # the CPU, its RNG tracker forking the GPU's generator.
+    assert run_distributed(device_after_init_on_a_gpu_machine, 1) == [
+        {
+            "resolved": "cpu",
+            "current": "cpu",
+            "tracker": "cpu",
+            "cpu_mode": "True",
+            "argument": "xla",
+            "after_destroy": "cuda",
+        }
+    ]
+
+
 def test_move_model_to_device_keeps_parallel_attributes() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     model[0].weight.tensor_model_parallel = True

@@ -85,6 +85,27 @@ def test_ranks_run_single_threaded() -> None:
     assert run_distributed(use_torch_threads, 2) == [1, 1]
 
 
+def device_seen_with_a_visible_gpu() -> tuple[str, str, str]:
+    """On a rank: the device nxd would pick if a GPU were visible here (torch.cuda.is_available
+    patched to True, the way a CUDA machine answers), and the rank's thread variable."""
+    import nxd_state
+
+    torch.cuda.is_available = lambda: True  # this rank's process only
+    return nxd_state.resolve_device_type(), os.environ["NXD_DEVICE"], os.environ["OMP_NUM_THREADS"]
+
+
+def test_ranks_run_on_the_cpu_when_a_gpu_or_xla_is_visible() -> None:
+    # Without the pin the first would be "cuda" (a GPU is visible) and the second "xla"
+    # (PJRT_DEVICE, torch-xla's switch, is set): a CPU test must not depend on the machine.
+    assert run_distributed(device_seen_with_a_visible_gpu, 2) == [("cpu", "cpu", "1")] * 2
+    on_xla_machine = run_distributed(device_seen_with_a_visible_gpu, 1, env={"PJRT_DEVICE": "CPU"})
+    assert on_xla_machine == [("cpu", "cpu", "1")]
+    # A test that wants another device asks for it.
+    assert run_distributed(device_seen_with_a_visible_gpu, 1, env={"NXD_DEVICE": "cuda"}) == [
+        ("cuda", "cuda", "1")
+    ]
+
+
 def test_local_functions_are_rejected_with_a_reason() -> None:
     def local() -> None:
         return None

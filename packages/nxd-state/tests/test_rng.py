@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import nxd_state as ps
-from nxd_state.rng import RNGStatesTracker
+from nxd_state.rng import RNGStatesTracker, xla_seed_from_tensor, xla_seed_to_tensor
 from nxd_state.testing import run_distributed
 
 
@@ -70,3 +70,29 @@ def test_tracker_errors_name_the_stream_and_seed() -> None:
         tracker.add("y", 1)
     with pytest.raises(KeyError, match=r"RNG stream 'nope' does not exist"), tracker.fork("nope"):
         pass
+
+
+@pytest.mark.parametrize(
+    ("seed", "stored"),
+    [
+        (0, 0),
+        (5, 5),
+        (2**63 - 1, 2**63 - 1),
+        (2**63, -(2**63)),  # above int64's range: the same bits, read as negative
+        (2**63 + 12345, -(2**63) + 12345),
+        (2**64 - 1, -1),
+    ],
+)
+def test_xla_seed_is_stored_as_its_64_bits(seed: int, stored: int) -> None:
+    tensor = xla_seed_to_tensor(seed)
+    assert tensor.dtype == torch.int64
+    assert tensor.tolist() == [stored]
+    assert xla_seed_from_tensor(tensor) == seed
+
+
+def test_xla_seed_out_of_range_is_refused() -> None:
+    for bad in (-1, 2**64, 1.5, True):
+        with pytest.raises(ValueError, match=r"an XLA RNG state is an integer in \[0, 2\*\*64\)"):
+            xla_seed_to_tensor(bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"stored as one int64, got torch.int32"):
+        xla_seed_from_tensor(torch.tensor([1], dtype=torch.int32))

@@ -46,6 +46,19 @@ def test_collectives_on_one_device_are_identities(xla_world: None) -> None:
         torch.testing.assert_close(out.cpu(), torch.arange(6.0).reshape(2, 3), rtol=0, atol=0)
 
 
+def test_a_cpu_tensor_on_the_xla_group_is_staged_to_this_device(xla_world: None) -> None:
+    from nxd_state._staging import stage, staging_device, unstage
+
+    cpu = torch.arange(3.0)
+    assert staging_device(cpu, None) == ps.current_device()
+    assert staging_device(cpu.to(ps.current_device()), None) is None
+    staged = stage(cpu, None)
+    assert staged.device.type == "xla"
+    staged.mul_(2)
+    assert unstage(cpu, staged) is cpu
+    torch.testing.assert_close(cpu, torch.tensor([0.0, 2.0, 4.0]), rtol=0, atol=0)
+
+
 def test_rng_tracker_forks_xla_seed_state(xla_world: None) -> None:
     device = ps.current_device()
     ps.model_parallel_manual_seed(5)
@@ -57,6 +70,22 @@ def test_rng_tracker_forks_xla_seed_state(xla_world: None) -> None:
     again = torch.rand(4, device=device).cpu()
     ps.load_rng_state_dict(saved)
     torch.testing.assert_close(torch.rand(4, device=device).cpu(), again, rtol=0, atol=0)
+
+
+def test_rng_state_above_2_63_round_trips_on_xla(xla_world: None) -> None:
+    """XLA's state is a uint64: one above int64's range is saved and restored bit for bit
+    (it overflowed the int64 tensor before)."""
+    xm = pytest.importorskip("torch_xla.core.xla_model")
+    device = ps.current_device()
+    high = 2**64 - 12345
+    xm.set_rng_state(high)
+    assert xm.get_rng_state() == high
+    saved = ps.rng_state_dict()
+    assert saved["xla"].tolist() == [high - 2**64]
+    expected = torch.rand(4, device=device).cpu()
+    ps.load_rng_state_dict(saved)
+    assert xm.get_rng_state() == high
+    torch.testing.assert_close(torch.rand(4, device=device).cpu(), expected, rtol=0, atol=0)
 
 
 def test_move_model_to_xla_keeps_attributes(xla_world: None) -> None:

@@ -150,10 +150,11 @@ def launch_ranks(
 ) -> LaunchedRanks:
     """Start ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks and return at once.
 
-    Each rank's stdout and stderr go to ``log_dir/rank-<r>.log``. ``env`` is set in every
-    rank (e.g. ``NXD_COLLECTIVE_TIMEOUT_S``). ``fn`` must be a module-level function.
+    Each rank's stdout and stderr go to ``log_dir/rank-<r>.log``. Every rank runs under
+    :func:`nxd_state.testing.rank_environment` (the CPU device, one thread), ``env`` added last
+    (e.g. ``NXD_COLLECTIVE_TIMEOUT_S``). ``fn`` must be a module-level function.
     """
-    from nxd_state.testing import _get_context
+    from nxd_state.testing import _get_context, rank_environment
 
     if "<locals>" in fn.__qualname__ or fn.__name__ == "<lambda>":
         raise ValueError(f"launch_ranks needs a module-level function, got {fn.__qualname__}")
@@ -162,8 +163,7 @@ def launch_ranks(
     path = str(Path(inspect.getfile(fn)).resolve())
     function = (path, fn.__module__, fn.__qualname__)
     payload = pickle.dumps((args, kwargs))
-    rank_env = {"GLOO_SOCKET_IFNAME": "lo"} if sys.platform.startswith("linux") else {}
-    rank_env.update(env or {})
+    rank_env = rank_environment(env)
     Path(log_dir).mkdir(parents=True, exist_ok=True)
     logs = [Path(log_dir) / f"rank-{rank}.log" for rank in range(world_size)]
     workdir = tempfile.TemporaryDirectory(prefix="nxd-launch-")

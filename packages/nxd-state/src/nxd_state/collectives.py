@@ -23,6 +23,15 @@ benchmarks can compare traffic with theory. Two byte counts are kept per call:
   runs as n broadcasts on gloo (see :func:`all_gather`) sends ``(n-1) * B_shard`` per rank,
   exactly the ring's.
 
+Every op takes tensors on any device, whatever the group's backend: a tensor on a device the
+backend cannot use (a CPU flag or loss sum on an NCCL group, a CPU tensor on an XLA group) is
+*staged* by one helper, :func:`_staged` (rules in :mod:`nxd_state._staging`): copied to the
+backend's device (gloo: CPU, which also takes CUDA tensors as they are; NCCL: the current CUDA
+device; xla: this process's XLA device), the op runs on the copy, and the result is copied back
+into the caller's tensor (in-place ops, receives, ``out``) or moved to the caller's device (ops
+that return a new tensor). A staged op is counted in the traffic counter like any other: the
+copies are local, not traffic.
+
 A backend error in any of them (a peer died, raised, or never joined before the timeout) is
 raised as :class:`nxd_state.health.RankFailureError` naming the rank(s) that caused it, the
 backend's error chained (see :mod:`nxd_state.health`).
@@ -30,13 +39,15 @@ backend's error chained (see :mod:`nxd_state.health`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
+from nxd_state._staging import backend_of, stage, staging_device, unstage
 from nxd_state._traffic import (
     CollectiveCounter,
     OpStats,
@@ -81,7 +92,21 @@ _NO_NATIVE_ALL_TO_ALL: set[str] = set()  # e.g. torch-xla's xla backend
 
 
 def _backend_name(group: Group) -> str:
-    return str(dist.get_backend(group)).lower()
+    return backend_of(group)
+
+
+@contextlib.contextmanager
+def _staged(
+    group: Group, *tensors: torch.Tensor, inplace: bool = True
+) -> Iterator[list[torch.Tensor]]:
+    """``tensors`` as ``group``'s backend takes them: each one itself, or a staging copy on the
+    backend's device (:mod:`nxd_state._staging`); with ``inplace``, when the block ends without
+    an error every staging copy is copied back into its tensor."""
+    staged = [stage(tensor, group) for tensor in tensors]
+    yield staged
+    if inplace:
+        for tensor, copy in zip(tensors, staged):
+            unstage(tensor, copy)
 
 
 def _is_unsupported(error: Exception) -> bool:
@@ -103,7 +128,8 @@ def all_reduce(
     if n == 1:
         return tensor
     record("all_reduce", group, nbytes(tensor), 2 * (n - 1) / n * nbytes(tensor))
-    dist.all_reduce(tensor, op=op, group=group)
+    with _staged(group, tensor) as (work,):
+        dist.all_reduce(work, op=op, group=group)
     return tensor
 
 
@@ -135,15 +161,19 @@ def all_gather(
         return out
     record("all_gather", group, nbytes(tensor), (n - 1) * nbytes(tensor))
     if out is not None:
-        _all_gather_into(out, tensor, group, n)
+        if staging_device(out, group) is None:  # out and the shard (same device) stay
+            _all_gather_into(out, tensor, group, n)
+            return out
+        with _staged(group, out) as (staged_out,):
+            _all_gather_into(staged_out, tensor.to(staged_out.device), group, n)
         return out
     dim = dim % tensor.dim()
-    moved = tensor.movedim(dim, 0).contiguous()
-    gathered = torch.empty(
-        (n * moved.shape[0], *moved.shape[1:]), dtype=tensor.dtype, device=tensor.device
-    )
-    dist.all_gather_into_tensor(gathered, moved, group=group)
-    return gathered.movedim(0, dim)
+    with _staged(group, tensor.movedim(dim, 0).contiguous(), inplace=False) as (moved,):
+        gathered = torch.empty(
+            (n * moved.shape[0], *moved.shape[1:]), dtype=tensor.dtype, device=moved.device
+        )
+        dist.all_gather_into_tensor(gathered, moved, group=group)
+    return gathered.to(tensor.device).movedim(0, dim)
 
 
 def _check_gather_out(tensor: torch.Tensor, out: torch.Tensor, n: int, dim: int) -> None:
@@ -205,7 +235,15 @@ def reduce_scatter(
             f"group size {n}"
         )
     payload = nbytes(tensor)
-    moved = tensor.movedim(dim, 0).contiguous()
+    with _staged(group, tensor.movedim(dim, 0).contiguous(), inplace=False) as (moved,):
+        out = _reduce_scatter_rows(moved, group, n, op, payload)
+    return out.to(tensor.device).movedim(0, dim)
+
+
+def _reduce_scatter_rows(
+    moved: torch.Tensor, group: Group, n: int, op: ReduceOp.RedOpType, payload: int
+) -> torch.Tensor:
+    """Chunk r of (op over ranks of ``moved``) along dim 0, on ``moved``'s device."""
     backend = _backend_name(group)
     local = _LOCAL_REDUCTIONS.get(op)
     if (
@@ -217,11 +255,10 @@ def reduce_scatter(
         received = torch.empty_like(moved)  # rows [j·m, (j+1)·m): chunk r of rank j's X
         dist.all_to_all_single(received, moved, group=group)
         record("reduce_scatter", group, payload, (n - 1) / n * payload)
-        out = local(received.view(n, moved.shape[0] // n, *moved.shape[1:]))
-        return out.movedim(0, dim)
+        return local(received.view(n, moved.shape[0] // n, *moved.shape[1:]))
     if backend not in _NO_NATIVE_REDUCE_SCATTER:
         out = torch.empty(
-            (moved.shape[0] // n, *moved.shape[1:]), dtype=tensor.dtype, device=tensor.device
+            (moved.shape[0] // n, *moved.shape[1:]), dtype=moved.dtype, device=moved.device
         )
         try:
             dist.reduce_scatter_tensor(out, moved, op=op, group=group)
@@ -233,12 +270,12 @@ def reduce_scatter(
             # torch's gloo runs it as an all-reduce of a copy: count what went on the wire
             ring = 2 * (n - 1) / n if backend == "gloo" else (n - 1) / n
             record("reduce_scatter", group, payload, ring * payload)
-            return out.movedim(0, dim)
+            return out
     # Emulation: an all-reduce (what goes on the wire, and what is counted) and a slice.
     record("reduce_scatter", group, payload, 2 * (n - 1) / n * payload)
     reduced = moved.clone()
     dist.all_reduce(reduced, op=op, group=group)
-    return reduced.chunk(n, dim=0)[group_rank(group)].contiguous().movedim(0, dim)
+    return reduced.chunk(n, dim=0)[group_rank(group)].contiguous()
 
 
 def _sum_rows(rows: torch.Tensor) -> torch.Tensor:
@@ -282,9 +319,17 @@ def all_to_all(
     payload = nbytes(tensor)
     # (n, *chunk): row j is what this rank sends to group rank j, and receives from it.
     if scatter_dim == 0 and tensor.is_contiguous():  # the chunks already lie row by row
-        send = tensor.view(n, tensor.shape[0] // n, *tensor.shape[1:])
+        rows = tensor.view(n, tensor.shape[0] // n, *tensor.shape[1:])
     else:
-        send = torch.stack(tensor.chunk(n, dim=scatter_dim))
+        rows = torch.stack(tensor.chunk(n, dim=scatter_dim))
+    with _staged(group, rows, inplace=False) as (send,):
+        received = _all_to_all_rows(send, group, payload)
+    return _concat_rows(received.to(tensor.device), gather_dim)
+
+
+def _all_to_all_rows(send: torch.Tensor, group: Group, payload: int) -> torch.Tensor:
+    """received[j] <- row ``rank`` of group rank j's ``send``, on ``send``'s device."""
+    n = send.shape[0]
     received = torch.empty_like(send)
     backend = _backend_name(group)
     if backend not in _NO_NATIVE_ALL_TO_ALL:
@@ -296,10 +341,10 @@ def all_to_all(
             _NO_NATIVE_ALL_TO_ALL.add(backend)
         else:
             record("all_to_all", group, payload, (n - 1) / n * payload)
-            return _concat_rows(received, gather_dim)
+            return received
     record("all_to_all", group, payload, (n - 1) / n * payload)
     _all_to_all_pairwise(received, send, group)
-    return _concat_rows(received, gather_dim)
+    return received
 
 
 def _concat_rows(received: torch.Tensor, gather_dim: int) -> torch.Tensor:
@@ -332,7 +377,8 @@ def broadcast(tensor: torch.Tensor, src: int, group: Group = None) -> torch.Tens
         return tensor
     wire = nbytes(tensor) if dist.get_rank() == src else 0
     record("broadcast", group, nbytes(tensor), wire)
-    dist.broadcast(tensor, src=src, group=group)
+    with _staged(group, tensor) as (work,):
+        dist.broadcast(work, src=src, group=group)
     return tensor
 
 
@@ -340,15 +386,17 @@ def broadcast(tensor: torch.Tensor, src: int, group: Group = None) -> torch.Tens
 def send(tensor: torch.Tensor, dst: int, group: Group = None) -> None:
     """Blocking send to global rank ``dst``."""
     record("send", group, nbytes(tensor), nbytes(tensor))
-    dist.send(tensor.contiguous(), dst=dst, group=group)
+    with _staged(group, tensor.contiguous(), inplace=False) as (work,):
+        dist.send(work, dst=dst, group=group)
 
 
 @checked("recv", 2)
 def recv(tensor: torch.Tensor, src: int, group: Group = None) -> torch.Tensor:
     """Blocking receive from global rank ``src`` into ``tensor``; returns it."""
     record("recv", group, nbytes(tensor), 0)
-    dist.recv(tensor, src=src, group=group)
-    return tensor
+    buffer = stage(tensor, group, copy_data=False)
+    dist.recv(buffer, src=src, group=group)
+    return unstage(tensor, buffer)
 
 
 @checked("isend", 2)  # posting can fail too (a peer already gone), not only wait()
@@ -363,9 +411,10 @@ def isend(tensor: torch.Tensor, dst: int, group: Group = None) -> CheckedWork:
     if not tensor.is_contiguous():
         raise ValueError(f"isend needs a contiguous tensor (shape {tuple(tensor.shape)})")
     record("send", group, nbytes(tensor), nbytes(tensor))
-    work = dist.isend(tensor, dst=dst, group=group)
+    staged = stage(tensor, group)
+    work = dist.isend(staged, dst=dst, group=group)
     assert work is not None
-    return CheckedWork(work, "isend", group)
+    return CheckedWork(work, "isend", group, keep=staged)
 
 
 @checked("irecv", 2)
@@ -376,9 +425,12 @@ def irecv(tensor: torch.Tensor, src: int, group: Group = None) -> CheckedWork:
     theirs.
     """
     record("recv", group, nbytes(tensor), 0)
-    work = dist.irecv(tensor, src=src, group=group)
+    buffer = stage(tensor, group, copy_data=False)
+    work = dist.irecv(buffer, src=src, group=group)
     assert work is not None
-    return CheckedWork(work, "irecv", group)
+    if buffer is tensor:
+        return CheckedWork(work, "irecv", group)
+    return CheckedWork(work, "irecv", group, keep=buffer, then=lambda: unstage(tensor, buffer))
 
 
 def _buckets(tensors: Sequence[torch.Tensor], cap_bytes: int) -> list[list[torch.Tensor]]:
@@ -447,18 +499,23 @@ def batch_send_recv(ops: Sequence[P2POp]) -> None:
     """Issue sends and receives together and wait for all of them (no ordering deadlock)."""
     if not ops:
         return
-    p2p = []
+    for op in ops:
+        if op.kind not in ("send", "recv"):
+            raise ValueError(f"P2POp.kind must be 'send' or 'recv', got {op.kind!r}")
+    p2p, received = [], []
     for op in ops:
         if op.kind == "send":
             record("send", op.group, nbytes(op.tensor), nbytes(op.tensor))
-            p2p.append(dist.P2POp(dist.isend, op.tensor, op.peer, op.group))
-        elif op.kind == "recv":
-            record("recv", op.group, nbytes(op.tensor), 0)
-            p2p.append(dist.P2POp(dist.irecv, op.tensor, op.peer, op.group))
+            p2p.append(dist.P2POp(dist.isend, stage(op.tensor, op.group), op.peer, op.group))
         else:
-            raise ValueError(f"P2POp.kind must be 'send' or 'recv', got {op.kind!r}")
+            record("recv", op.group, nbytes(op.tensor), 0)
+            buffer = stage(op.tensor, op.group, copy_data=False)
+            received.append((op.tensor, buffer))
+            p2p.append(dist.P2POp(dist.irecv, buffer, op.peer, op.group))
     for work in dist.batch_isend_irecv(p2p):
         work.wait()
+    for tensor, buffer in received:
+        unstage(tensor, buffer)
 
 
 @checked("barrier", 0)

@@ -2,9 +2,12 @@
 
 ``cpu`` runs on gloo, ``cuda`` on NCCL and ``xla`` (Trainium through torch-neuronx, TPU, or
 the CPU PJRT client) on torch-xla's ``xla`` backend. The choice is, in order: the explicit
-argument, the ``NXD_DEVICE`` environment variable, ``cpu`` when NxD's ``NXD_CPU_MODE`` is set
-to a positive integer, ``xla`` when ``PJRT_DEVICE`` is set, ``cuda`` when a GPU is visible,
-else ``cpu``. torch_xla is imported only when ``xla`` is chosen.
+argument, the device :func:`init_distributed` initialised this process for (as long as that
+process group lives), the ``NXD_DEVICE`` environment variable, ``cpu`` when NxD's
+``NXD_CPU_MODE`` is set to a positive integer, ``xla`` when ``PJRT_DEVICE`` is set, ``cuda``
+when a GPU is visible, else ``cpu``. So a job started with ``init_distributed(device_type=
+"cpu")`` on a machine with a GPU keeps every later choice (``current_device()``, the RNG
+tracker, checkpoint staging) on the CPU. torch_xla is imported only when ``xla`` is chosen.
 
 NxD's device helpers live here too: :func:`is_cpu_mode` (NxD's ``cpu_mode()``: the device is
 the CPU), :func:`mark_step` (cut the lazy XLA graph; nothing to do elsewhere) and
@@ -56,9 +59,25 @@ def _cpu_mode_env() -> bool:
         ) from None
 
 
+# The device init_distributed chose, and the default group it made for it.
+_initialised: tuple[object, DeviceType] | None = None
+
+
+def _initialised_device() -> DeviceType | None:
+    """The device :func:`init_distributed` chose, while the group it made is the default."""
+    if _initialised is None or not dist.is_initialized():
+        return None
+    group, kind = _initialised
+    return kind if dist.GroupMember.WORLD is group else None
+
+
 def resolve_device_type(device_type: str | None = None) -> DeviceType:
-    """The device type to run on: argument > ``NXD_DEVICE`` > ``NXD_CPU_MODE`` >
-    ``PJRT_DEVICE`` > cuda > cpu."""
+    """The device type to run on: argument > the device ``init_distributed`` chose >
+    ``NXD_DEVICE`` > ``NXD_CPU_MODE`` > ``PJRT_DEVICE`` > cuda > cpu."""
+    if device_type is None:
+        initialised = _initialised_device()
+        if initialised is not None:
+            return initialised
     choice = device_type or os.environ.get("NXD_DEVICE")
     if device_type is None and _cpu_mode_env():
         if choice is not None and choice.lower() != "cpu":
@@ -161,7 +180,9 @@ def init_distributed(
     init_method: str | None = None,
     timeout: datetime.timedelta | None = None,
 ) -> None:
-    """Initialise the default process group, once.
+    """Initialise the default process group, once, for the device :func:`resolve_device_type`
+    picks from ``device_type``; from then on (while that group lives) the process's device is
+    that one, whatever the environment shows (a visible GPU, ``PJRT_DEVICE``).
 
     Under ``torchrun`` (``WORLD_SIZE`` in the environment) this rendezvouses through ``env://``;
     without it the process is a world of one, so the same script runs unlaunched. Calling it
@@ -189,8 +210,10 @@ def init_distributed(
     if init_method is None and "WORLD_SIZE" not in os.environ:
         logger.info("no WORLD_SIZE in the environment: running as a world of one on %s", backend)
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+        _remember(kind)
         return
     dist.init_process_group(backend, init_method=init_method or "env://", **kwargs)
+    _remember(kind)
     health.install()
     logger.info(
         "initialised %s process group: rank %d of %d",
@@ -198,6 +221,11 @@ def init_distributed(
         dist.get_rank(),
         dist.get_world_size(),
     )
+
+
+def _remember(kind: DeviceType) -> None:
+    global _initialised
+    _initialised = (dist.GroupMember.WORLD, kind)
 
 
 def move_model_to_device(model: nn.Module, device: torch.device | str) -> nn.Module:

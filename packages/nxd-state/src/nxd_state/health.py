@@ -327,21 +327,40 @@ def checked(op: str, group_arg: int | None = 1) -> Callable[[F], F]:
 
 
 class CheckedWork:
-    """A non-blocking transfer whose ``wait()`` names a dead peer like the blocking ops do."""
+    """A non-blocking transfer whose ``wait()`` names a dead peer like the blocking ops do.
 
-    def __init__(self, work: Any, op: str, group: Any) -> None:
+    ``keep``: a tensor the transfer uses that nothing else holds (a staging copy), kept alive
+    until the work is; ``then``: run once after the first successful ``wait()`` (a staged
+    receive copies its buffer into the caller's tensor there).
+    """
+
+    def __init__(
+        self,
+        work: Any,
+        op: str,
+        group: Any,
+        *,
+        keep: Any = None,
+        then: Callable[[], Any] | None = None,
+    ) -> None:
         self._work = work
         self._op = op
         self._group = group
+        self._keep = keep
+        self._then = then
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
         try:
-            return self._work.wait(*args, **kwargs)
+            result = self._work.wait(*args, **kwargs)
         except RuntimeError as error:
             failure = explain(self._op, self._group, error)
             if failure is error:
                 raise
             raise failure from error
+        then, self._then = self._then, None
+        if then is not None:
+            then()
+        return result
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._work, name)

@@ -5,7 +5,12 @@ dropout there must draw *different* masks per TP rank; everywhere else (replicat
 activations) every TP rank must draw the *same* mask. The default generator is the shared
 stream; :class:`RNGStatesTracker` keeps named extra streams (the TP-distinct
 ``"model-parallel-rng"`` among them) and swaps one into the default generator for the length of
-a ``with tracker.fork():`` block. Works on CPU, CUDA and XLA (whose state is a seed).
+a ``with tracker.fork():`` block. Works on CPU, CUDA and XLA.
+
+XLA's generator state is one unsigned 64-bit seed s in [0, 2^64). It is kept as a one-element
+int64 tensor (safetensors and torch have no uint64 arithmetic to rely on) holding the same 64
+bits: s for s < 2^63, s - 2^64 above (two's complement), and s = v mod 2^64 on the way back, so
+every state round-trips exactly.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ __all__ = [
     "load_rng_state_dict",
     "model_parallel_manual_seed",
     "rng_state_dict",
+    "xla_seed_from_tensor",
+    "xla_seed_to_tensor",
 ]
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
@@ -34,12 +41,33 @@ _TP_SEED_OFFSET = 2718
 _PP_SEED_STRIDE = 100
 
 
+_UINT64 = 2**64
+
+
+def xla_seed_to_tensor(seed: int) -> torch.Tensor:
+    """XLA's RNG state ``seed`` (an unsigned 64-bit int) as a one-element int64 tensor holding
+    its bits: ``seed`` below 2^63, ``seed - 2^64`` from there."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < _UINT64:
+        raise ValueError(f"an XLA RNG state is an integer in [0, 2**64), got {seed!r}")
+    return torch.tensor([seed - _UINT64 if seed >= 2**63 else seed], dtype=torch.int64)
+
+
+def xla_seed_from_tensor(state: torch.Tensor) -> int:
+    """The unsigned seed stored by :func:`xla_seed_to_tensor` (``v mod 2^64``)."""
+    if state.dtype != torch.int64 or state.numel() != 1:
+        raise ValueError(
+            f"an XLA RNG state is stored as one int64, got {state.dtype} of shape "
+            f"{tuple(state.shape)}"
+        )
+    return int(state.item()) % _UINT64
+
+
 def _get_device_state(device_type: str) -> torch.Tensor:
     if device_type == "cuda":
         return torch.cuda.get_rng_state()
     if device_type == "xla":
         xm = importlib.import_module("torch_xla.core.xla_model")
-        return torch.tensor([xm.get_rng_state()], dtype=torch.int64)
+        return xla_seed_to_tensor(int(xm.get_rng_state()))
     return torch.get_rng_state()
 
 
@@ -48,7 +76,7 @@ def _set_device_state(device_type: str, state: torch.Tensor) -> None:
         torch.cuda.set_rng_state(state)
     elif device_type == "xla":
         xm = importlib.import_module("torch_xla.core.xla_model")
-        xm.set_rng_state(int(state.item()))
+        xm.set_rng_state(xla_seed_from_tensor(state))
     else:
         torch.set_rng_state(state)
 

@@ -5,7 +5,16 @@
 ``fn`` must be a module-level function (it is looked up by file and name in each rank). Each
 rank is a fresh process forked from a *forkserver* that imported torch and the nxd packages
 once, so starting a rank costs a fork and a gloo rendezvous, not a Python + torch start-up.
-Ranks run with one intra-op thread (2-core CI runs 8 ranks at once).
+
+What a rank's results must not depend on is pinned (:func:`rank_environment`), the same on a
+2-core CI machine and a 16-core one with a GPU:
+
+* the device: ``NXD_DEVICE=cpu`` in every rank unless the test's ``env`` names another, so
+  nothing in a CPU test picks CUDA (or XLA, under ``PJRT_DEVICE``) because one is visible;
+* the threads: one intra-op thread per rank (``torch.set_num_threads(1)``), and
+  ``OMP_NUM_THREADS=1`` for any process a rank starts, whatever the caller's thread count or
+  the machine's cores (2-core CI runs 8 ranks at once; a kernel's blocking, hence its
+  rounding, may follow the thread count).
 
 Failure behaviour:
 
@@ -52,9 +61,11 @@ __all__ = [
     "RankDiedError",
     "RemoteTraceback",
     "add_preload",
+    "cpu_test_environment",
     "launch_ranks",
     "load_sibling",
     "process_alive",
+    "rank_environment",
     "run_distributed",
     "run_named_checks",
 ]
@@ -164,6 +175,31 @@ def _import_file(name: str, path: str | os.PathLike[str]) -> types.ModuleType:
     return module
 
 
+def cpu_test_environment() -> dict[str, str]:
+    """What a CPU test pins, in its ranks and in the test process itself: the CPU device
+    (``NXD_DEVICE=cpu``: a visible GPU or ``PJRT_DEVICE`` must not move it) and one OpenMP
+    thread for every process it starts. A package's ``conftest.py`` applies it to its tests::
+
+        @pytest.fixture(autouse=True)
+        def _cpu_tests(monkeypatch):
+            for key, value in cpu_test_environment().items():
+                monkeypatch.setenv(key, value)
+    """
+    return {"NXD_DEVICE": "cpu", "OMP_NUM_THREADS": "1"}
+
+
+def rank_environment(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment every rank of :func:`run_distributed` and :func:`launch_ranks` gets on
+    top of the forkserver's: :func:`cpu_test_environment` (the CPU device, one OpenMP thread),
+    gloo on the loopback interface (Linux), then ``env`` (a test that runs its ranks elsewhere
+    says so there, e.g. ``env={"NXD_DEVICE": "cuda"}``)."""
+    pinned = cpu_test_environment()
+    if sys.platform.startswith("linux"):
+        pinned["GLOO_SOCKET_IFNAME"] = "lo"
+    pinned.update(env or {})
+    return pinned
+
+
 def _get_context() -> multiprocessing.context.BaseContext:
     global _context
     if _context is None:
@@ -255,7 +291,10 @@ def run_distributed(
     env: dict[str, str] | None = None,
     **kwargs: Any,
 ) -> list[T]:
-    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return results by rank."""
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return results by rank.
+
+    Each rank runs under :func:`rank_environment` (``env`` added last) with one intra-op
+    thread."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if "<locals>" in fn.__qualname__ or fn.__name__ == "<lambda>":
@@ -267,8 +306,7 @@ def run_distributed(
     path = str(Path(inspect.getfile(fn)).resolve())
     function = (path, fn.__module__, fn.__qualname__)
     payload = pickle.dumps((args, kwargs))
-    rank_env = {"GLOO_SOCKET_IFNAME": "lo"} if sys.platform.startswith("linux") else {}
-    rank_env.update(env or {})
+    rank_env = rank_environment(env)
     context = _get_context()
 
     with tempfile.TemporaryDirectory(prefix="nxd-ranks-") as workdir:

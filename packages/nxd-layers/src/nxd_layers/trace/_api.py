@@ -109,8 +109,29 @@ def _caller_env() -> dict[str, str]:
     }
 
 
+def _cores() -> int:
+    """The cores this process may run on (its affinity mask, which containers narrow)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1  # pragma: no cover - macOS, Windows
+
+
 def _worker_threads(device_type: str, tp_degree: int) -> int:
-    return max(1, (os.cpu_count() or 1) // tp_degree) if device_type == "cpu" else 1
+    """Intra-op threads of each worker (and its AOTInductor compile threads): the caller's
+    ``OMP_NUM_THREADS`` when set (torchrun's convention), else an equal share of its cores;
+    1 off the CPU."""
+    if device_type != "cpu":
+        return 1
+    value = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if not value:
+        return max(1, _cores() // tp_degree)
+    try:
+        threads = int(value)
+    except ValueError:
+        threads = 0
+    if threads < 1:
+        raise ValueError(f"OMP_NUM_THREADS must be a positive integer, got {value!r}")
+    return threads
 
 
 def parallel_model_trace(

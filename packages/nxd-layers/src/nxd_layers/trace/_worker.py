@@ -48,7 +48,7 @@ class WorkerConfig:
     device_type: str
     """``cpu`` (gloo), ``cuda`` (NCCL, one GPU per rank) or ``xla`` (Neuron route)."""
     threads: int
-    """Intra-op threads per worker (CPU)."""
+    """Intra-op threads per worker (CPU), and its AOTInductor compile threads."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables."""
 
@@ -246,6 +246,24 @@ _HANDLERS: dict[str, Callable[[_Rank, Any], Any]] = {
 }
 
 
+def _pin(config: WorkerConfig) -> None:
+    """Make this worker run where and how the trace said, whatever the machine shows.
+
+    ``NXD_DEVICE``: the trace's device, so that everything in the worker that asks nxd_state
+    (the RNG tracker in ``model_parallel_manual_seed``, ``func()`` itself) agrees with it: a
+    CPU trace on a machine with a GPU must not seed or fork the GPU's generator. Threads: the
+    intra-op threads, and AOTInductor's compile workers bounded to the same number (Inductor
+    fixed its count from the whole machine when the forkserver imported it; one means
+    compiling in this process) unless ``TORCHINDUCTOR_COMPILE_THREADS`` says otherwise.
+    """
+    os.environ["NXD_DEVICE"] = config.device_type
+    torch.set_num_threads(config.threads)
+    if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
+        from torch._inductor import config as inductor_config
+
+        inductor_config.compile_threads = config.threads
+
+
 @record
 def main(conns: list[Connection], config: WorkerConfig) -> None:
     """Entry point of one worker (``RANK`` / ``WORLD_SIZE`` come from the elastic launcher)."""
@@ -255,7 +273,7 @@ def main(conns: list[Connection], config: WorkerConfig) -> None:
         if index != rank:
             other.close()  # so a dead worker's pipe reads as closed in the caller
     os.environ.update(config.env)
-    torch.set_num_threads(config.threads)
+    _pin(config)
     nxd_state.init_distributed(device_type=config.device_type)
     nxd_state.initialize_model_parallel(tensor_model_parallel_size=world)
     state = _Rank(rank, world, nxd_state.current_device(config.device_type))
