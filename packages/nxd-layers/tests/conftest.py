@@ -10,12 +10,11 @@ bit for bit with the ranks' must not depend on how many cores the machine has.
 
 import pytest
 
-from nxd_state.testing import add_preload, cpu_test_environment
+from nxd_state.testing import add_preload, pin_cpu_test
 
 add_preload("torch.export", "torch._dynamo", "nxd_layers.trace._worker")
 
 
 @pytest.fixture(autouse=True)
-def _cpu_tests(monkeypatch: pytest.MonkeyPatch) -> None:
-    for key, value in cpu_test_environment().items():
-        monkeypatch.setenv(key, value)
+def _cpu_tests(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    pin_cpu_test(request.node, monkeypatch.setenv)  # CPU tests wherever they run

@@ -3,7 +3,7 @@ only when selected with ``-m slow``."""
 
 import pytest
 
-from nxd_state.testing import add_preload
+from nxd_state.testing import add_preload, pin_cpu_test
 
 # Ranks start from a forkserver that imported these once (Lightning and transformers take
 # seconds to import; torch._dynamo is imported by the first optimizer).
@@ -30,3 +30,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _cpu_tests(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    pin_cpu_test(request.node, monkeypatch.setenv)  # CPU tests wherever they run

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nxd_state.testing import add_preload
+from nxd_state.testing import add_preload, pin_cpu_test
 
 add_preload("nxd_lora", "transformers.models.llama.modeling_llama")
 
@@ -28,3 +28,8 @@ def tiny_llama_dir(tmp_path: Path) -> Path:
     path = tmp_path / "base"
     LlamaForCausalLM(config).save_pretrained(path)
     return path
+
+
+@pytest.fixture(autouse=True)
+def _cpu_tests(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    pin_cpu_test(request.node, monkeypatch.setenv)  # CPU tests wherever they run

@@ -7,7 +7,7 @@ import importlib.util
 
 import pytest
 
-from nxd_state.testing import cpu_test_environment
+from nxd_state.testing import pin_cpu_test
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -21,6 +21,4 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(autouse=True)
 def _cpu_tests(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    if request.node.get_closest_marker("xla") is None:
-        for key, value in cpu_test_environment().items():
-            monkeypatch.setenv(key, value)
+    pin_cpu_test(request.node, monkeypatch.setenv)  # CPU tests wherever they run

@@ -6,7 +6,7 @@ import importlib.util
 
 import pytest
 
-from nxd_state.testing import add_preload
+from nxd_state.testing import add_preload, pin_cpu_test
 
 # Creating a torch optimizer imports torch._dynamo (seconds); the HF tests import transformers'
 # model code (seconds per family).
@@ -37,3 +37,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for keyword, skip in skips:
             if keyword in item.keywords:
                 item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _cpu_tests(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    pin_cpu_test(request.node, monkeypatch.setenv)  # CPU tests wherever they run

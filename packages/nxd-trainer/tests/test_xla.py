@@ -7,7 +7,6 @@ fused kernels whose fp32 sums are ordered differently, round-off only (``_recipe
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -100,11 +99,6 @@ def _xla_job(ckpt: Path, steps: range, zero1: bool) -> tuple[list[float], dict[s
         torch_xla.sync()
         losses.append(float(loss.cpu()))
         done += 1
-        # Workaround: XLA's RNG state is a uint64 that nxd_state.rng_state_dict() stores as
-        # int64 and overflows above 2^63 (requested fix in nxd-state). Both runs fold it the
-        # same way at the same points, so the comparison is unaffected.
-        xm = importlib.import_module("torch_xla.core.xla_model")
-        xm.set_rng_state(xm.get_rng_state() % 2**63)
         nxd.save_checkpoint(
             ckpt,
             f"step_{done}",

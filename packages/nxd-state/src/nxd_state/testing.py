@@ -64,6 +64,7 @@ __all__ = [
     "cpu_test_environment",
     "launch_ranks",
     "load_sibling",
+    "pin_cpu_test",
     "process_alive",
     "rank_environment",
     "run_distributed",
@@ -186,6 +187,19 @@ def cpu_test_environment() -> dict[str, str]:
                 monkeypatch.setenv(key, value)
     """
     return {"NXD_DEVICE": "cpu", "OMP_NUM_THREADS": "1"}
+
+
+def pin_cpu_test(node: Any, setenv: Callable[[str, str], None]) -> None:
+    """Apply :func:`cpu_test_environment` to a test unless it is marked ``xla``: the body of
+    the autouse fixture every package's ``conftest.py`` holds::
+
+        @pytest.fixture(autouse=True)
+        def _cpu_tests(request, monkeypatch):
+            pin_cpu_test(request.node, monkeypatch.setenv)
+    """
+    if node.get_closest_marker("xla") is None:
+        for key, value in cpu_test_environment().items():
+            setenv(key, value)
 
 
 def rank_environment(env: Mapping[str, str] | None = None) -> dict[str, str]:
