@@ -127,8 +127,13 @@ def open_regular(path: Path, *, follow: bool = False) -> int:
     """A read-only descriptor of the regular file ``path`` (never a link unless ``follow``,
     never a FIFO or device: those could block or read forever)."""
     flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
-    if not follow:
+    if not follow:  # a link is refused before any open; O_NOFOLLOW if one is swapped in
         flags |= getattr(os, "O_NOFOLLOW", 0)
+        if os.path.islink(path):
+            raise ContainmentError(
+                f"{path} is a symbolic link: nxd-ckpt does not follow links inside a "
+                f"checkpoint folder"
+            )
     try:
         fd = os.open(path, flags)
     except OSError as error:

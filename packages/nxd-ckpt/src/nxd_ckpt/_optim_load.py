@@ -329,8 +329,8 @@ def optimizer_reads(
     saved_class = saved.meta.get("class")
     if saved_class is not None and saved_class != view.class_name:
         raise ValueError(
-            f"{reader.tag_dir}: its optimizer state was saved from a {saved_class}, this "
-            f"optimizer is a {view.class_name}: state of another optimizer type is not loaded "
+            f"{reader.tag_dir}: its optimizer state was saved from {saved_class}, this "
+            f"optimizer is {view.class_name}: state of another optimizer type is not loaded "
             f"(nothing was loaded)"
         )
     if saved.meta.get("by_position") != (model is None):

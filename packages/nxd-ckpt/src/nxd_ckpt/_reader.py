@@ -22,9 +22,15 @@ from nxd_ckpt._boxes import Box
 from nxd_ckpt._contain import check_relative, no_links_below
 from nxd_ckpt._stfile import dtype_from_name
 from nxd_ckpt._stread import FileReader
-from nxd_ckpt.format import CheckpointIndex, FormatError, TensorRecord, read_index
+from nxd_ckpt.format import (
+    CheckpointIndex,
+    ContainmentError,
+    FormatError,
+    TensorRecord,
+    read_index,
+)
 
-__all__ = ["CheckpointReader", "DamagedFileError"]
+__all__ = ["CheckpointReader", "DamagedFileError", "LinkedFileError", "damaged"]
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +41,16 @@ class DamagedFileError(FormatError):
     def __init__(self, file: str, message: str) -> None:
         super().__init__(message)
         self.file = file
+
+
+class LinkedFileError(DamagedFileError, ContainmentError):
+    """A data file (or a folder on its way) is a link, or named outside the tag."""
+
+
+def damaged(file: str, error: BaseException) -> DamagedFileError:
+    """The error to raise for ``file``, keeping a containment problem one."""
+    kind = LinkedFileError if isinstance(error, ContainmentError) else DamagedFileError
+    return kind(file, str(error))
 
 
 class CheckpointReader:
@@ -149,7 +165,7 @@ class CheckpointReader:
                 else:
                     data = source.read(chunk, common.relative_to(stored))
             except (FormatError, OSError) as error:
-                raise DamagedFileError(chunk.file, str(error)) from error
+                raise damaged(chunk.file, error) from error
             yield common, data
             covered += common.numel
         if covered != box.numel:
@@ -181,7 +197,7 @@ class CheckpointReader:
                     for chunk, dtype in chunks:
                         reader.entry(chunk, dtype)
             except (FormatError, OSError) as error:
-                raise DamagedFileError(relative, str(error)) from error
+                raise damaged(relative, error) from error
             finally:
                 self.close()
             total += self.index.files[relative].size

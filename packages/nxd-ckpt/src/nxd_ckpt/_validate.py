@@ -251,6 +251,12 @@ def _check_tensor(
         here = f"{where}, chunk {number}"
         if chunk.file not in files:
             raise FormatError(f"{here}: names file {chunk.file!r}, which the index does not list")
+        nbytes = math.prod(chunk.shape) * itemsize
+        if nbytes > files[chunk.file].size:
+            raise FormatError(
+                f"{here} (shape {chunk.shape}): holds {nbytes} bytes, more than its file "
+                f"{chunk.file} has ({files[chunk.file].size} bytes)"
+            )
         if chunk.stored_offsets is not None:
             raise FormatError(f"{here}: stored_offsets are for foreign layouts only")
         expected = expected_crcs(chunk.shape, chunk.crc_rows)
@@ -261,7 +267,7 @@ def _check_tensor(
             )
         if any(crc >= 1 << 32 for crc in chunk.crc32):
             raise FormatError(f"{here}: a CRC-32 is out of range")
-        promised[chunk.file] = promised.get(chunk.file, 0) + math.prod(chunk.shape) * itemsize
+        promised[chunk.file] = promised.get(chunk.file, 0) + nbytes
     check_tiling(record.shape, [(c.offsets, c.shape) for c in record.chunks], where)
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from nxd_ckpt import _jsonstate, _saver, _tags
-from nxd_ckpt._contain import check_tag, is_regular
+from nxd_ckpt._contain import check_tag
 from nxd_ckpt._context import agree, broadcast_int, current_context
 from nxd_ckpt._load_model import load_json, model_reads, rng_names
 from nxd_ckpt._optim_load import optimizer_reads
@@ -199,7 +199,7 @@ def load_checkpoint(
     _saver.wait_pending()
     ctx = current_context()
     tag_dir, _ = _tags.resolve_tag_dir(path, tag)
-    if not is_regular(tag_dir / INDEX_NAME):
+    if not os.path.lexists(tag_dir / INDEX_NAME):  # (a link is refused by the reader)
         from nxd_ckpt.nxd_format import is_nxd_checkpoint, load_nxd_checkpoint
 
         if is_nxd_checkpoint(tag_dir):
@@ -212,8 +212,7 @@ def load_checkpoint(
                 allow_pickle=allow_pickle,
             )
         raise FileNotFoundError(
-            f"{tag_dir} has no {INDEX_NAME} (or it is a link) and is not in NxD's layout: not "
-            f"a checkpoint"
+            f"{tag_dir} has no {INDEX_NAME} and is not in NxD's layout: not a checkpoint"
         )
     if optimizer is not None and model is None:
         logger.info("loading optimizer state without model=: parameters are matched by position")
@@ -297,7 +296,7 @@ def _scheduler_problem(reader: CheckpointReader, scheduler: Any) -> BaseExceptio
     saved, current = index.scheduler_class, type(scheduler).__name__
     if saved is not None and saved != current:
         return ValueError(
-            f"{reader.tag_dir}: its scheduler state was saved from a {saved}, this scheduler "
-            f"is a {current}: state of another scheduler type is not loaded (nothing was loaded)"
+            f"{reader.tag_dir}: its scheduler state was saved from {saved}, this scheduler "
+            f"is {current}: state of another scheduler type is not loaded (nothing was loaded)"
         )
     return None

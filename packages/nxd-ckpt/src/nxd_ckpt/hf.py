@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from nxd_ckpt import _tags
-from nxd_ckpt._contain import check_relative, is_regular
+from nxd_ckpt._contain import check_relative
 from nxd_ckpt._context import current_context
 from nxd_ckpt._hf_config import export_configs
 from nxd_ckpt._load_model import load_model
@@ -87,7 +87,7 @@ def checkpoint_tag_dir(checkpoint: str | os.PathLike[str], tag: str | None) -> P
     """A tag folder (holding ``index.json``) given itself, or its checkpoint path and tag
     (a plain name; the tag folder is not a link: :func:`nxd_ckpt._tags.resolve_tag_dir`)."""
     path = Path(checkpoint)
-    if tag is None and is_regular(path / INDEX_NAME):
+    if tag is None and os.path.lexists(path / INDEX_NAME):  # a link: refused when read
         return path
     return _tags.resolve_tag_dir(path, tag)[0]
 

@@ -12,7 +12,6 @@ import os
 from typing import Any
 
 from nxd_ckpt import _tags
-from nxd_ckpt._contain import is_regular
 from nxd_ckpt._load_model import load_json
 from nxd_ckpt._reader import CheckpointReader
 from nxd_ckpt.format import INDEX_NAME
@@ -33,7 +32,7 @@ def read_user_content(path: str | os.PathLike[str], tag: str | None = None) -> A
     unpickling executes code).
     """
     tag_dir, name = _tags.resolve_tag_dir(path, tag)
-    if not is_regular(tag_dir / INDEX_NAME):
+    if not os.path.lexists(tag_dir / INDEX_NAME):  # (a link is refused by the reader)
         raise FileNotFoundError(
             f"tag {name!r} at {tag_dir} has no {INDEX_NAME}: not an nxd checkpoint (NxD's "
             f"pickled layout is read only by load_checkpoint(..., allow_pickle=True))"
