@@ -2,11 +2,11 @@
 
 A TP=2 model is saved on 2 ranks; the test then damages the tag (a truncated data file, one
 flipped byte inside a tensor, a flipped byte in a file's header, a removed shard, an edited
-index: a tensor's shape, a chunk's checksum, two chunks over the same rows, JSON cut short) and loads it on 2 ranks into a
-model whose parameters were set to a sentinel. Each case proves: ``load_checkpoint`` raises
-on **both** ranks (the rank that reads the damaged file and its peer, so no rank trains on
-alone), the message names the damaged file, and no parameter on any rank changed (nothing
-was copied in before the damage was found).
+index: a tensor's shape, a chunk's checksum, two chunks over the same rows, JSON cut short)
+and loads it on 2 ranks into a model whose parameters were set to a sentinel. Each case
+proves: ``load_checkpoint`` raises on **both** ranks (the rank that reads the damaged file
+and its peer, so no rank trains on alone), the message names the damaged file, and no
+parameter on any rank changed (nothing was copied in before the damage was found).
 """
 
 from __future__ import annotations
