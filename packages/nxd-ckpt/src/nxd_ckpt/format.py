@@ -154,7 +154,10 @@ class CheckpointIndex:
     format_version: int = FORMAT_VERSION
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"))
+        document = asdict(self)
+        if document["scheduler_class"] is None:  # (indexes without it stay readable by
+            del document["scheduler_class"]  # nxd-ckpt releases that predate the field)
+        return json.dumps(document, separators=(",", ":"))
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "index") -> CheckpointIndex:
