@@ -197,7 +197,7 @@ def _launcher(cfg: TrainConfig, argv: list[str]) -> int:
     from nxd_trainer.train.data import check_inputs, prepare_data, prepare_lock
     from nxd_trainer.train.launch import launch
     from nxd_trainer.train.model import hf_config
-    from nxd_trainer.train.rundir import OWNER_ENV, RunDir
+    from nxd_trainer.train.rundir import OWNER_ENV, RESUME_ENV, RunDir
 
     dp = cfg.check_world(cfg.world_size)
     hf_config(cfg, 1)  # the model against the degrees (heads, layers), before any write
@@ -217,9 +217,10 @@ def _launcher(cfg: TrainConfig, argv: list[str]) -> int:
                 tokenizer, _, _ = prepare_data(cfg, build=True)
             hf_config(cfg, len(tokenizer))
             if single_node:
-                run.begin()
+                run.begin(point)
                 os.environ[OWNER_ENV] = "1"
             os.environ[_signals.LAUNCHER_PID_ENV] = str(os.getpid())
+            os.environ[RESUME_ENV] = point.tag if point is not None else ""  # verified here
             print(
                 f"nxd-train: starting {cfg.nproc_per_node} worker(s) on this node (world "
                 f"{cfg.world_size}, tp={cfg.tp} pp={cfg.pp} dp={dp})",
