@@ -50,6 +50,8 @@ def test_flags_override_toml_override_defaults(tmp_path: Path) -> None:
         ({"nnodes": 2}, "nnodes=2 needs rdzv_endpoint"),
         ({"val_fraction": 0.9}, "val_fraction must be a finite number [0.0, 0.5], got 0.9"),
         ({"lr": float("inf")}, "lr must be a finite number >= 0.0, got inf"),
+        ({"seed": 2**70}, "seed must be an integer in [0, 4294967295], got 1180591620717411303424"),
+        ({"vocab_size": 10**9}, "vocab_size must be an integer in [1, 1048576], got 1000000000"),
         ({"weight_decay": float("nan")}, "weight_decay must be a finite number >= 0.0, got nan"),
         ({"name": "a/b"}, "name must be a plain folder name"),
     ],

@@ -4,9 +4,9 @@ Every field of :class:`~nxd_trainer.train.config.TrainConfig` is a flag (``--seq
 as ``--zero1`` / ``--no-zero1``), its help text the field's docstring. Flags are spelled out
 (an abbreviation such as ``--step`` is an error, not ``--steps``). Bad input ends with one
 line, ``nxd-train: error: ...`` (with the closest valid flag when one is misspelled), and exit
-status 2, before anything is written; 1 when a worker failed; 130 when interrupted (Ctrl-C
-anywhere, imports included: one line, nothing half written). Never a traceback, except for a
-bug.
+status 2, before anything is written; 1 when a worker failed or the disk refused a write (one
+line naming the path); 130 when interrupted (Ctrl-C anywhere, imports included: one line,
+nothing half written). Never a traceback, except for a bug.
 
 This module imports no torch at import time (nor does the ``nxd_trainer`` package), so
 ``--help`` answers at once and Ctrl-C while the heavy modules load is handled here.
@@ -301,6 +301,12 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         interrupted = True
+    except OSError as error:  # a read-only or full disk, a missing permission: it names the path
+        if worker and _signals.was_received():
+            return EXIT_INTERRUPTED
+        where = f" (rank {os.environ.get('RANK', '?')})" if worker else ""
+        print(f"nxd-train: error{where}: {error}", file=sys.stderr)
+        return 1
     except Exception as error:
         from nxd_trainer.train.loop import PeerFailed
 

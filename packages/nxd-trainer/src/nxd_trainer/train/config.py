@@ -25,6 +25,7 @@ PRESETS = ("tiny", "small")
 SCHEDULES = ("gpipe", "1f1b", "zb_h1")
 CHECKPOINTING = ("none", "full", "selective")
 DEVICES = ("cpu", "cuda", "xla")
+MAX_VOCAB = 1 << 20
 
 
 class ConfigError(ValueError):
@@ -291,10 +292,12 @@ class TrainConfig:
     )
 
     def __post_init__(self) -> None:
-        for name in ("seed",):
-            _int(name, getattr(self, name), minimum=0)
+        # Upper bounds where a huge value would hang or exhaust memory before any check:
+        # torch seeds are 64-bit and the loader adds the epoch to the seed; no tokenizer has
+        # a million-token vocabulary (the BPE trainer allocates per entry).
+        _int("seed", self.seed, minimum=0, maximum=2**32 - 1)
+        _int("vocab_size", self.vocab_size, minimum=1, maximum=MAX_VOCAB)
         for name in (
-            "vocab_size",
             "seq_len",
             "steps",
             "batch_size",
@@ -466,9 +469,11 @@ def default_of(name: str) -> Any:
     raise KeyError(name)
 
 
-def _int(name: str, value: Any, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
+def _int(name: str, value: Any, minimum: int, maximum: int | None = None) -> None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+    if not ok or (maximum is not None and value > maximum):
+        bounds = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ConfigError(f"{name} must be an integer {bounds}, got {value!r}")
 
 
 def _float(name: str, value: Any, low: float, high: float) -> None:
