@@ -66,11 +66,13 @@ class TrainConfig:
 
     # --- data --------------------------------------------------------------------------
     data: str | None = None
-    """Training text: a text file, a folder of text files, or a ``datasets`` folder saved
-    with ``save_to_disk``. None: the Python standard library's own sources (no download)."""
+    """Training text: a file or a folder of text, JSON Lines or Parquet files (each recognised
+    by its content), a ``datasets`` folder (``save_to_disk``), or ``BUILDER:FILES`` for
+    ``datasets.load_dataset`` (e.g. ``csv:tables/*.csv``). None: the Python standard
+    library's own sources (no download)."""
 
     text_field: str = "text"
-    """Column holding the text in a ``datasets`` folder."""
+    """Field holding the text in JSON Lines, Parquet and ``datasets`` inputs."""
 
     tokenizer: str | None = None
     """An HF tokenizer folder. None: train a byte-level BPE on the training split (cached in
@@ -82,11 +84,13 @@ class TrainConfig:
     seq_len: int = 128
     """Tokens per packed training sequence."""
 
-    corpus_mb: float = 2.0
-    """At most this many MB of text are read (train and validation together; 0: all)."""
+    corpus_mb: float = 0.0
+    """Read only the first this many MB of the corpus (train and validation together; 0: all
+    of it)."""
 
     val_fraction: float = 0.05
-    """Fraction of documents held out for validation (chosen by a hash of their name)."""
+    """Fraction of documents held out for validation (chosen by a hash of their content;
+    inside documents when they are few)."""
 
     # --- optimization ------------------------------------------------------------------
     steps: int = 150
