@@ -38,7 +38,8 @@ import numpy as np
 import torch
 
 from nxd_trainer.train.config import ConfigError, TrainConfig
-from nxd_trainer.train.corpus import TASK, TRAIN, Corpus, Plan, check_data, iter_units, load_corpus
+from nxd_trainer.train.corpus import TASK, TRAIN, Corpus, Plan, iter_units, load_corpus
+from nxd_trainer.train.inputs import check_data
 from nxd_trainer.train.rundir import replace_dir
 
 __all__ = [
