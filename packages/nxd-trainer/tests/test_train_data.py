@@ -134,6 +134,8 @@ def test_every_input_kind_gives_the_same_documents(tmp_path: Path) -> None:
         assert len(corpus.valid) == 4, data  # the last 10% of 40 records
     both = load_corpus(_cfg(tmp_path, mixed, val_fraction=0.1))
     assert sorted(both.train + both.valid) == sorted([texts[0], *texts])
+    with pytest.raises(ConfigError, match=r"'cvs' is not a datasets builder for local files"):
+        load_corpus(_cfg(tmp_path, f"cvs:{csv}"))
 
 
 def test_a_datasets_dict_keeps_its_validation_split(tmp_path: Path) -> None:

@@ -233,6 +233,15 @@ def _load_dataset_sources(builder: str, files: str, text_field: str) -> tuple[li
         raise ConfigError(
             f"data {builder}:{files}: install the `datasets` package for datasets.load_dataset"
         ) from None
+    try:  # a name that is no packaged builder would be looked up on the Hub
+        from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES as builders
+    except ImportError:  # another layout of `datasets`: let load_dataset judge
+        builders = None
+    if builders is not None and builder not in builders:
+        raise ConfigError(
+            f"data {builder}:{files}: {builder!r} is not a datasets builder for local files; "
+            f"one of: {', '.join(sorted(builders))}"
+        )
     matched = sorted(glob.glob(os.path.expanduser(files), recursive=True))
     if not matched:
         raise ConfigError(f"data {builder}:{files}: no file matches {files!r}")
