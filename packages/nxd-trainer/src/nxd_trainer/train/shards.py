@@ -172,12 +172,12 @@ def build_shards(
     state = None
     if state_path.is_file():
         state = json.loads(state_path.read_text())
-        if state.get("tasks") != len(plan.tasks) or state.get("dtype") != dtype.str:
-            state = None
+        if state.get("plan") != _plan_digest(plan) or state.get("dtype") != dtype.str:
+            state = None  # another cut of the same content (another nxd-train): start again
     if state is None:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
-        state = {"tasks": len(plan.tasks), "dtype": dtype.str, "done": 0,
+        state = {"plan": _plan_digest(plan), "dtype": dtype.str, "done": 0,
                  "lengths": {s: [0, 0] for s in SPLITS}, "bytes": 0}  # fmt: skip
         _write_json(state_path, state)
     files = _Files(partial, dtype.itemsize)
@@ -186,8 +186,9 @@ def build_shards(
     todo = plan.tasks[state["done"] :]
     bar = _bar(plan, state, progress)
     made = 0
+    results = _results(plan, todo, tokenizer_json, eos, dtype, workers)
     try:
-        for task, (ids, ends) in _results(plan, todo, tokenizer_json, eos, dtype, workers):
+        for task, (ids, ends) in results:
             lengths = state["lengths"]
             for s, split in enumerate(SPLITS):
                 files.append(split, ids[s], ends[s] + np.uint64(lengths[split][0]))
@@ -206,6 +207,7 @@ def build_shards(
                 on_task(task.index)
         files.flush(sync=True)
     finally:
+        results.close()  # an error or Ctrl-C: the workers stop now
         files.close()
         if bar is not None:
             bar.close()
@@ -230,11 +232,20 @@ def build_shards(
     return folder
 
 
+def _plan_digest(plan: Plan) -> str:
+    """What the progress of a partial folder counts in: the plan's tasks."""
+    import hashlib
+
+    cuts = [[(g.source, g.start, g.end, g.split, g.then) for g in t.segments] for t in plan.tasks]
+    return hashlib.blake2b(json.dumps([plan.key, cuts]).encode(), digest_size=16).hexdigest()
+
+
 def _bar(plan: Plan, state: dict[str, Any], progress: bool) -> Any:
     if not progress:
         return None
     from tqdm import tqdm
 
+    tqdm.monitor_interval = 0  # no monitor thread: the workers are forked after the bar starts
     done = sum(t.measure for t in plan.tasks[: state["done"]])
     return tqdm(
         total=sum(t.measure for t in plan.tasks), initial=done, unit="B", unit_scale=True,
