@@ -148,14 +148,18 @@ def test_text_is_recognised_by_content_and_small_corpora_split(tmp_path: Path) -
     assert "".join(single.train + single.valid) == one.read_text()  # cut at a line end
     assert single.valid[0].startswith("line 80\n")
     assert load_corpus(TrainConfig(data=str(one), val_fraction=0.2)) == single
-    # Three big files, as the issue had them: every file is cut into ~64 KiB documents.
+    # Three big files, as the issue had them (refused before): a small corpus holds out its
+    # last 5%, inside the last file (no file boundary near the cut point).
     big = tmp_path / "big"
     big.mkdir()
     for i in range(3):
         (big / f"part{i}.txt").write_text("".join(f"{i} row {j}\n" for j in range(40_000)))
     split = load_corpus(TrainConfig(data=str(big), val_fraction=0.05, corpus_mb=0))
-    assert len(split.valid) >= 1
-    assert len(split.train) > 10 * len(split.valid)
+    assert [t[:6] for t in split.train] == ["0 row ", "1 row ", "2 row "]
+    (held,) = split.valid
+    assert held.startswith("2 row ")
+    assert held.endswith("2 row 39999\n")
+    assert 0.04 < len(held) / sum(map(len, split.train + split.valid)) < 0.06
 
 
 def test_too_little_text_names_the_sequence_length_that_works(tmp_path: Path) -> None:

@@ -90,13 +90,15 @@ class TrainConfig:
     # --- data --------------------------------------------------------------------------
     data: str | None = setting(
         None,
-        """Training text: a text file, a folder of text files, or a ``datasets`` folder saved
-        with ``save_to_disk``. None: the Python standard library's own sources (no download).""",
+        """Training text: a file or a folder of text, JSON Lines or Parquet files (each
+        recognised by its content), a ``datasets`` folder (``save_to_disk``), or
+        ``BUILDER:FILES`` for ``datasets.load_dataset`` (e.g. ``csv:tables/*.csv``). None: the
+        Python standard library's own sources (no download).""",
     )
 
     text_field: str = setting(
         "text",
-        "Column holding the text in a ``datasets`` folder.",
+        "Field holding the text in JSON Lines, Parquet and ``datasets`` inputs.",
     )
 
     tokenizer: str | None = setting(
@@ -116,13 +118,14 @@ class TrainConfig:
     )
 
     corpus_mb: float = setting(
-        2.0,
-        "At most this many MB of text are read (train and validation together; 0: all).",
+        0.0,
+        "Read only the first this many MB of the corpus (train and validation together; 0: all).",
     )
 
     val_fraction: float = setting(
         0.05,
-        "Fraction of documents held out for validation (chosen by a hash of their name).",
+        """Fraction of documents held out for validation (chosen by a hash of their content;
+        inside documents when they are few).""",
     )
 
     # --- optimization ------------------------------------------------------------------

@@ -3,7 +3,7 @@
 ::
 
     config.toml        the settings of the run (of the last command that started or continued it)
-    tokenizer/ data/   the tokenizer and the packed token ids (made once, reused)
+    tokenizer/ data/   the tokenizer; data/meta.json names the run's token shards (in the cache)
     checkpoints/step_NNNNNNNN/   complete tags carry nxd-ckpt's ``done`` marker
     metrics.jsonl tb/  per-step rows (strict JSON) and TensorBoard scalars
     summary.json       the last session's final figures
