@@ -8,10 +8,10 @@ nox -s wheel-nxd-layers        # one package from wheels at the newest versions 
 
 from __future__ import annotations
 
+import tomllib
 from pathlib import Path
 
 import nox
-import tomllib
 
 nox.options.default_venv_backend = "uv"
 nox.options.reuse_venv = "yes"
