@@ -11,6 +11,7 @@ nox -s wheel-nxd-layers        # one package from wheels at the newest versions 
 from __future__ import annotations
 
 import shutil
+import time
 import tomllib
 from pathlib import Path
 
@@ -254,8 +255,7 @@ def smoke(session: nox.Session) -> None:
 
     First ``smoke/check_release.py`` checks the built wheels' metadata (LICENSE, classifiers,
     URLs, links) and that every import of the sources is declared, and ``twine check`` reads
-    them as the index will. ``nox -s smoke -- nxd-ckpt
-    open-nxd`` runs only those entries.
+    them as the index will. ``nox -s smoke -- nxd-ckpt open-nxd`` runs only those entries.
     """
     dist = _build_wheels(session).resolve()
     session.run("python", "smoke/check_release.py", str(dist))
@@ -272,6 +272,7 @@ def smoke(session: nox.Session) -> None:
     for entry, steps in SMOKE.items():
         if session.posargs and entry not in session.posargs:
             continue
+        start = time.perf_counter()
         venv = tmp / "venvs" / entry.replace("[", "-").replace("]", "")
         session.run(
             "uv",
@@ -297,6 +298,7 @@ def smoke(session: nox.Session) -> None:
             session.chdir(tmp)
             session.run(python, str(ROOT / "smoke" / script), external=True, env=env)
             session.chdir(ROOT)
+        session.log(f"smoke {entry}: passed in {time.perf_counter() - start:.0f} s")
 
 
 @nox.session(tags=["ci"])
