@@ -166,3 +166,30 @@ def test_deletion_removes_done_first_and_the_marker_last(
     with pytest.raises(ValueError, match="not deleted"):
         _tags.remove_tag(tmp_path / "x")
     assert (tmp_path / "x" / "done").exists()
+
+
+def test_remove_checkpoint_deletes_only_its_own_tags(tmp_path: Path) -> None:
+    """The public deletion (used by nxd-lightning's retention): a tag nxd-ckpt wrote goes; a
+    folder it did not write, a link, a file or a tag naming another folder stays."""
+    folder = tmp_path / "ckpts"
+    save_checkpoint(folder, "a", model=_model())
+    outside = tmp_path / "outside"
+    save_checkpoint(outside, "b", model=_model())
+    tf = folder / "tf_model"
+    tf.mkdir()
+    (tf / "checkpoint").write_text('model_checkpoint_path: "ckpt-1"')
+    (folder / "last.ckpt").write_text("a file someone put here")
+    (folder / "link").symlink_to(outside / "b", target_is_directory=True)
+
+    assert nxd_ckpt.remove_checkpoint(folder, "a") is True
+    assert not (folder / "a").exists()
+    assert nxd_ckpt.remove_checkpoint(folder, "a") is False  # nothing there any more
+    with pytest.raises(ValueError, match="not deleted"):
+        nxd_ckpt.remove_checkpoint(folder, "tf_model")
+    for tag in ("last.ckpt", "link", "../outside/b", str(outside / "b")):
+        with pytest.raises((ValueError, NotADirectoryError)):  # a file is not a tag folder
+            nxd_ckpt.remove_checkpoint(folder, tag)
+    assert (tf / "checkpoint").exists()
+    assert (folder / "last.ckpt").exists()
+    assert (folder / "link").is_symlink()
+    assert (outside / "b" / "done").exists()

@@ -128,3 +128,31 @@ def test_run_time_checks() -> None:
     assert "datamodule" in texts[0]
     assert texts[1].startswith("ValueError: NeuronXLAPrecisionPlugin(mixed_precision_enabled=True)")
     assert "use_master_weights" in texts[1]
+
+
+def test_retention_removes_only_checkpoints_this_plugin_saved(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """ModelCheckpoint's retention calls ``remove_checkpoint`` with paths it computed: an
+    nxd-ckpt tag goes; a file, a link or a folder that nxd-ckpt did not write at such a path
+    stays, with a warning naming it (training goes on)."""
+    import nxd_ckpt
+    from nxd_lightning import NeuronCheckpointIO
+
+    io = NeuronCheckpointIO()
+    nxd_ckpt.save_checkpoint(tmp_path, "epoch=0-step=2.ckpt", model=torch.nn.Linear(2, 2))
+    (tmp_path / "last.ckpt").write_text("a plain Lightning checkpoint file")
+    (tmp_path / "other.ckpt").mkdir()
+    (tmp_path / "other.ckpt" / "done").write_text("1")
+    (tmp_path / "link.ckpt").symlink_to(tmp_path / "other.ckpt", target_is_directory=True)
+
+    io.remove_checkpoint(tmp_path / "epoch=0-step=2.ckpt")
+    assert not (tmp_path / "epoch=0-step=2.ckpt").exists()
+    io.remove_checkpoint(tmp_path / "missing.ckpt")  # nothing there: nothing to do
+    for name in ("last.ckpt", "other.ckpt", "link.ckpt"):
+        caplog.clear()
+        io.remove_checkpoint(tmp_path / name)
+        assert f"{name} not removed" in caplog.text
+    assert (tmp_path / "last.ckpt").read_text() == "a plain Lightning checkpoint file"
+    assert (tmp_path / "other.ckpt" / "done").exists()
+    assert (tmp_path / "link.ckpt").is_symlink()

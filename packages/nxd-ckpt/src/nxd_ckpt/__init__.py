@@ -34,6 +34,7 @@ from nxd_ckpt.checkpoint import (
     finalize_checkpoint,
     has_checkpoint,
     load_checkpoint,
+    remove_checkpoint,
     save_checkpoint,
 )
 from nxd_ckpt.format import (
@@ -73,6 +74,7 @@ __all__ = [
     "newest_intact_tag",
     "read_index",
     "read_user_content",
+    "remove_checkpoint",
     "save_checkpoint",
     "verify_tag",
 ]

@@ -173,6 +173,19 @@ def has_checkpoint(path: str | os.PathLike[str]) -> bool:
     return root.is_dir() and _tags.newest_complete_tag(root) is not None
 
 
+def remove_checkpoint(path: str | os.PathLike[str], tag: str) -> bool:
+    """Delete tag ``tag`` of checkpoint folder ``path`` if nxd-ckpt wrote it (``done`` first,
+    so an interrupted deletion never leaves a tag that looks complete). Not collective: call
+    it on one rank. Returns False when there is nothing at ``path/tag``. ``tag`` must be a
+    plain name inside ``path``; a link (ContainmentError), a file (NotADirectoryError) or a
+    folder without nxd-ckpt's marker or index (ValueError) is refused and left as it is."""
+    folder = Path(path) / check_tag(tag)
+    if not os.path.lexists(folder):
+        return False
+    _tags.remove_tag(folder)
+    return True
+
+
 def load_checkpoint(
     path: str | os.PathLike[str],
     tag: str | None = None,

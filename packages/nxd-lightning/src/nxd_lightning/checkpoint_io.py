@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -139,18 +138,17 @@ class NeuronCheckpointIO(CheckpointIO):
         return checkpoint
 
     def remove_checkpoint(self, path: Any) -> None:
-        """Delete a tag: its ``done`` marker first (an interrupted deletion never leaves a tag
-        that looks complete), then the folder. Called on one rank."""
-        from nxd_ckpt.format import DONE_MARKER
+        """Delete tag ``basename(path)`` if nxd-ckpt wrote it (``done`` first: an interrupted
+        deletion never leaves a tag that looks complete). Anything else at that path (a link,
+        a file, a folder nxd-ckpt did not write) is left as it is, with a warning: Lightning's
+        retention never deletes what this plugin did not save. Called on one rank."""
+        import nxd_ckpt
 
-        folder = Path(os.fspath(path))
-        if folder.is_symlink() or folder.is_file():
-            folder.unlink()
+        folder, tag = _split(path)
+        try:
+            removed = nxd_ckpt.remove_checkpoint(folder, tag)
+        except (ValueError, OSError) as error:
+            logger.warning("checkpoint %s not removed: %s", path, error)
             return
-        if not folder.exists():
-            return
-        done = folder / DONE_MARKER
-        if done.exists():
-            done.unlink()
-        shutil.rmtree(folder)
-        logger.info("removed checkpoint %s", path)
+        if removed:
+            logger.info("removed checkpoint %s", path)
