@@ -31,9 +31,10 @@ The reference's sample, with its import line changed::
 
 from __future__ import annotations
 
-import importlib
 from importlib.metadata import version as _version
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from nxd_trainer._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from nxd_trainer.activation_checkpoint import (
@@ -88,17 +89,7 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'nxd_trainer' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"nxd_trainer.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
 
 
 __all__ = [

@@ -16,8 +16,9 @@ The names below are imported on first use, so the command line starts without to
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from nxd_trainer._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from nxd_trainer.train.cli import build_parser, main, parse_config
@@ -58,17 +59,7 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'nxd_trainer.train' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"nxd_trainer.train.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
 
 
 __all__ = [
