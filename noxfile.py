@@ -116,16 +116,12 @@ def _requirements(package: str, extras: list[str] | None = None) -> list[str]:
     return out
 
 
-def _upstream(package: str) -> list[str]:
-    """``package`` and every workspace sibling it depends on, directly or not."""
-    seen: list[str] = []
-    pending = [package]
-    while pending:
-        name = pending.pop()
-        if name not in seen:
-            seen.append(name)
-            pending.extend(dep for dep in _requirements(name) if dep in PACKAGES)
-    return seen
+def _extras(package: str) -> list[str]:
+    """The extras of ``package`` an environment of PyPI packages can hold (not ``xla``, which
+    needs torch-xla's torch, nor ``neuron``, which needs the Neuron package repository)."""
+    pyproject = tomllib.loads((ROOT / "packages" / package / "pyproject.toml").read_text())
+    extras = pyproject["project"].get("optional-dependencies", {})
+    return [name for name in extras if name not in ("xla", "neuron")]
 
 
 def _build_wheels(session: nox.Session) -> Path:
@@ -197,53 +193,74 @@ for _package in PACKAGES:
 
 
 @nox.session(tags=["ci"])
-@nox.parametrize("package", PACKAGES)
-def lowest(session: nox.Session, package: str) -> None:
-    """One package at the LOWEST versions its ranges admit, from wheels: proves the floors.
+def lowest(session: nox.Session) -> None:
+    """Every package at the LOWEST versions its ranges admit, from wheels: proves the floors.
 
-    The package's own third-party requirements and its test group are passed to the resolver as
-    direct requirements with ``--resolution lowest-direct`` (so ``torch>=2.9`` installs 2.9.0);
-    the package and its siblings come from wheels built without workspace sources, which also
-    proves that the wheels install and that the sibling ranges resolve.
+    Every package's third-party requirements (with its extras) and test group are passed to the
+    resolver as direct requirements with ``--resolution lowest-direct`` (so ``torch>=2.9``
+    installs 2.9.0; the packages declare the same floor for a shared dependency, so one
+    environment is each package's lowest); the packages come from wheels built without
+    workspace sources, which also proves that the wheels install and that the sibling ranges
+    resolve. Runs the first case of half the test functions (.ci/sample_tests.py; `middle`
+    runs the other half): ``nox -s lowest -- --every-case`` runs every case.
     """
-    _from_wheels(session, package, "--resolution", "lowest-direct")
+    _from_wheels(session, ["--resolution", "lowest-direct"], share="0/2")
 
 
 @nox.session(tags=["ci"])
-@nox.parametrize("package", PACKAGES)
-def middle(session: nox.Session, package: str) -> None:
-    """One package from wheels at a MIDDLE point of its ranges: torch 2.11 and transformers 5.17
-    (MIDDLE_PINS, as constraints: a package that does not use transformers does not get it),
-    everything else at the newest version its ranges admit."""
+def middle(session: nox.Session) -> None:
+    """Every package from wheels at a MIDDLE point of the ranges: torch 2.11 and transformers
+    5.17 (MIDDLE_PINS, as constraints), everything else at the newest version the ranges admit.
+    Runs the first case of the test functions `lowest` does not (``-- --every-case``: all)."""
     constraints = Path(session.create_tmp()) / "middle-constraints.txt"
     constraints.write_text("\n".join(MIDDLE_PINS) + "\n")
-    _from_wheels(session, package, "--constraint", str(constraints))
+    _from_wheels(session, ["--constraint", str(constraints)], share="1/2")
 
 
-def _from_wheels(session: nox.Session, package: str, *resolver: str) -> None:
-    """Install ``package`` and its upstream siblings from freshly built wheels, with its own
-    third-party requirements and test group as direct requirements resolved with ``resolver``
-    options; run its tests from outside the source tree."""
+def _from_wheels(session: nox.Session, resolver: list[str], share: str) -> None:
+    """Install every package from freshly built wheels, with their third-party requirements,
+    extras and test groups as direct requirements resolved with ``resolver`` options; run the
+    ``share`` of their test functions (first case each) from outside the source tree."""
     dist = _build_wheels(session)
-    extras = TEST_EXTRAS.get(package, [])
-    third_party = [r for r in _requirements(package, extras) if r not in PACKAGES]
+    third_party: list[str] = []
+    for package in PACKAGES:
+        for requirement in [
+            *_requirements(package, _extras(package)),
+            *_test_group(package),
+        ]:
+            if requirement not in PACKAGES and requirement not in third_party:
+                third_party.append(requirement)
     # Only the siblings are reinstalled and refreshed (every build is 0.1.0): a bare
     # `--reinstall` implies `--refresh`, which re-downloads torch and its CUDA wheels (~3 GB)
     # into a new cache entry for every session.
     siblings = [
-        arg
-        for name in _upstream(package)
-        for arg in ("--refresh-package", name, "--reinstall-package", name)
+        arg for name in PACKAGES for arg in ("--refresh-package", name, "--reinstall-package", name)
     ]
     session.install(
         *resolver,
         *siblings,
-        *(_wheel(dist, name) for name in _upstream(package)),
+        *(_wheel(dist, name) for name in PACKAGES),
         *third_party,
-        *_test_group(package),
     )
     session.run("uv", "pip", "list", "--python", session.virtualenv.location, external=True)
-    _pytest_outside_repo(session, package)
+    tests = [str(ROOT / "packages" / package / "tests") for package in PACKAGES]
+    session.chdir(session.create_tmp())
+    session.run(
+        "pytest",
+        *tests,
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "sample_tests",
+        "--import-mode=importlib",
+        "--rootdir",
+        str(ROOT / "packages"),
+        "--one-case-per-test",
+        "--share",
+        share,
+        *session.posargs,
+        env={"PYTHONPATH": str(ROOT / ".ci")},
+    )
 
 
 @nox.session(tags=["ci"])

@@ -3,15 +3,12 @@ only when selected with ``-m slow``, as in the packages' suites."""
 
 import pytest
 
+from nxd_state.testing import SLOW_MARKER, skip_slow_unless_selected
+
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "slow: heavier variants; selected with -m slow")
+    config.addinivalue_line("markers", SLOW_MARKER)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if "slow" in (config.getoption("-m") or ""):
-        return
-    skip = pytest.mark.skip(reason="slow variant: run with -m slow")
-    for item in items:
-        if "slow" in item.keywords and "train" in item.path.parts:
-            item.add_marker(skip)
+    skip_slow_unless_selected(config, items)

@@ -110,6 +110,7 @@ def test_default_run_writes_tensorboard_and_jsonl(default_run: tuple[Path, str])
     assert (run / "config.toml").is_file()
 
 
+@pytest.mark.slow  # CI: tests-reliability/test_kill_nxd_train.py SIGKILLs nxd-train mid-save
 def test_killed_run_resumes_bitwise(runs: Path, default_run: tuple[Path, str]) -> None:
     args = [*R.TINY, *STEPS, "--runs-dir", str(runs), "--name", "killed"]
     marker = runs / "killed" / "checkpoints" / "step_00000004" / "done"

@@ -108,7 +108,7 @@ def _assert_collectives_in_graph(path: Path) -> None:
     assert "_c10d_functional.all_gather_into_tensor.default" in ops, sorted(ops)
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_trace_save_load_equals_eager_tp_and_unsharded(tp: int, tmp_path: Path) -> None:
     """TP=2: two buckets (sequence 8 and 4), weights inlined. TP=4: one bucket, weights in
     safetensors, (model, state_dict) from func, two ranks capturing at a time."""

@@ -3,7 +3,7 @@ only when selected with ``-m slow``."""
 
 import pytest
 
-from nxd_state.testing import add_preload, pin_cpu_test
+from nxd_state.testing import SLOW_MARKER, add_preload, pin_cpu_test, skip_slow_unless_selected
 
 # Ranks start from a forkserver that imported these once (Lightning and transformers take
 # seconds to import; torch._dynamo is imported by the first optimizer).
@@ -18,18 +18,11 @@ add_preload(
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line(
-        "markers", "slow: heavier variants (more processes or steps); selected with -m slow"
-    )
+    config.addinivalue_line("markers", SLOW_MARKER)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if "slow" in (config.getoption("-m") or ""):
-        return
-    skip = pytest.mark.skip(reason="slow variant: run with -m slow")
-    for item in items:
-        if "slow" in item.keywords:
-            item.add_marker(skip)
+    skip_slow_unless_selected(config, items)
 
 
 @pytest.fixture(autouse=True)

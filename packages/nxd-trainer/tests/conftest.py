@@ -6,7 +6,12 @@ import importlib.util
 
 import pytest
 
-from nxd_state.testing import add_preload, pin_cpu_test
+from nxd_state.testing import (
+    SLOW_MARKER,
+    add_preload,
+    pin_cpu_test,
+    skip_slow_unless_selected,
+)
 
 # Creating a torch optimizer imports torch._dynamo (seconds); the HF tests import transformers'
 # model code (seconds per family).
@@ -23,19 +28,15 @@ add_preload(
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "slow: heavier variants; selected with -m slow")
+    config.addinivalue_line("markers", SLOW_MARKER)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    skips = []
+    skip_slow_unless_selected(config, items)
     if importlib.util.find_spec("torch_xla") is None:
-        reason = "torch-xla is not installed here; run `nox -s xla`"
-        skips.append(("xla", pytest.mark.skip(reason=reason)))
-    if "slow" not in (config.getoption("-m") or ""):
-        skips.append(("slow", pytest.mark.skip(reason="slow variant: run with -m slow")))
-    for item in items:
-        for keyword, skip in skips:
-            if keyword in item.keywords:
+        skip = pytest.mark.skip(reason="torch-xla is not installed here; run `nox -s xla`")
+        for item in items:
+            if "xla" in item.keywords:
                 item.add_marker(skip)
 
 

@@ -18,8 +18,8 @@ layout loads it with ``nxd_trainer.load_checkpoint`` and steps once. Checked:
   where a gradient is near ``eps`` (a wrong or missing moment moves a parameter by ~lr = 1e-2);
 * the saved parameters and the first loss match the one-process run likewise.
 
-CI runs a representative subset (TP4→TP2, TP2→TP4, TP4→TP4 fused and unfused and across,
-TP2×PP2→TP4, TP1→TP4×PP2, ZeRO-1 over DP 2 with the fused projection both ways, and the
+CI runs a representative subset at worlds 2 and 4 (TP4→TP2, TP2→TP4, TP4→TP4 fused and
+unfused and across, TP2×PP2↔TP4, ZeRO-1 over DP 2 to and from the GQA projection, and the
 older ``qkv_proj`` names at TP 4 and TP 2); ``-m slow`` runs every (TP, PP) in {1, 2, 4} x
 {1, 2} (TP 4 fused and not) from and to every other. Below transformers 5.20.2 (the `lowest`
 session) the PP > 1 layouts are left out: such a model cannot be captured into stages there
@@ -310,23 +310,20 @@ def _check(root: Path, plan: Plan) -> int:
 
 
 def test_resume_at_other_degrees(tmp_path: Path) -> None:
-    plan = [
-        (["tp1pp1"], []),
+    plan: Plan = [
         (["tp2pp1"], []),
         (
-            ["tp4pp1", "tp4pp1f", "tp4pp1L", "tp2pp2"],
+            ["tp4pp1", "tp4pp1f", "tp4pp1L", "tp2pp2", "tp2pp1z"],
             [
-                ("tp4pp1", ["tp2pp1", "tp4pp1", "tp4pp1f", "tp2pp2", "tp4pp1L"]),
-                ("tp4pp1f", ["tp4pp1f", "tp4pp1", "tp2pp1"]),
+                ("tp4pp1", ["tp2pp1", "tp4pp1f", "tp4pp1L", "tp2pp2", "tp2pp1z"]),
+                ("tp4pp1f", ["tp4pp1", "tp4pp1f"]),
+                ("tp2pp2", ["tp4pp1"]),
+                ("tp2pp1z", ["tp4pp1f"]),
             ],
         ),
-        (
-            ["tp4pp1fz"],
-            [("tp4pp2", ["tp1pp1"]), ("tp4pp1fz", ["tp2pp1", "tp4pp1fz", "tp4pp1"])],
-        ),
-        ([], [("tp2pp1", ["tp4pp1", "tp4pp1f", "tp4pp1L", "tp4pp1fz"])]),
+        ([], [("tp2pp1", ["tp4pp1", "tp4pp1f", "tp4pp1L", "tp2pp1z"])]),
     ]
-    assert _resumes(plan) == 16
+    assert _resumes(plan) == 13
     plan = _capturable(plan)
     assert _check(tmp_path, plan) == _resumes(plan)
 

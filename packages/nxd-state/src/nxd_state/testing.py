@@ -56,6 +56,7 @@ from typing import Any, TypeVar
 from nxd_state._launch import LaunchedRanks, launch_ranks, process_alive
 
 __all__ = [
+    "SLOW_MARKER",
     "DistributedTimeoutError",
     "LaunchedRanks",
     "RankDiedError",
@@ -69,6 +70,7 @@ __all__ = [
     "rank_environment",
     "run_distributed",
     "run_named_checks",
+    "skip_slow_unless_selected",
 ]
 
 T = TypeVar("T")
@@ -107,6 +109,23 @@ class RankDiedError(RuntimeError):
 
 class DistributedTimeoutError(TimeoutError):
     """The ranks did not all finish in time; the message holds every live rank's stack."""
+
+
+SLOW_MARKER = "slow: heavier variants (more ranks, steps or kills); selected with -m slow"
+
+
+def skip_slow_unless_selected(config: Any, items: list[Any]) -> None:
+    """A suite's ``pytest_collection_modifyitems`` for the ``slow`` marker: ``slow`` tests are
+    skipped, with the reason, unless ``-m`` names the marker (``-m slow``, ``-m "slow or
+    not slow"``). Register :data:`SLOW_MARKER` in ``pytest_configure``."""
+    if "slow" in (config.getoption("-m") or ""):
+        return
+    import pytest
+
+    skip = pytest.mark.skip(reason="slow variant: run with -m slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
 
 
 def add_preload(*modules: str) -> None:
