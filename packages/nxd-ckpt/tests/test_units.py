@@ -247,3 +247,26 @@ def test_cli_info_and_export(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert json.loads((out / "generation_config.json").read_text()) == {"eos_token_id": 3}
     assert cli(["info", str(tmp_path / "missing")]) == 1
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_host_slots_bound_the_holders() -> None:
+    """``num_workers`` slots: a third holder waits until one of two is released (the slots are
+    ``filelock`` locks, which the operating system frees when a holder dies)."""
+    import threading
+    import time
+
+    from nxd_ckpt._slots import host_slot
+
+    events: list[str] = []
+
+    def third() -> None:
+        with host_slot(2, 0, "third"):
+            events.append("third")
+
+    with host_slot(2, 0, "first"), host_slot(2, 1, "second"):
+        waiter = threading.Thread(target=third)
+        waiter.start()
+        time.sleep(0.3)
+        events.append("released")
+    waiter.join(timeout=10)
+    assert events == ["released", "third"]

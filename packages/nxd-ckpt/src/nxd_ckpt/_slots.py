@@ -1,8 +1,8 @@
 """At most ``num_workers`` processes of a host read or write checkpoint files at once.
 
-A slot is an exclusive ``flock`` on one of ``num_workers`` lock files in the host's temp
-folder; the kernel releases it when the holder exits, even by SIGKILL, so a killed writer
-never blocks the others. Where ``fcntl`` is missing the bound is not enforced.
+A slot is an exclusive lock (``filelock``: ``flock`` on POSIX, ``msvcrt`` locking on Windows)
+on one of ``num_workers`` lock files in the host's temp folder; the operating system releases
+it when the holder exits, even by SIGKILL, so a killed writer never blocks the others.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+
+from filelock import FileLock, Timeout
 
 __all__ = ["host_slot"]
 
@@ -30,24 +32,19 @@ def _slot_dir() -> Path:
 @contextlib.contextmanager
 def host_slot(num_workers: int, local_rank: int, what: str) -> Iterator[None]:
     """Hold one of ``num_workers`` host-wide slots for the duration of the block."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - Windows
-        yield
-        return
     folder = _slot_dir()
-    handles = [open(folder / f"slot-{i}.lock", "a+") for i in range(num_workers)]  # noqa: SIM115
+    locks = [FileLock(folder / f"slot-{i}.lock") for i in range(num_workers)]
     held = None
     try:
         started = time.monotonic()
         while held is None:
             for offset in range(num_workers):
-                handle = handles[(local_rank + offset) % num_workers]
+                lock = locks[(local_rank + offset) % num_workers]
                 try:
-                    fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
+                    lock.acquire(timeout=0)  # one attempt
+                except Timeout:
                     continue
-                held = handle
+                held = lock
                 break
             else:
                 time.sleep(0.005)
@@ -57,6 +54,4 @@ def host_slot(num_workers: int, local_rank: int, what: str) -> Iterator[None]:
         yield
     finally:
         if held is not None:
-            fcntl.flock(held.fileno(), fcntl.LOCK_UN)
-        for handle in handles:
-            handle.close()
+            held.release()
