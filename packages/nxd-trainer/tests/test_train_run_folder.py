@@ -176,8 +176,27 @@ def test_too_little_text_names_the_sequence_length_that_works(tmp_path: Path) ->
     fits = int(info.value.args[0].split("--seq-len ")[1].split()[0])
     ok = TrainConfig(data=str(text), runs_dir=str(runs), vocab_size=300, seq_len=fits)
     _, train, valid = prepare_data(ok, build=True)
-    assert len(train) >= 1
+    assert len(train) >= ok.batch_size  # a batch of distinct sequences
     assert len(valid) >= 1
+
+
+def test_a_batch_larger_than_the_corpus_names_the_batch_that_fits(tmp_path: Path) -> None:
+    from nxd_trainer.train.data import prepare_data
+
+    text = tmp_path / "notes.txt"
+    text.write_text("".join(f"the quick brown fox jumps {i}\n" for i in range(400)))
+    runs = tmp_path / "runs"
+    cfg = TrainConfig(data=str(text), runs_dir=str(runs), vocab_size=300, seq_len=16)
+    _, train, _ = prepare_data(cfg, build=True)
+    big = TrainConfig(
+        data=str(text), runs_dir=str(runs), name="big", vocab_size=300, seq_len=16,
+        batch_size=len(train) + 1,
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match=rf"use .*--batch-size {len(train)} or less"):
+        prepare_data(big, build=True)
+    assert not (runs / "big" / "data" / "meta.json").exists()
+    with pytest.raises(ConfigError, match=r"batch_size must be an integer in \[1, 1048576\]"):
+        TrainConfig(batch_size=10**9)
 
 
 def test_metrics_are_strict_json(tmp_path: Path) -> None:

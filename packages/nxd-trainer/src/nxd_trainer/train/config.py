@@ -26,6 +26,9 @@ SCHEDULES = ("gpipe", "1f1b", "zb_h1")
 CHECKPOINTING = ("none", "full", "selective")
 DEVICES = ("cpu", "cuda", "xla")
 MAX_VOCAB = 1 << 20
+# A million sequences per step, or of tokens per sequence, is beyond any run (Llama 3 stepped
+# on 2k sequences of 8k tokens); above it a value is a typo that would exhaust memory.
+MAX_SEQUENCES = 1 << 20
 
 
 class ConfigError(ValueError):
@@ -300,10 +303,10 @@ class TrainConfig:
         # a million-token vocabulary (the BPE trainer allocates per entry).
         _int("seed", self.seed, minimum=0, maximum=2**32 - 1)
         _int("vocab_size", self.vocab_size, minimum=1, maximum=MAX_VOCAB)
+        for name in ("seq_len", "batch_size"):
+            _int(name, getattr(self, name), minimum=1, maximum=MAX_SEQUENCES)
         for name in (
-            "seq_len",
             "steps",
-            "batch_size",
             "grad_accum",
             "nproc_per_node",
             "nnodes",

@@ -171,19 +171,20 @@ def _fingerprint(cfg: TrainConfig) -> str:
     return _hash(_DATA_FORMAT, {k: getattr(cfg, k) for k in keys})
 
 
-def _check_enough(source: str, train: int, valid: int, seq_len: int) -> None:
-    """Both splits must hold a block of ``seq_len`` tokens: else name the value that works."""
-    if train >= seq_len and valid >= seq_len:
+def _check_enough(source: str, train: int, valid: int, seq_len: int, batch_size: int) -> None:
+    """The training split must hold one batch of distinct sequences of ``seq_len`` tokens and
+    the validation split one sequence: else name the values that work."""
+    if train // seq_len >= batch_size and valid >= seq_len:
         return
-    fits = min(train, valid)
-    hint = (
-        f"use --seq-len {fits} or less, or give more text"
-        if fits >= 2
-        else "give more text (or a larger val_fraction)"
-    )
+    fits = min(train // batch_size, valid)
+    hints = [f"--seq-len {fits} or less"] if fits >= 2 else []
+    if valid >= seq_len and train >= seq_len:
+        hints.append(f"--batch-size {train // seq_len} or less")
+    hint = f"use {' or '.join(hints)}, or give more text" if hints else "give more text"
     raise ConfigError(
-        f"the corpus {source} gives {train} training and {valid} validation tokens, "
-        f"too few for one sequence of seq_len {seq_len} in each; {hint}"
+        f"the corpus {source} gives {train} training and {valid} validation tokens, too few "
+        f"for a batch of {batch_size} distinct sequences of seq_len {seq_len} (and one for "
+        f"validation); {hint}"
     )
 
 
@@ -255,7 +256,9 @@ def prepare_data(
                 )  # fmt: skip
         shards = TokenShards(folder)
         tokens = shards.meta["tokens"]
-        _check_enough(plan.description, tokens["train"], tokens["valid"], cfg.seq_len)
+        _check_enough(
+            plan.description, tokens["train"], tokens["valid"], cfg.seq_len, cfg.batch_size
+        )
         meta = {
             "format": _DATA_FORMAT,
             "fingerprint": _fingerprint(cfg),
@@ -279,7 +282,8 @@ def prepare_data(
     tokenizer = load_tokenizer(tok_dir)
     shards = TokenShards(folder)
     tokens = shards.meta["tokens"]
-    _check_enough(shards.meta["source"], tokens["train"], tokens["valid"], cfg.seq_len)
+    source = shards.meta["source"]
+    _check_enough(source, tokens["train"], tokens["valid"], cfg.seq_len, cfg.batch_size)
     return tokenizer, shards.blocks("train", cfg.seq_len), shards.blocks("valid", cfg.seq_len)
 
 
