@@ -176,3 +176,5 @@ def test_failing_disk_is_an_error_on_every_rank_and_keeps_the_previous_tag(
         else:  # its peer fails too, naming the failed rank
             assert "rank" in result["message"], (rank, result)
     assert not (root / "bad" / "done").exists()
+    # The failed save's data folder (partial files) is removed; the tag stays incomplete.
+    assert not list((root / "bad").glob("data-*")), sorted((root / "bad").iterdir())

@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import shutil
 import threading
 import time
 import traceback
@@ -28,12 +29,13 @@ from pathlib import Path
 import torch
 
 from nxd_ckpt import _step_gate, _tags
+from nxd_ckpt._contain import real_dir
 from nxd_ckpt._context import RankContext, agree
 from nxd_ckpt._plan import RankPlan
 from nxd_ckpt._slots import host_slot
 from nxd_ckpt._stfile import FilePlan, write_text_atomic
 from nxd_ckpt._write import DeferredCopy, copy_deferred, manifest_path, merge_manifests, write_rank
-from nxd_ckpt.format import INDEX_NAME
+from nxd_ckpt.format import DONE_MARKER, INDEX_NAME
 
 __all__ = ["SaveJob", "pending_job", "wait_pending"]
 
@@ -155,13 +157,30 @@ class SaveJob:
                 time.sleep(_COMMIT_POLL_S)
 
     # Running -----------------------------------------------------------------------------
+    def discard(self) -> None:
+        """Rank 0, once every rank has stopped writing a save that failed: remove its data
+        folder (partial files, failure notes), best effort, unless the tag is marked done (a
+        commit whose cleanup failed: then the folder is the tag's data). The tag folder stays,
+        without ``done``: an incomplete tag, as after a kill."""
+        if self.ctx.rank != 0 or (self.tag_dir / DONE_MARKER).exists():
+            return
+        try:
+            real_dir(self.data_dir, "checkpoint data folder")
+        except (OSError, ValueError):
+            return  # missing, or a link: nothing of this save to remove
+        shutil.rmtree(self.data_dir, ignore_errors=True)
+
     def run_sync(self) -> None:
         """Write, agree, commit (rank 0), agree: every rank returns once the tag is done."""
         self.write()
-        agree(self.write_error, f"saving checkpoint {self.tag_dir}")
-        if self.ctx.rank == 0:
-            self.commit()
-        agree(self.commit_error, f"committing checkpoint {self.tag_dir}")
+        try:
+            agree(self.write_error, f"saving checkpoint {self.tag_dir}")
+            if self.ctx.rank == 0:
+                self.commit()
+            agree(self.commit_error, f"committing checkpoint {self.tag_dir}")
+        except BaseException:
+            self.discard()  # every rank has returned from write(): none is writing
+            raise
 
     def start_async(self) -> None:
         if self.deferred:
@@ -189,13 +208,18 @@ class SaveJob:
                 self.cancel.set()
                 if self.thread is not None:
                     self.thread.join()
+                self.discard()  # every rank's writer has finished, rank 0's commit stopped
                 raise
         elif self.write_error is not None:
             self.cancel.set()
         if self.thread is not None:
             self.thread.join()
         if collective:
-            agree(self.commit_error, f"committing checkpoint {self.tag_dir} (async)")
+            try:
+                agree(self.commit_error, f"committing checkpoint {self.tag_dir} (async)")
+            except BaseException:
+                self.discard()  # every rank's writer has finished
+                raise
         elif self.write_error is not None or self.commit_error is not None:
             raise self.write_error or self.commit_error  # type: ignore[misc]
 
