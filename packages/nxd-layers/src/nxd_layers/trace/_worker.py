@@ -246,7 +246,21 @@ _HANDLERS: dict[str, Callable[[_Rank, Any], Any]] = {
 }
 
 
-def _pin(config: WorkerConfig) -> None:
+def _own_inductor_cache(rank: int) -> None:
+    """Each TP worker compiles into its own Inductor cache (``<cache>/nxd-trace-rank<r>``).
+
+    The ranks' programs are often the same graph, so in one shared cache two workers compile
+    the same entry at once and one packages files the other is still writing (AOTInductor
+    then fails to load an empty JSON, or a worker crashes). A per-rank folder keeps the cache
+    across runs without the race."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    base = os.environ.get("NXD_TRACE_INDUCTOR_CACHE_BASE") or cache_dir()
+    os.environ["NXD_TRACE_INDUCTOR_CACHE_BASE"] = base
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, f"nxd-trace-rank{rank}")
+
+
+def _pin(config: WorkerConfig, rank: int) -> None:
     """Make this worker run where and how the trace said, whatever the machine shows.
 
     ``NXD_DEVICE``: the trace's device, so that everything in the worker that asks nxd_state
@@ -257,6 +271,7 @@ def _pin(config: WorkerConfig) -> None:
     compiling in this process) unless ``TORCHINDUCTOR_COMPILE_THREADS`` says otherwise.
     """
     os.environ["NXD_DEVICE"] = config.device_type
+    _own_inductor_cache(rank)
     torch.set_num_threads(config.threads)
     if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
         from torch._inductor import config as inductor_config
@@ -273,7 +288,7 @@ def main(conns: list[Connection], config: WorkerConfig) -> None:
         if index != rank:
             other.close()  # so a dead worker's pipe reads as closed in the caller
     os.environ.update(config.env)
-    _pin(config)
+    _pin(config, rank)
     nxd_state.init_distributed(device_type=config.device_type)
     nxd_state.initialize_model_parallel(tensor_model_parallel_size=world)
     state = _Rank(rank, world, nxd_state.current_device(config.device_type))
