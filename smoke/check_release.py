@@ -40,6 +40,8 @@ IMPORT_TO_DIST = {
     "lightning": "lightning",
     "lightning_utilities": "lightning-utilities",
     "numpy": "numpy",
+    "pyarrow": "pyarrow",
+    "pytest": "pytest",
     "safetensors": "safetensors",
     "tensorboardX": "tensorboardx",
     "tokenizers": "tokenizers",

@@ -146,7 +146,7 @@ def _need_pyarrow(what: str) -> Any:
         import pyarrow
     except ModuleNotFoundError:
         raise ConfigError(
-            f"{what}: install the `datasets` package (or `pyarrow`) to read it"
+            f"{what}: install nxd-trainer[data] (the `datasets` and `pyarrow` packages) to read it"
         ) from None
     return pyarrow
 
