@@ -72,6 +72,9 @@ class NeuronLTModule(LightningModule):
     model_kwargs={}, opt_args=(), opt_kwargs={}, scheduler_args=(), scheduler_kwargs={},
     grad_accum_steps=1, log_rank0=False, manual_opt=True)`` (module docstring).
 
+    ``model_fn`` may be None, as in NxD's code: a subclass then builds ``self.model`` in its
+    own ``setup()`` (NxD's Llama example does; arguments are passed by keyword there). The
+    base ``setup()`` refuses to run without it. ``nxd_config`` and ``opt_cls`` are required.
     ``scheduler_cls`` may be None (no scheduler). ``opt_args`` are bound to ``opt_cls``'s
     parameters after ``params``. ``manual_opt=False`` is refused, as NxD documents that only
     manual optimisation is supported. NxD's later keywords ``train_batch_size`` and
@@ -80,10 +83,10 @@ class NeuronLTModule(LightningModule):
 
     def __init__(
         self,
-        model_fn: Callable[..., torch.nn.Module],
-        nxd_config: dict[str, Any],
-        opt_cls: type[torch.optim.Optimizer],
-        scheduler_cls: Callable[..., Any] | None,
+        model_fn: Callable[..., torch.nn.Module] | None = None,
+        nxd_config: dict[str, Any] | None = None,
+        opt_cls: type[torch.optim.Optimizer] | None = None,
+        scheduler_cls: Callable[..., Any] | None = None,
         model_args: tuple = (),
         model_kwargs: dict[str, Any] | None = None,
         opt_args: tuple = (),
@@ -112,7 +115,9 @@ class NeuronLTModule(LightningModule):
             raise ValueError(
                 f"grad_accum_steps must be a positive integer, got {grad_accum_steps!r}"
             )
-        _check_callable("model_fn", model_fn)
+        if nxd_config is None:
+            raise TypeError("NeuronLTModule needs nxd_config (from neuronx_distributed_config)")
+        _check_callable("model_fn", model_fn, allow_none=True)
         _check_callable("scheduler_cls", scheduler_cls, allow_none=True)
         if not (isinstance(opt_cls, type) and issubclass(opt_cls, torch.optim.Optimizer)):
             raise TypeError(f"opt_cls must be a torch.optim.Optimizer subclass, got {opt_cls!r}")
@@ -165,10 +170,17 @@ class NeuronLTModule(LightningModule):
                 f"pipeline_parallel_size={wanted[1]} but the strategy runs {have[0]} and "
                 f"{have[1]}: give both the same config"
             )
+        if self.model_fn is None:
+            raise TypeError(
+                f"{type(self).__qualname__}: model_fn is None, so the model cannot be built; "
+                f"pass model_fn=..., or override setup() to build self.model (NxD's Llama "
+                f"example does)"
+            )
         from nxd_trainer import initialize_parallel_model
 
+        # include_buffers=False (NxD's default): model_args go to model_fn, as documented.
         self.model = initialize_parallel_model(
-            self.nxd_config, self.model_fn, *self.model_args, **self.model_kwargs
+            self.nxd_config, self.model_fn, False, *self.model_args, **self.model_kwargs
         )
         device = nxd_state.current_device()
         self.averaged_loss = torch.zeros((), dtype=torch.float64, device=device)

@@ -40,8 +40,14 @@ _SAVE_FIELDS = ("save_lora_base", "merge_lora", "save_lora_config_adapter")
 class LoraConfig:
     """LoRA settings with NxD's names, validated on creation."""
 
-    enable_lora: bool = False
-    """Apply LoRA to the model (the trainer wraps the model in :class:`LoRAModel` when set)."""
+    enable_lora: bool = True
+    """Apply LoRA. A given ``LoraConfig`` is applied (``get_lora_model``,
+    ``neuronx_distributed_config(lora_config=...)``), as NxD's current code does whatever the
+    flag says; ``enable_lora=False`` keeps LoRA off, as NxD's API reference documents the
+    flag (scripts write ``LoraConfig(enable_lora=flags.enable_lora, ...)``), with a warning
+    where a model would otherwise have been wrapped. NxD's dataclass defaults it to False, its
+    trainer and ``get_lora_model`` ignore it: nxd defaults it to True so that a config without
+    the flag is applied and reading the flag says what happens."""
 
     lora_rank: int = 16
     """``r``, the inner dimension of ``B A``: a positive integer."""
@@ -100,6 +106,11 @@ class LoraConfig:
     K/V head). As in NxD, this turns ``save_lora_base`` and ``merge_lora`` off."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.enable_lora, bool):
+            if isinstance(self.enable_lora, int) and self.enable_lora in (0, 1):
+                self.enable_lora = bool(self.enable_lora)  # NxD's scripts pass int flags
+            else:
+                raise TypeError(f"enable_lora must be a bool, got {self.enable_lora!r}")
         if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int):
             raise TypeError(f"lora_rank must be an int, got {self.lora_rank!r}")
         if self.lora_rank <= 0:
