@@ -3,15 +3,19 @@
 nox -t ci                      # everything CI runs
 nox -s tests-nxd-layers        # one package, its upstream siblings and its test group only
 nox -s lowest                  # every package from wheels at the lowest versions it admits
+nox -s middle                  # every package from wheels at torch 2.11 + transformers 5.17
+nox -s smoke                   # each wheel alone, declared dependencies only, its main use
 nox -s wheel-nxd-layers        # one package from wheels at the newest versions it admits
 """
 
 from __future__ import annotations
 
+import shutil
+import time
+import tomllib
 from pathlib import Path
 
 import nox
-import tomllib
 
 nox.options.default_venv_backend = "uv"
 nox.options.reuse_venv = "yes"
@@ -54,6 +58,28 @@ XLA_THIRD_PARTY = [
 ]
 # Extras a package's own tests need (nxd-trainer's tests run the nxd-train command).
 TEST_EXTRAS = {"nxd-trainer": ["train"]}
+# One point inside the declared ranges, between the floors (`lowest`) and the lock (`tests-*`).
+MIDDLE_PINS = ["torch==2.11.*", "transformers==5.17.*"]
+# The smoke runs: a venv per distribution, then (requirement, script) in order in that venv.
+# A requirement is a built wheel, with an extra where one is named; nothing else is installed
+# beyond what the wheels declare. Scripts are in smoke/.
+SMOKE = {
+    "nxd-state": [("nxd-state", "smoke_nxd_state.py")],
+    "nxd-layers": [("nxd-layers", "smoke_nxd_layers.py")],
+    "nxd-pipeline": [("nxd-pipeline", "smoke_nxd_pipeline.py")],
+    "nxd-optim": [("nxd-optim", "smoke_nxd_optim.py")],
+    "nxd-lora": [("nxd-lora", "smoke_nxd_lora.py")],
+    "nxd-ckpt": [("nxd-ckpt", "smoke_nxd_ckpt.py")],
+    "nxd-trainer": [
+        ("nxd-trainer", "smoke_nxd_trainer.py"),  # the training API without any extra
+        ("nxd-trainer[train]", "smoke_nxd_train.py"),  # then the extra: the nxd-train command
+    ],
+    "nxd-lightning": [("nxd-lightning", "smoke_nxd_lightning.py")],
+    "open-nxd": [("open-nxd", "smoke_open_nxd.py")],
+    # The extra resolves torch-xla beside the torch it was built for; XLA_PINS keep it to the
+    # wheels the xla session already fetched (inside the extra's range).
+    "nxd-state[xla]": [("nxd-state[xla]", "smoke_nxd_state_xla.py")],
+}
 
 
 def _sync(session: nox.Session, *args: str) -> None:
@@ -105,6 +131,7 @@ def _upstream(package: str) -> list[str]:
 def _build_wheels(session: nox.Session) -> Path:
     """Every wheel of the workspace, built as a user's pip sees it (no workspace sources)."""
     dist = Path(session.create_tmp()) / "dist"
+    shutil.rmtree(dist, ignore_errors=True)  # no wheel of an earlier version left to be picked
     session.run(
         "uv", "build", "--all-packages", "--no-sources", "--out-dir", str(dist), external=True
     )
@@ -113,6 +140,12 @@ def _build_wheels(session: nox.Session) -> Path:
 
 def _wheel(dist: Path, package: str) -> str:
     return str(next(dist.glob(f"{package.replace('-', '_')}-*.whl")))
+
+
+def _python_floor() -> str:
+    """The lowest Python every project admits (``requires-python = ">=3.11"`` -> ``3.11``)."""
+    spec = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    return spec.removeprefix(">=")
 
 
 def _pytest_outside_repo(session: nox.Session, package: str) -> None:
@@ -173,6 +206,24 @@ def lowest(session: nox.Session, package: str) -> None:
     the package and its siblings come from wheels built without workspace sources, which also
     proves that the wheels install and that the sibling ranges resolve.
     """
+    _from_wheels(session, package, "--resolution", "lowest-direct")
+
+
+@nox.session(tags=["ci"])
+@nox.parametrize("package", PACKAGES)
+def middle(session: nox.Session, package: str) -> None:
+    """One package from wheels at a MIDDLE point of its ranges: torch 2.11 and transformers 5.17
+    (MIDDLE_PINS, as constraints: a package that does not use transformers does not get it),
+    everything else at the newest version its ranges admit."""
+    constraints = Path(session.create_tmp()) / "middle-constraints.txt"
+    constraints.write_text("\n".join(MIDDLE_PINS) + "\n")
+    _from_wheels(session, package, "--constraint", str(constraints))
+
+
+def _from_wheels(session: nox.Session, package: str, *resolver: str) -> None:
+    """Install ``package`` and its upstream siblings from freshly built wheels, with its own
+    third-party requirements and test group as direct requirements resolved with ``resolver``
+    options; run its tests from outside the source tree."""
     dist = _build_wheels(session)
     extras = TEST_EXTRAS.get(package, [])
     third_party = [r for r in _requirements(package, extras) if r not in PACKAGES]
@@ -185,8 +236,7 @@ def lowest(session: nox.Session, package: str) -> None:
         for arg in ("--refresh-package", name, "--reinstall-package", name)
     ]
     session.install(
-        "--resolution",
-        "lowest-direct",
+        *resolver,
         *siblings,
         *(_wheel(dist, name) for name in _upstream(package)),
         *third_party,
@@ -197,8 +247,63 @@ def lowest(session: nox.Session, package: str) -> None:
 
 
 @nox.session(tags=["ci"])
+def smoke(session: nox.Session) -> None:
+    """Each distribution's wheel alone in a fresh venv, declared dependencies only: its main use.
+
+    As a user installs it: the wheel at Python's floor, only what it declares (no test group),
+    then a script of its main use (SMOKE, smoke/).
+
+    First ``smoke/check_release.py`` checks the built wheels' metadata (LICENSE, classifiers,
+    URLs, links) and that every import of the sources is declared, and ``twine check`` reads
+    them as the index will. ``nox -s smoke -- nxd-ckpt open-nxd`` runs only those entries.
+    """
+    dist = _build_wheels(session).resolve()
+    session.run("python", "smoke/check_release.py", str(dist))
+    session.install("twine>=6.1")  # what RELEASING.md runs before an upload
+    built = sorted([*dist.glob("*.whl"), *dist.glob("*.tar.gz")])
+    session.run("twine", "check", "--strict", *map(str, built))
+    unknown = sorted(set(session.posargs) - set(SMOKE))
+    if unknown:
+        session.error(f"no smoke entry {unknown}; the entries are {sorted(SMOKE)}")
+    tmp = Path(session.create_tmp()).resolve()
+    xla_constraints = tmp / "xla-constraints.txt"
+    xla_constraints.write_text("\n".join(XLA_PINS) + "\n")
+    refresh = [arg for name in ["open-nxd", *PACKAGES] for arg in ("--refresh-package", name)]
+    for entry, steps in SMOKE.items():
+        if session.posargs and entry not in session.posargs:
+            continue
+        start = time.perf_counter()
+        venv = tmp / "venvs" / entry.replace("[", "-").replace("]", "")
+        session.run(
+            "uv",
+            "venv",
+            "--clear",
+            "--quiet",
+            "--python",
+            _python_floor(),
+            str(venv),
+            external=True,
+        )
+        python = str(venv / "bin" / "python")
+        for requirement, script in steps:
+            name, _, extra = requirement.partition("[")
+            wheel = Path(_wheel(dist, name)).resolve().as_uri()
+            spec = f"{name}[{extra} @ {wheel}" if extra else f"{name} @ {wheel}"
+            constraints = ["--constraint", str(xla_constraints)] if "xla" in extra else []
+            install = ["uv", "pip", "install", "--quiet", "--python", python]
+            install += ["--find-links", str(dist), *refresh, *constraints, spec]
+            session.run(*install, external=True)
+            env = {"PJRT_DEVICE": "CPU"} if "xla" in extra else {}
+            # From a scratch folder: only the installed packages can be imported.
+            session.chdir(tmp)
+            session.run(python, str(ROOT / "smoke" / script), external=True, env=env)
+            session.chdir(ROOT)
+        session.log(f"smoke {entry}: passed in {time.perf_counter() - start:.0f} s")
+
+
+@nox.session(tags=["ci"])
 def integration(session: nox.Session) -> None:
-    """Every package together (the `nxd` meta-distribution and its compat package)."""
+    """Every package together (the `open-nxd` meta-distribution and its compat package)."""
     _sync(session, "--all-packages", "--group", "test")
     session.run("pytest", "tests-integration", *session.posargs)
 
@@ -212,10 +317,14 @@ def reliability(session: nox.Session) -> None:
 
 @nox.session(tags=["ci"])
 def lint(session: nox.Session) -> None:
-    """ruff at the locked version (the root `dev` group), so local and CI agree."""
+    """ruff at the locked version (the root `dev` group), and the sources' release checks.
+
+    ruff from the lock, so local and CI agree; smoke/check_release.py: every import declared,
+    the LICENSE copies, no relative link in a README that ships on the index."""
     _sync(session, "--only-group", "dev")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+    session.run("python", "smoke/check_release.py")
 
 
 @nox.session(tags=["ci"])

@@ -2,11 +2,11 @@
 
 A TP=2 model is saved on 2 ranks; the test then damages the tag (a truncated data file, one
 flipped byte inside a tensor, a flipped byte in a file's header, a removed shard, an edited
-index: a tensor's shape, a chunk's checksum, JSON cut short) and loads it on 2 ranks into a
-model whose parameters were set to a sentinel. Each case proves: ``load_checkpoint`` raises
-on **both** ranks (the rank that reads the damaged file and its peer, so no rank trains on
-alone), the message names the damaged file, and no parameter on any rank changed (nothing
-was copied in before the damage was found).
+index: a tensor's shape, a chunk's checksum, two chunks over the same rows, JSON cut short)
+and loads it on 2 ranks into a model whose parameters were set to a sentinel. Each case
+proves: ``load_checkpoint`` raises on **both** ranks (the rank that reads the damaged file
+and its peer, so no rank trains on alone), the message names the damaged file, and no
+parameter on any rank changed (nothing was copied in before the damage was found).
 """
 
 from __future__ import annotations
@@ -116,6 +116,16 @@ def _edit_checksum(tag: Path) -> str:
     return str(tag)  # the index is the tag's: the error names the tag folder or a file in it
 
 
+def _overlap_chunks(tag: Path) -> str:
+    """The second TP half of a weight moved half-way onto the first's rows (CRCs valid): the
+    rows still add up over the whole tensor, but half of them twice and a quarter never."""
+    path, index = _index(tag)
+    _, second = index["tensors"]["model"]["0.weight"]["chunks"]
+    second["offsets"][0] -= second["shape"][0] // 2
+    path.write_text(json.dumps(index))
+    return str(tag)
+
+
 def _cut_index(tag: Path) -> str:
     path = tag / "index.json"
     path.write_text(path.read_text()[:-40])
@@ -129,6 +139,7 @@ DAMAGE = {
     "removed-shard": _remove_shard,
     "index-shape-edited": _edit_shape,
     "index-checksums-edited": _edit_checksum,
+    "index-chunks-overlap": _overlap_chunks,
     "index-cut-short": _cut_index,
 }
 

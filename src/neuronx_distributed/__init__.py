@@ -13,7 +13,7 @@ import importlib
 from importlib.metadata import version as _version
 from typing import Any
 
-__version__ = _version("nxd")
+__version__ = _version("open-nxd")  # the distribution that ships this package
 
 # NxD's top-level names, each resolved from its module on first access (PEP 562).
 _LAZY = {

@@ -131,3 +131,23 @@ def test_help_is_plain_text_with_accepted_values_only(capsys: pytest.CaptureFixt
     assert "interleaved_1f1b" not in out  # nxd-train refuses it: not offered
     assert "{gpipe,1f1b,zb_h1}" in out
     assert "{none,full,selective}" in out
+
+
+def test_a_disk_error_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read-only or full disk (simulated: these tests run as root, which ignores modes)."""
+    import errno
+
+    from nxd_trainer.train import main
+    from nxd_trainer.train.rundir import RunDir
+
+    def refuse(self: RunDir) -> None:
+        raise OSError(errno.EROFS, "Read-only file system", str(self.root))
+
+    monkeypatch.setattr(RunDir, "lock", refuse)
+    assert main([*R.TINY, "--runs-dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert (
+        err.strip() == f"nxd-train: error: [Errno 30] Read-only file system: '{tmp_path / 'tiny'}'"
+    )

@@ -102,14 +102,22 @@ def test_ctrl_c_while_workers_start(tmp_path: Path) -> None:
     assert _temporary_files(run) == []
 
 
-def test_ctrl_c_while_training_saves_the_step(tmp_path: Path) -> None:
+def _training(tmp_path: Path, steps: int) -> tuple[subprocess.Popen[str], list[str]]:
+    """A long run (400 steps, no save planned) started and past its step ``steps``."""
     args = [*R.TINY, "--steps", "400", "--save-every", "1000", "--eval-every", "0",
             "--runs-dir", str(tmp_path)]  # fmt: skip
     job = _start(args, tmp_path)
     metrics = tmp_path / "tiny" / "metrics.jsonl"
     _wait_for(
-        job, lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= 1, "step 1"
+        job,
+        lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= steps,
+        f"step {steps}",
     )
+    return job, args
+
+
+def test_ctrl_c_while_training_saves_the_step(tmp_path: Path) -> None:
+    job, _ = _training(tmp_path, 1)
     _, err = _ctrl_c(job)
     line = _check_one_line(job.returncode, err)
     last = max(R.losses(tmp_path / "tiny"))
@@ -122,13 +130,7 @@ def test_ctrl_c_while_training_saves_the_step(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_interrupted_run_resumes_from_the_saved_step(tmp_path: Path) -> None:
-    args = [*R.TINY, "--steps", "400", "--save-every", "1000", "--eval-every", "0",
-            "--runs-dir", str(tmp_path)]  # fmt: skip
-    job = _start(args, tmp_path)
-    metrics = tmp_path / "tiny" / "metrics.jsonl"
-    _wait_for(
-        job, lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= 2, "step 2"
-    )
+    job, args = _training(tmp_path, 2)
     _ctrl_c(job)
     last = max(R.losses(tmp_path / "tiny"))
     done = R.nxd_train([*args, "--steps", str(last + 2)], tmp_path)  # the last flag wins
@@ -139,13 +141,7 @@ def test_interrupted_run_resumes_from_the_saved_step(tmp_path: Path) -> None:
 def test_workers_stop_when_the_launcher_dies(tmp_path: Path) -> None:
     """SIGKILL of the launcher alone (a lost login session, an OOM kill): its workers get the
     parent-death signal, finish their step, save it and exit; none is left running."""
-    args = [*R.TINY, "--steps", "400", "--save-every", "1000", "--eval-every", "0",
-            "--runs-dir", str(tmp_path)]  # fmt: skip
-    job = _start(args, tmp_path)
-    metrics = tmp_path / "tiny" / "metrics.jsonl"
-    _wait_for(
-        job, lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= 1, "step 1"
-    )
+    job, _ = _training(tmp_path, 1)
     workers = R.children(job.pid)
     assert workers
     job.kill()  # the launcher only

@@ -219,3 +219,20 @@ def test_resume_with_other_frozen_settings_is_refused(
     assert "Traceback" not in done.stderr
     after = {p: p.read_bytes() for p in (runs / "changed").rglob("*") if p.is_file()}
     assert after == before
+
+
+def test_a_damaged_newest_checkpoint_falls_back(runs: Path, default_run: tuple[Path, str]) -> None:
+    """One flipped byte in the newest tag: the rerun warns, naming it, resumes from the
+    previous intact tag and trains the same steps again (bitwise the same losses)."""
+    shutil.copytree(default_run[0], runs / "damaged")
+    run = runs / "damaged"
+    newest = run / "checkpoints" / "step_00000006"
+    data = max(newest.rglob("*.safetensors"), key=lambda p: p.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    raw[-1] ^= 0x01
+    data.write_bytes(bytes(raw))
+    done = R.nxd_train([*R.TINY, *STEPS, "--runs-dir", str(runs), "--name", "damaged"], runs)
+    assert f"nxd-train: warning: checkpoint {newest} is damaged" in done.stderr
+    assert "(step 4)" in done.stderr  # resumed from step_00000004
+    assert R.losses(run) == R.losses(default_run[0])  # steps 5 and 6 again, bitwise
+    assert "Traceback" not in done.stderr

@@ -81,7 +81,10 @@ def test_files_are_plain_safetensors_and_json(tmp_path: Path) -> None:
     model, optimizer, _ = _trained()
     save_checkpoint(tmp_path, "t", model=model, optimizer=optimizer)
     tag = tmp_path / "t"
-    assert {p.name for p in tag.iterdir() if p.is_file()} == {"checkpoint", "done", "index.json"}
+    names = {p.name for p in tag.iterdir() if p.is_file()}
+    assert names == {"checkpoint", "done", "index.json", "nxd-ckpt.json"}
+    marker = json.loads((tag / "nxd-ckpt.json").read_text())
+    assert (marker["format"], marker["format_version"], marker["tag"]) == ("nxd-ckpt", 1, "t")
     index = nxd_ckpt.read_index(tag)
     assert index.format_version == nxd_ckpt.FORMAT_VERSION
     for relative in index.files:

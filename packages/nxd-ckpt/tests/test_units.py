@@ -17,7 +17,8 @@ from nxd_ckpt import FormatError, save_checkpoint
 from nxd_ckpt._boxes import Box, flat_range_boxes, linear_index
 from nxd_ckpt._jsonstate import decode, encode
 from nxd_ckpt._sharding import spec_for_tensor
-from nxd_ckpt._stfile import FileReader, plan_file, write_planned
+from nxd_ckpt._stfile import plan_file, write_planned
+from nxd_ckpt._stread import FileReader
 from nxd_ckpt._tags import apply_num_kept, list_tags
 from nxd_ckpt.cli import main as cli
 from nxd_ckpt.format import ChunkRecord, FileRecord
@@ -192,12 +193,17 @@ def test_json_state_round_trip_and_refusals() -> None:
 
 def test_num_kept_removes_stale_incomplete_tags_but_keeps_newer_ones(tmp_path: Path) -> None:
     model = nn.Linear(2, 2)
-    (tmp_path / "old-broken").mkdir()  # an interrupted deletion: start marker, no done
+    marker = json.dumps({"format": "nxd-ckpt", "format_version": 1})
+    (tmp_path / "old-broken").mkdir()  # an interrupted deletion: markers, no done
     (tmp_path / "old-broken" / "checkpoint").write_text("1")
+    (tmp_path / "old-broken" / "nxd-ckpt.json").write_text(marker)
+    (tmp_path / "old-foreign").mkdir()  # as old, but not nxd-ckpt's (a TensorFlow folder)
+    (tmp_path / "old-foreign" / "checkpoint").write_text("1")
     for tag in ("a", "b", "c"):
         save_checkpoint(tmp_path, tag, model=model)
     (tmp_path / "new-broken").mkdir()  # an interrupted save, newer than every complete tag
     (tmp_path / "new-broken" / "checkpoint").write_text("1")
+    (tmp_path / "new-broken" / "nxd-ckpt.json").write_text(marker)
     # Tags are ordered by the time recorded in their markers; the hand-made ones hold "1" (no
     # time), so they fall back to mtime, which on Linux ticks coarsely: pin both ends.
     first = min(int((tmp_path / t / "done").read_text()) for t in "abc")
@@ -205,6 +211,7 @@ def test_num_kept_removes_stale_incomplete_tags_but_keeps_newer_ones(tmp_path: P
     os.utime(tmp_path / "new-broken" / "checkpoint", ns=(first + 10**12, first + 10**12))
     removed = apply_num_kept(tmp_path, 2)
     assert sorted(removed) == ["a", "old-broken"]
+    assert (tmp_path / "old-foreign" / "checkpoint").exists()  # never recognised as a tag
     assert [(t.name, t.complete) for t in list_tags(tmp_path)] == [
         ("b", True),
         ("c", True),

@@ -20,6 +20,7 @@ from nxd_state import (
     move_model_to_device,
     resolve_device_type,
 )
+from nxd_state.device import xla_version_mismatch
 from nxd_state.testing import run_distributed
 
 
@@ -235,3 +236,54 @@ def local_world_sizes() -> tuple[int, int]:
 
 def test_local_world_size_falls_back_to_the_world_of_one_node() -> None:
     assert run_distributed(local_world_sizes, 2) == [(2, 2), (2, 2)]
+
+
+@pytest.mark.parametrize(
+    ("torch_version", "xla_version"),
+    [("2.9.0", "2.9.0"), ("2.9.1+cpu", "2.9.0"), ("2.9.0+cu128", "2.9.0rc2"), ("2.9", "2.9.0")],
+)
+def test_torch_and_torch_xla_of_one_minor_agree(torch_version: str, xla_version: str) -> None:
+    assert xla_version_mismatch(torch_version, xla_version) is None
+
+
+def test_torch_xla_beside_another_torch_names_both_and_the_fix() -> None:
+    message = xla_version_mismatch("2.15.0+cu130", "2.9.0")
+    assert message == (
+        "torch-xla 2.9.0 needs torch 2.9.x, but torch 2.15.0+cu130 is installed: "
+        "pip install 'torch==2.9.*' (or install 'nxd-state[xla]', which pins both)"
+    )
+    assert "\n" not in message
+    # a minor of 10 is not 1.0 (numbers, not strings, are compared)
+    assert xla_version_mismatch("2.1.0", "2.10.0") is not None
+
+
+def test_unreadable_versions_are_not_refused() -> None:
+    """Only a pair known to disagree is refused: no guess on a version that does not parse."""
+    assert xla_version_mismatch("main", "2.9.0") is None
+    assert xla_version_mismatch("2.15.0", "nightly") is None
+
+
+def test_choosing_xla_beside_a_mismatched_torch_refuses_before_importing_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The installed versions are read from metadata; torch_xla, whose import would die on an
+    undefined symbol, is never imported."""
+    import importlib
+    import importlib.metadata
+
+    real_version, real_import = importlib.metadata.version, importlib.import_module
+
+    def version(name: str) -> str:
+        return "2.9.0" if name == "torch-xla" else real_version(name)
+
+    def import_module(name: str, package: str | None = None) -> types.ModuleType:
+        assert not name.startswith("torch_xla"), f"{name} imported"
+        return real_import(name, package)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    monkeypatch.setattr(importlib, "import_module", import_module)
+    monkeypatch.setattr(torch, "__version__", "2.15.0")
+    with pytest.raises(
+        ImportError, match=r"^torch-xla 2\.9\.0 needs torch 2\.9\.x, but torch 2\.15"
+    ):
+        current_device("xla")

@@ -74,20 +74,6 @@ def train_pipelined(families: list[str]) -> dict[str, Any]:
     return out
 
 
-def _transformers_before(version: str) -> bool:
-    import transformers
-    from packaging.version import Version
-
-    return Version(transformers.__version__) < Version(version)
-
-
-# Below transformers 5.20.2 (bisected: 5.20.1 fails, 5.20.2 passes, torch 2.9 and 2.15 alike)
-# the torch.export capture of the parallelized model, which is on the meta device, lifts a
-# tensor constant made in the model's forward on meta: its value never exists. The pipeline
-# names it when it builds the stages (a PipelineTraceError), which is what those versions check.
-TRANSFORMERS_FIRST_GOOD = "5.20.2"
-
-
 @pytest.mark.parametrize(
     "families",
     [
@@ -98,7 +84,7 @@ TRANSFORMERS_FIRST_GOOD = "5.20.2"
 def test_trains_at_tp2_pp2_like_one_process(families: list[str]) -> None:
     """Llama, and Qwen2 with its embedding tied to the head across the first and last
     stage; Mistral (KV heads replicated) and Qwen3 (Q/K norms) under ``-m slow``."""
-    if _transformers_before(TRANSFORMERS_FIRST_GOOD):
+    if not H.pipeline_capture_works():  # see _hf.PIPELINE_FIRST_GOOD_TRANSFORMERS
         from nxd_pipeline import PipelineTraceError
 
         with pytest.raises(PipelineTraceError, match=r"tensor constant .* on the meta device"):

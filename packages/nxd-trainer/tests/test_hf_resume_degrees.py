@@ -21,7 +21,9 @@ layout loads it with ``nxd_trainer.load_checkpoint`` and steps once. Checked:
 CI runs a representative subset (TP4→TP2, TP2→TP4, TP4→TP4 fused and unfused and across,
 TP2×PP2→TP4, TP1→TP4×PP2, ZeRO-1 over DP 2 with the fused projection both ways, and the
 older ``qkv_proj`` names at TP 4 and TP 2); ``-m slow`` runs every (TP, PP) in {1, 2, 4} x
-{1, 2} (TP 4 fused and not) from and to every other.
+{1, 2} (TP 4 fused and not) from and to every other. Below transformers 5.20.2 (the `lowest`
+session) the PP > 1 layouts are left out: such a model cannot be captured into stages there
+(``_hf.PIPELINE_FIRST_GOOD_TRANSFORMERS``).
 """
 
 from __future__ import annotations
@@ -247,7 +249,35 @@ def _merge(results: list[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
-def _check(root: Path, plan: list[tuple[list[str], list[tuple[str, list[str]]]]]) -> int:
+Plan = list[tuple[list[str], list[tuple[str, list[str]]]]]
+
+
+def _capturable(plan: Plan) -> Plan:
+    """``plan`` without its PP > 1 layouts where the installed transformers cannot be captured
+    into pipeline stages (``_hf.PIPELINE_FIRST_GOOD_TRANSFORMERS``: the `lowest` session; the
+    pipeline's error there is checked by test_hf_pipeline.py)."""
+    if H.pipeline_capture_works():
+        return plan
+
+    def flat(setup: str) -> bool:
+        return _parse(setup)[1] == 1
+
+    kept: Plan = []
+    for saves, targets in plan:
+        kept_targets = [
+            (target, [source for source in sources if flat(source)])
+            for target, sources in targets
+            if flat(target) and any(flat(source) for source in sources)
+        ]
+        kept.append(([setup for setup in saves if flat(setup)], kept_targets))
+    return [entry for entry in kept if entry[0] or entry[1]]
+
+
+def _resumes(plan: Plan) -> int:
+    return sum(len(targets) for _, entry in plan for _, targets in entry)
+
+
+def _check(root: Path, plan: Plan) -> int:
     """Run ``plan`` (one ``run_distributed`` per entry, in order) and check every resume."""
     reference = _reference()
     names = set(reference["params"][0])
@@ -296,7 +326,9 @@ def test_resume_at_other_degrees(tmp_path: Path) -> None:
         ),
         ([], [("tp2pp1", ["tp4pp1", "tp4pp1f", "tp4pp1L", "tp4pp1fz"])]),
     ]
-    assert _check(tmp_path, plan) == 16
+    assert _resumes(plan) == 16
+    plan = _capturable(plan)
+    assert _check(tmp_path, plan) == _resumes(plan)
 
 
 @pytest.mark.slow
@@ -305,8 +337,8 @@ def test_resume_matrix_every_degree(tmp_path: Path) -> None:
     by_world: dict[int, list[str]] = {}
     for layout in layouts:
         by_world.setdefault(world(layout), []).append(layout)
-    plan: list[tuple[list[str], list[tuple[str, list[str]]]]] = [
-        (by_world[w], []) for w in (1, 2, 4, 8)
-    ]
+    plan: Plan = [(by_world[w], []) for w in (1, 2, 4, 8)]
     plan += [([], [(t, layouts) for t in by_world[w]]) for w in (1, 2, 4, 8)]
-    assert _check(tmp_path, plan) == len(layouts) ** 2
+    assert _resumes(plan) == len(layouts) ** 2
+    plan = _capturable(plan)
+    assert _check(tmp_path, plan) == _resumes(plan)

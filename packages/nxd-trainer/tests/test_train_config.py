@@ -1,6 +1,7 @@
 """nxd-train's pieces that need no process: the config (a docstring per field, defaults <
 TOML < flags, bad values named, world arithmetic), the torchrun command line it hands to
-torch's launcher, and the packed loader's data-parallel sharding and resume position."""
+torch's launcher, and the packed loader's data-parallel sharding and resume position (the
+corpus and its shards: test_train_data.py)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,8 @@ def test_flags_override_toml_override_defaults(tmp_path: Path) -> None:
         ({"nnodes": 2}, "nnodes=2 needs rdzv_endpoint"),
         ({"val_fraction": 0.9}, "val_fraction must be a finite number [0.0, 0.5], got 0.9"),
         ({"lr": float("inf")}, "lr must be a finite number >= 0.0, got inf"),
+        ({"seed": 2**70}, "seed must be an integer in [0, 4294967295], got 1180591620717411303424"),
+        ({"vocab_size": 10**9}, "vocab_size must be an integer in [1, 1048576], got 1000000000"),
         ({"weight_decay": float("nan")}, "weight_decay must be a finite number >= 0.0, got nan"),
         ({"name": "a/b"}, "name must be a plain folder name"),
     ],
@@ -109,30 +112,6 @@ def test_loader_shards_the_global_batch_and_resumes() -> None:
     assert torch.equal(resumed.next_batch(), ranks[1].next_batch())
     with pytest.raises(ConfigError, match="the data or seed changed"):
         PackedLoader(blocks[:6], 4, 0, 1, seed=5).load_state_dict(one.state_dict())
-
-
-def test_corpus_sources_split_deterministically(tmp_path: Path) -> None:
-    from nxd_trainer.train import load_corpus
-
-    folder = tmp_path / "notes"
-    folder.mkdir()
-    for i in range(60):
-        (folder / f"note{i}.txt").write_text(f"note {i}\n" * 20)
-    (folder / "image.bin").write_bytes(b"\x00\x01" * 100)  # not text: skipped
-    cfg = TrainConfig(data=str(folder), val_fraction=0.2)
-    corpus = load_corpus(cfg)
-    assert len(corpus.train) + len(corpus.valid) == 60
-    assert 0 < len(corpus.valid) < 30
-    assert load_corpus(cfg) == corpus  # the split depends only on names
-    text = tmp_path / "book.txt"
-    text.write_text("".join(f"line {i} of the book\n" for i in range(40_000)))
-    book = load_corpus(TrainConfig(data=str(text), val_fraction=0.3))
-    assert "".join(book.train + book.valid) != ""
-    assert all(len(doc) < 2 * 65536 for doc in book.train + book.valid)  # ~64 KiB documents
-    stdlib = load_corpus(TrainConfig(corpus_mb=0.3))
-    size = sum(len(d.encode()) for d in stdlib.train + stdlib.valid)
-    assert 0.3e6 <= size < 0.3e6 + 2e6  # the budget, plus at most the last file read
-    assert "standard library" in stdlib.source
 
 
 def test_bpe_is_deterministic_and_lossless() -> None:

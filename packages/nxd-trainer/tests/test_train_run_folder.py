@@ -64,11 +64,13 @@ def test_resume_with_other_settings_is_refused_before_anything_changes(tmp_path:
     with pytest.raises(
         ConfigError, match=r"another setup \(seq_len: 128 -> 64, batch_size: 8 -> 2\)"
     ):
-        changed.begin()
+        changed.begin(changed.resume_point())
     assert _snapshot(run.root) == before
     # A command that continues the run (more steps, other degrees) records its settings.
     more = RunDir.of(TrainConfig(runs_dir=str(tmp_path), steps=6, tp=1, zero1=True))
-    assert more.begin().step == 2
+    point = more.resume_point()
+    assert point.step == 2
+    more.begin(point)
     assert "steps = 6" in more.config_file.read_text()
 
 
@@ -79,7 +81,9 @@ def test_a_finished_run_rerun_changes_nothing(tmp_path: Path) -> None:
     run.write_config()
     before = _snapshot(run.root)
     again = RunDir.of(TrainConfig(runs_dir=str(tmp_path), steps=2, tp=1))  # nothing to train
-    assert again.begin().step == 2
+    point = again.resume_point()
+    assert point.step == 2
+    again.begin(point)
     assert _snapshot(run.root) == before
 
 
@@ -89,7 +93,27 @@ def test_a_tag_saved_by_another_tool_is_refused(tmp_path: Path) -> None:
     run = RunDir.of(TrainConfig(runs_dir=str(tmp_path)))
     nxd_ckpt.save_checkpoint(run.checkpoints, tag_name(3), model=torch.nn.Linear(2, 2))
     with pytest.raises(ConfigError, match=r"step_00000003 was not saved by nxd-train"):
-        run.begin()
+        run.resume_point()
+
+
+def test_a_damaged_newest_tag_falls_back_to_the_previous_intact_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = TrainConfig(runs_dir=str(tmp_path))
+    run = RunDir.of(cfg)
+    for step in (2, 4):
+        _checkpoint(run, step, cfg)
+    data = next((run.checkpoints / tag_name(4)).rglob("*.safetensors"))
+    raw = bytearray(data.read_bytes())
+    raw[-1] ^= 0xFF  # one flipped bit in a tensor's bytes
+    data.write_bytes(bytes(raw))
+    assert run.resume_point().step == 2
+    warning = capsys.readouterr().err
+    assert f"nxd-train: warning: checkpoint {run.checkpoints / tag_name(4)} is damaged" in warning
+    assert "skipping it" in warning
+    (run.checkpoints / tag_name(2) / "index.json").write_text("[]")  # both damaged now
+    with pytest.raises(ConfigError, match=r"every checkpoint of .* is damaged"):
+        run.resume_point()
 
 
 def test_symlinks_and_incomplete_tags_are_not_tags_of_the_run(tmp_path: Path) -> None:
@@ -124,14 +148,18 @@ def test_text_is_recognised_by_content_and_small_corpora_split(tmp_path: Path) -
     assert "".join(single.train + single.valid) == one.read_text()  # cut at a line end
     assert single.valid[0].startswith("line 80\n")
     assert load_corpus(TrainConfig(data=str(one), val_fraction=0.2)) == single
-    # Three big files, as the issue had them: every file is cut into ~64 KiB documents.
+    # Three big files, as the issue had them (refused before): a small corpus holds out its
+    # last 5%, inside the last file (no file boundary near the cut point).
     big = tmp_path / "big"
     big.mkdir()
     for i in range(3):
         (big / f"part{i}.txt").write_text("".join(f"{i} row {j}\n" for j in range(40_000)))
     split = load_corpus(TrainConfig(data=str(big), val_fraction=0.05, corpus_mb=0))
-    assert len(split.valid) >= 1
-    assert len(split.train) > 10 * len(split.valid)
+    assert [t[:6] for t in split.train] == ["0 row ", "1 row ", "2 row "]
+    (held,) = split.valid
+    assert held.startswith("2 row ")
+    assert held.endswith("2 row 39999\n")
+    assert 0.04 < len(held) / sum(map(len, split.train + split.valid)) < 0.06
 
 
 def test_too_little_text_names_the_sequence_length_that_works(tmp_path: Path) -> None:

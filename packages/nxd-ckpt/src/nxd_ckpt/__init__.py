@@ -9,6 +9,14 @@
   background from a host copy.
 * :func:`read_user_content`: a tag's user content alone, in any one process (no collective,
   no RNG restore, nothing else read).
+* :func:`verify_tag` / :func:`newest_intact_tag`: check tags without loading them (index,
+  sizes, headers, CRCs) and find the newest intact one, with the newer damaged ones and why
+  (a resume's fallback).
+* Contained and all-or-nothing: every path a call touches stays inside the folder the user
+  named (plain tag names, contained index paths, no symbolic link followed:
+  :class:`ContainmentError`); a load validates its whole plan before it changes anything;
+  retention deletes only tags nxd-ckpt wrote (its ``nxd-ckpt.json`` marker) and reports a
+  problem as a :class:`RetentionWarning` after the new tag committed.
 * :func:`export_hf` / :func:`load_hf_checkpoint`: Hugging Face folders out and in.
 * :func:`load_nxd_checkpoint` / :func:`convert_nxd_checkpoint`: NxD's own pickled layout,
   read with ``torch.load(weights_only=True)`` only.
@@ -21,14 +29,22 @@
 
 from importlib.metadata import version as _version
 
+from nxd_ckpt._tags import RetentionWarning
 from nxd_ckpt.checkpoint import (
     finalize_checkpoint,
     has_checkpoint,
     load_checkpoint,
     save_checkpoint,
 )
-from nxd_ckpt.format import FORMAT_VERSION, CheckpointIndex, FormatError, read_index
+from nxd_ckpt.format import (
+    FORMAT_VERSION,
+    CheckpointIndex,
+    ContainmentError,
+    FormatError,
+    read_index,
+)
 from nxd_ckpt.hf import export_hf, load_hf_checkpoint
+from nxd_ckpt.integrity import DamagedTag, IntactTag, newest_intact_tag, verify_tag
 from nxd_ckpt.nxd_format import convert_nxd_checkpoint, is_nxd_checkpoint, load_nxd_checkpoint
 from nxd_ckpt.parts import CHECKPOINT_PARTS, StoredPart
 from nxd_ckpt.user_content import read_user_content
@@ -39,7 +55,11 @@ __all__ = [
     "CHECKPOINT_PARTS",
     "FORMAT_VERSION",
     "CheckpointIndex",
+    "ContainmentError",
+    "DamagedTag",
     "FormatError",
+    "IntactTag",
+    "RetentionWarning",
     "StoredPart",
     "__version__",
     "convert_nxd_checkpoint",
@@ -50,7 +70,9 @@ __all__ = [
     "load_checkpoint",
     "load_hf_checkpoint",
     "load_nxd_checkpoint",
+    "newest_intact_tag",
     "read_index",
     "read_user_content",
     "save_checkpoint",
+    "verify_tag",
 ]

@@ -3,7 +3,10 @@
 Encodes dicts (str or int keys), lists, tuples, str, int, float (inf and nan included), bool,
 None, ``torch.dtype`` and tensors; a tensor becomes ``{"__tensor__": name}`` and lands in
 the ``tensors`` map under ``name``. Anything else is refused with the path of the value, so a
-save never silently drops user content. Decoding executes no code.
+save never silently drops user content. Decoding executes no code. Containers nest at most
+``MAX_DEPTH`` levels (deeper values are refused at save, and an index holding one at load,
+before any recursion could overflow); :func:`check_encoded` validates an encoded value read
+from an index without recursion.
 """
 
 from __future__ import annotations
@@ -13,11 +16,21 @@ from typing import Any
 
 import torch
 
-__all__ = ["decode", "encode"]
+__all__ = ["MAX_DEPTH", "check_encoded", "decode", "encode"]
+
+MAX_DEPTH = 100
+"""Most nested containers (dicts, lists, tuples) a stored value may have."""
 
 
-def encode(value: Any, tensors: dict[str, torch.Tensor], path: str, what: str) -> Any:
+def encode(
+    value: Any, tensors: dict[str, torch.Tensor], path: str, what: str, depth: int = 0
+) -> Any:
     """The JSON form of ``value``; tensors are added to ``tensors`` keyed by their path."""
+    if depth > MAX_DEPTH:
+        raise TypeError(
+            f"cannot save {what}: the value at '{path}' nests containers more than "
+            f"{MAX_DEPTH} levels deep"
+        )
     if isinstance(value, torch.Tensor):
         tensors[path] = value.detach()
         return {"__tensor__": path}
@@ -37,10 +50,10 @@ def encode(value: Any, tensors: dict[str, torch.Tensor], path: str, what: str) -
                     f"cannot save {what}: key {key!r} at '{path}' is a {type(key).__name__}; "
                     f"only str and int keys can be stored without pickle"
                 )
-            items.append([key, encode(item, tensors, f"{path}.{key}", what)])
+            items.append([key, encode(item, tensors, f"{path}.{key}", what, depth + 1)])
         return {"__dict__": items}
     if isinstance(value, (list, tuple)):
-        encoded = [encode(v, tensors, f"{path}.{i}", what) for i, v in enumerate(value)]
+        encoded = [encode(v, tensors, f"{path}.{i}", what, depth + 1) for i, v in enumerate(value)]
         return {"__tuple__": encoded} if isinstance(value, tuple) else encoded
     raise TypeError(
         f"cannot save {what}: the value at '{path}' is a {type(value).__module__}."
@@ -79,3 +92,51 @@ def tensor_paths(value: Any) -> list[str]:
     if "__dict__" in value:
         return [p for _, v in value["__dict__"] for p in tensor_paths(v)]
     return []
+
+
+def check_encoded(value: Any, tensors: set[str], where: str) -> None:
+    """Raise FormatError unless ``value`` is what :func:`encode` writes: JSON scalars, lists,
+    and the ``__dict__`` / ``__tuple__`` / ``__tensor__`` (naming one of ``tensors``) /
+    ``__float__`` / ``__dtype__`` forms, nested at most ``MAX_DEPTH`` containers deep.
+    Iterative: a hostile depth cannot overflow the stack."""
+    from nxd_ckpt.format import FormatError
+
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if item is None or isinstance(item, (bool, int, float, str)):
+            continue
+        if depth >= MAX_DEPTH:
+            raise FormatError(f"{where}: nested more than {MAX_DEPTH} containers deep")
+        if isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item)
+            continue
+        if not isinstance(item, dict) or len(item) != 1:
+            raise FormatError(f"{where}: {_short(item)} is not an encoded value")
+        ((form, inner),) = item.items()
+        if form == "__tensor__":
+            if not isinstance(inner, str) or inner not in tensors:
+                raise FormatError(f"{where}: refers to tensor {inner!r}, which is not stored")
+        elif form == "__tuple__" and isinstance(inner, list):
+            stack.extend((v, depth + 1) for v in inner)
+        elif form == "__float__" and isinstance(inner, str):
+            try:
+                float(inner)
+            except ValueError:
+                raise FormatError(f"{where}: {inner!r} is not a float") from None
+        elif form == "__dtype__" and isinstance(inner, str):
+            if not isinstance(getattr(torch, inner, None), torch.dtype):
+                raise FormatError(f"{where}: unknown dtype {inner!r}")
+        elif form == "__dict__" and isinstance(inner, list):
+            for pair in inner:
+                ok = isinstance(pair, list) and len(pair) == 2
+                if not ok or isinstance(pair[0], bool) or not isinstance(pair[0], (str, int)):
+                    raise FormatError(f"{where}: {_short(pair)} is not a [key, value] pair")
+                stack.append((pair[1], depth + 1))
+        else:
+            raise FormatError(f"{where}: {_short(item)} is not an encoded value")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

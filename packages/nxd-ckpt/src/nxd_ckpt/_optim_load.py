@@ -209,45 +209,58 @@ def _boxes(view: OptimizerView, saved: _Saved) -> Iterator[tuple[str, str, Box]]
                     yield "optimizer", item.name, piece.global_box
 
 
-def _load_zero1(view: OptimizerView, saved: _Saved) -> None:
-    """Write each bucket's state and master shard straight into the ZeRO-1 optimizer."""
+def _prepare_zero1(view: OptimizerView, saved: _Saved) -> Callable[[], None]:
+    """Read each bucket's state and master shard into new tensors (nothing in the optimizer
+    changes); the returned call puts them into the ZeRO-1 optimizer."""
     zero = view.optimizer
     inner = zero1_inner(zero)
     refresh = False
+    loaded: list[tuple[Any, dict[str, Any], torch.Tensor | None]] = []
     for bucket in zero1_buckets(zero):
         names = [view.name_of(p) for p in bucket.params]
         first = _first(view, names[0])
         keys = saved.tensor_keys(first, masters=True) if first in saved.group_of else []
         entry: dict[str, Any] = {}
-        has_master = False
+        master = None
         for key in keys:
             flat = torch.zeros(bucket.master.numel(), dtype=saved.dtype(first, key))
             for item in _zero1_items(view, saved, bucket, names, key, flat):
                 _fill(saved.reader, item)
             if key == MASTER_KEY:
-                with torch.no_grad():
-                    bucket.master.copy_(flat)
-                has_master = True
+                master = flat
             else:
                 entry[key] = _as_state(flat, bucket.master, key)
         for key, value in saved.scalars(first).items():
             entry[key] = value
-        if entry:
-            inner.state[bucket.master] = entry
-        else:
-            inner.state.pop(bucket.master, None)
-        refresh = refresh or not has_master
+        loaded.append((bucket, entry, master))
+        refresh = refresh or master is None
     groups = zero.param_groups
+    hypers = []
     for gi, group in enumerate(groups):
         names = view.stored_names([view.name_of(p) for p in group["params"]])
-        hyper = saved.hyper(names, gi, len(groups), group)
-        group.update(hyper)
-        inner.param_groups[gi].update(hyper)
-    if refresh:  # masters not saved: rebuild them from the (already loaded) model params
-        zero.refresh_masters_from_params()
+        hypers.append(saved.hyper(names, gi, len(groups), group))
+
+    def apply() -> None:
+        for bucket, entry, master in loaded:
+            if master is not None:
+                with torch.no_grad():
+                    bucket.master.copy_(master)
+            if entry:
+                inner.state[bucket.master] = entry
+            else:
+                inner.state.pop(bucket.master, None)
+        for gi, group in enumerate(groups):
+            group.update(hypers[gi])
+            inner.param_groups[gi].update(hypers[gi])
+        if refresh:  # masters not saved: rebuild them from the (already loaded) model params
+            zero.refresh_masters_from_params()
+
+    return apply
 
 
-def _load_plain(view: OptimizerView, saved: _Saved) -> None:
+def _prepare_plain(view: OptimizerView, saved: _Saved) -> Callable[[], None]:
+    """Read the state into a new state dict (nothing in the optimizer changes); the returned
+    call hands it to the optimizer's ``load_state_dict``."""
     inner = view.inner
     assert inner is not None
     inner_params, names = _inner_names(view)
@@ -282,13 +295,15 @@ def _load_plain(view: OptimizerView, saved: _Saved) -> None:
     expected_masters = sum(1 for p in inner_params if id(p) in view.model_param)
     if expected_masters and len(masters) == expected_masters:
         state_dict["master_weights"] = masters
-    view.optimizer.load_state_dict(state_dict)
+    return lambda: view.optimizer.load_state_dict(state_dict)
 
 
 @dataclass
 class OptimizerReads:
-    """An optimizer matched with the tag's state (keys checked): :meth:`boxes` lists the
-    global boxes the load reads, :meth:`fill` loads the state into the optimizer."""
+    """An optimizer matched with the tag's state (keys and class checked): :meth:`boxes`
+    lists the global boxes the load reads; :meth:`prepare` reads (and checks) them into new
+    tensors, changing nothing, and returns the call that puts them into the optimizer;
+    :meth:`fill` does both."""
 
     view: OptimizerView
     saved: _Saved
@@ -296,11 +311,13 @@ class OptimizerReads:
     def boxes(self) -> Iterator[tuple[str, str, Box]]:
         return _boxes(self.view, self.saved)
 
-    def fill(self) -> None:
+    def prepare(self) -> Callable[[], None]:
         if self.view.kind == "zero1":
-            _load_zero1(self.view, self.saved)
-        else:
-            _load_plain(self.view, self.saved)
+            return _prepare_zero1(self.view, self.saved)
+        return _prepare_plain(self.view, self.saved)
+
+    def fill(self) -> None:
+        self.prepare()()
 
 
 def optimizer_reads(
@@ -309,6 +326,13 @@ def optimizer_reads(
     """Match ``optimizer``'s parameters with the tag's state (the key check is collective)."""
     view = resolve_optimizer(optimizer, model, ctx)
     saved = _Saved(reader)
+    saved_class = saved.meta.get("class")
+    if saved_class is not None and saved_class != view.class_name:
+        raise ValueError(
+            f"{reader.tag_dir}: its optimizer state was saved from {saved_class}, this "
+            f"optimizer is {view.class_name}: state of another optimizer type is not loaded "
+            f"(nothing was loaded)"
+        )
     if saved.meta.get("by_position") != (model is None):
         raise ValueError(
             f"{reader.tag_dir}: optimizer state was saved "

@@ -177,6 +177,7 @@ def build_plan(
     if ctx.rank == 0:
         if scheduler is not None:
             _add_json(plan, "scheduler", scheduler.state_dict(), "the scheduler state")
+            plan.meta["scheduler_class"] = type(scheduler).__name__
         if user_content is not None:
             _add_json(plan, "user_content", user_content, "user_content")
     return plan

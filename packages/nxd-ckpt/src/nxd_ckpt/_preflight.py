@@ -12,7 +12,7 @@ error names the damaged files.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch.distributed as dist
 
@@ -24,9 +24,14 @@ from nxd_ckpt.format import FormatError
 __all__ = ["verify_reads"]
 
 
-def verify_reads(reader: CheckpointReader, reads: Iterable[tuple[str, str, Box]]) -> int:
-    """Check each ``(category, name, box)`` of ``reads`` (collective: every rank calls it);
-    raise on every rank if any rank found a problem. Returns the boxes checked here."""
+def verify_reads(
+    reader: CheckpointReader,
+    reads: Iterable[tuple[str, str, Box]],
+    then: Callable[[], None] | None = None,
+) -> int:
+    """Check each ``(category, name, box)`` of ``reads``, then run ``then`` (reads into new
+    objects that change nothing, e.g. the optimizer state), collectively: every rank calls
+    it, and every rank raises if any rank found a problem. Returns the boxes checked here."""
     files = sorted(reader.index.files)
     error: BaseException | None = None
     damaged: set[str] = set()
@@ -35,6 +40,8 @@ def verify_reads(reader: CheckpointReader, reads: Iterable[tuple[str, str, Box]]
         for category, name, box in reads:
             reader.check_box(category, name, box)
             count += 1
+        if then is not None:
+            then()
     except DamagedFileError as caught:
         error, damaged = caught, {caught.file}
     except Exception as caught:  # raised below, after the peers hear of it

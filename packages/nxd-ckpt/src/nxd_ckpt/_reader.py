@@ -3,7 +3,10 @@
 For a requested box R of tensor T, every chunk C of T with R ∩ C ≠ ∅ contributes
 ``C[(R ∩ C) - C.offsets]`` to ``out[(R ∩ C) - R.offsets]``; chunks are disjoint, so the
 request is complete exactly when the intersections' volumes add up to R's (checked). Only
-the rows of each chunk that R needs are read (widened to the chunk's CRC blocks).
+the rows of each chunk that R needs are read (widened to the chunk's CRC blocks). Every file
+is opened inside the tag folder only (:mod:`nxd_ckpt._contain`: no link followed, names
+checked) and checked against its record and the chunks' shapes and dtypes
+(:mod:`nxd_ckpt._stread`). :meth:`CheckpointReader.close` closes the files it opened.
 """
 
 from __future__ import annotations
@@ -16,10 +19,18 @@ from typing import Any
 import torch
 
 from nxd_ckpt._boxes import Box
-from nxd_ckpt._stfile import FileReader, dtype_from_name
-from nxd_ckpt.format import CheckpointIndex, FormatError, TensorRecord, read_index
+from nxd_ckpt._contain import check_relative, no_links_below
+from nxd_ckpt._stfile import dtype_from_name
+from nxd_ckpt._stread import FileReader
+from nxd_ckpt.format import (
+    CheckpointIndex,
+    ContainmentError,
+    FormatError,
+    TensorRecord,
+    read_index,
+)
 
-__all__ = ["CheckpointReader", "DamagedFileError"]
+__all__ = ["CheckpointReader", "DamagedFileError", "LinkedFileError", "damaged"]
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +43,16 @@ class DamagedFileError(FormatError):
         self.file = file
 
 
+class LinkedFileError(DamagedFileError, ContainmentError):
+    """A data file (or a folder on its way) is a link, or named outside the tag."""
+
+
+def damaged(file: str, error: BaseException) -> DamagedFileError:
+    """The error to raise for ``file``, keeping a containment problem one."""
+    kind = LinkedFileError if isinstance(error, ContainmentError) else DamagedFileError
+    return kind(file, str(error))
+
+
 class CheckpointReader:
     """An open tag: its index and lazily opened, verified data files."""
 
@@ -42,17 +63,35 @@ class CheckpointReader:
         verify: bool = True,
         index: CheckpointIndex | None = None,
         sources: dict[str, Any] | None = None,
+        follow_links: bool = False,
     ) -> None:
         """``index``: an index built in memory for foreign files (a Hugging Face folder,
         NxD's layout), whose files have no records and chunks no CRCs; by default
-        ``tag_dir/index.json``. ``sources``: readers (``read(chunk, box)``) standing in for
-        named files (NxD's pickled ``.pt`` files)."""
+        ``tag_dir/index.json`` (validated: :mod:`nxd_ckpt._validate`). ``sources``: readers
+        (``read(chunk, box)``) standing in for named files (NxD's pickled ``.pt`` files).
+        ``follow_links``: files may be links (a Hugging Face folder: its cache is made of
+        them); names are checked to stay inside either way."""
         self.tag_dir = Path(tag_dir)
         self.index: CheckpointIndex = index if index is not None else read_index(self.tag_dir)
         self._foreign = index is not None
         self.verify = verify
+        self.follow_links = follow_links
         self._files: dict[str, Any] = dict(sources or {})
+        self._opened: list[FileReader] = []
         self.bytes_read = 0
+
+    def close(self) -> None:
+        """Close the data files opened so far (a later read opens them again)."""
+        for reader in self._opened:
+            reader.close()
+            self._files = {k: v for k, v in self._files.items() if v is not reader}
+        self._opened = []
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def record(self, category: str, name: str) -> TensorRecord:
         stored = self.index.resolve(category, name)
@@ -70,8 +109,13 @@ class CheckpointReader:
             record = self.index.files.get(relative)
             if record is None and not self._foreign:
                 raise FormatError(f"{self.tag_dir}: the index names no file {relative!r}")
-            reader = FileReader(self.tag_dir / relative, record, verify=self.verify)
+            name = check_relative(relative, str(self.tag_dir))
+            path = self.tag_dir / name  # a Hugging Face folder: names checked, links followed
+            if not self.follow_links:
+                path = no_links_below(self.tag_dir, name)
+            reader = FileReader(path, record, verify=self.verify, follow=self.follow_links)
             self._files[relative] = reader
+            self._opened.append(reader)
         return reader
 
     def read_box(
@@ -115,9 +159,13 @@ class CheckpointReader:
             if common is None:
                 continue
             try:
-                data = self._file(chunk.file).read(chunk, common.relative_to(stored))
+                source = self._file(chunk.file)
+                if isinstance(source, FileReader):
+                    data = source.read(chunk, common.relative_to(stored), record.dtype)
+                else:
+                    data = source.read(chunk, common.relative_to(stored))
             except (FormatError, OSError) as error:
-                raise DamagedFileError(chunk.file, str(error)) from error
+                raise damaged(chunk.file, error) from error
             yield common, data
             covered += common.numel
         if covered != box.numel:
@@ -129,15 +177,28 @@ class CheckpointReader:
     def read_full(self, category: str, name: str) -> torch.Tensor:
         return self.read_box(category, name, Box.whole(self.record(category, name).shape))
 
-    def verify_files(self) -> int:
-        """Read every chunk of every file and check its CRCs; returns the bytes checked."""
+    def verify_files(self, *, data: bool = True) -> int:
+        """Open every file (size, header CRC, every chunk's entry: shape, dtype, byte range)
+        and, with ``data``, read every chunk and check its CRCs, one file at a time; returns
+        the bytes of the files checked. A problem raises :class:`DamagedFileError`."""
         by_file: dict[str, list] = {}
         for tensors in self.index.tensors.values():
             for record in tensors.values():
                 for chunk in record.chunks:
-                    by_file.setdefault(chunk.file, []).append(chunk)
+                    by_file.setdefault(chunk.file, []).append((chunk, record.dtype))
         total = 0
         for relative in self.index.files:
-            self._file(relative).verify_all(by_file.get(relative, []))
+            try:
+                reader = self._file(relative)
+                chunks = by_file.get(relative, [])
+                if data:
+                    reader.verify_all(chunks)
+                else:
+                    for chunk, dtype in chunks:
+                        reader.entry(chunk, dtype)
+            except (FormatError, OSError) as error:
+                raise damaged(relative, error) from error
+            finally:
+                self.close()
             total += self.index.files[relative].size
         return total

@@ -3,7 +3,9 @@
 A :class:`SaveJob` has two phases. *Write*: this rank's data file and manifest (under a host
 slot, ``num_workers`` per host). *Commit* (rank 0 only): wait until every rank's manifest
 exists, merge them into ``index.json`` (atomic replace: the commit point), write ``done``,
-remove data of older saves of the tag and apply ``num_kept_ckpts``.
+remove data of older saves of the tag and apply ``num_kept_ckpts``. Once ``done`` is written
+the save has succeeded: a problem while cleaning up or removing old tags is a
+:class:`~nxd_ckpt._tags.RetentionWarning` (and a log line), never the save's error.
 
 Synchronously, ranks agree on the write outcome before rank 0 commits, and on the commit
 outcome before returning. Asynchronously the write (and rank 0's commit) run in a thread
@@ -73,7 +75,7 @@ class SaveJob:
     def prepare(self) -> None:
         """Rank 0 creates the tag and its start marker; every rank its data folder."""
         if self.ctx.rank == 0:
-            _tags.begin_tag(self.tag_dir)
+            _tags.begin_tag(self.tag_dir, self.tag)
         self.data_dir.mkdir(parents=True, exist_ok=True)
 
     def write(self) -> None:
@@ -116,17 +118,24 @@ class SaveJob:
             )
             write_text_atomic(self.tag_dir / INDEX_NAME, index.to_json())
             _tags.mark_done(self.tag_dir)
+        except BaseException as error:
+            self.commit_error = error
+            return
+        try:  # committed: what follows is cleanup, whose problems are warnings
             _tags.remove_stale_data(self.tag_dir, keep=self.data_dir.name)
             if self.num_kept is not None:
                 _tags.apply_num_kept(self.root, self.num_kept)
-            logger.info(
-                "checkpoint %s complete (%.2fs, %d files)",
-                self.tag_dir,
-                time.perf_counter() - self.started,
-                len(index.files),
+        except Exception as error:
+            _tags.retention_warning(
+                f"checkpoint {self.tag_dir} was saved, but removing old data or tags "
+                f"(num_kept_ckpts={self.num_kept}) failed: {type(error).__name__}: {error}"
             )
-        except BaseException as error:
-            self.commit_error = error
+        logger.info(
+            "checkpoint %s complete (%.2fs, %d files)",
+            self.tag_dir,
+            time.perf_counter() - self.started,
+            len(index.files),
+        )
 
     def _wait_for_manifests(self) -> None:
         deadline = time.monotonic() + self.commit_timeout_s

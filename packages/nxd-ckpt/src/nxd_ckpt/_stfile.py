@@ -7,8 +7,9 @@ element size, largest first, so every tensor starts aligned to its element size.
 
 Writing streams each tensor's bytes to a temporary file in blocks (no serialised copy of the
 whole file), computes the CRC-32 of every block of rows on the way, fsyncs, renames to the
-final name and fsyncs the folder. Reading uses ``safetensors.safe_open(...).get_slice`` on
-the rows a box needs, widened to whole CRC blocks, and verifies them.
+final name and fsyncs the folder. Temporary files are created with ``O_EXCL | O_NOFOLLOW``
+after removing any leftover, so a link planted under a temporary name is never written
+through. Reading is :mod:`nxd_ckpt._stread`'s.
 """
 
 from __future__ import annotations
@@ -22,19 +23,16 @@ import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from nxd_ckpt._boxes import Box
 from nxd_ckpt._crc import Pending, crc32, crc_thread
-from nxd_ckpt.format import ChunkRecord, FileRecord, FormatError
+from nxd_ckpt.format import FormatError
 
 __all__ = [
     "CRC_BLOCK_BYTES",
     "FileDigest",
     "FilePlan",
-    "FileReader",
     "dtype_from_name",
     "dtype_name",
     "fsync_dir",
@@ -195,7 +193,7 @@ def write_planned(
     file_crc = header_crc = crc32(plan.header)
     pending: list[tuple[str, Pending, bool]] = []  # (key, CRCs, a copy made for writing)
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = _create(tmp)
         try:
             _write_all(fd, memoryview(plan.header))
             for entry, source in zip(plan.entries, tensors):
@@ -235,6 +233,14 @@ def write_planned(
     return FileDigest(plan.size, file_crc, header_crc, block_crcs)
 
 
+def _create(tmp: Path) -> int:
+    """A new file ``tmp`` for writing: a leftover (or a planted link) is removed first, and
+    ``O_EXCL | O_NOFOLLOW`` refuse anything that appears there meanwhile."""
+    _remove_quietly(tmp)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    return os.open(tmp, flags | getattr(os, "O_CLOEXEC", 0), 0o644)
+
+
 def _remove_quietly(path: Path) -> None:
     with contextlib.suppress(FileNotFoundError):
         path.unlink()
@@ -245,7 +251,7 @@ def write_text_atomic(path: Path, text: str, *, durable: bool = True) -> None:
     ``durable``: also fsync the file before and its folder after the rename."""
     tmp = path.with_name(path.name + ".tmp")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = _create(tmp)
         try:
             _write_all(fd, memoryview(text.encode()))
             if durable:
@@ -259,72 +265,3 @@ def write_text_atomic(path: Path, text: str, *, durable: bool = True) -> None:
         raise OSError(code, f"writing {path} failed: {error.strerror or error}") from error
     if durable:
         fsync_dir(path.parent)
-
-
-def _crc_of(tensor: torch.Tensor) -> int:
-    return crc32(as_bytes(tensor.contiguous()))
-
-
-class FileReader:
-    """Reads boxes of the chunks stored in one data file, verifying sizes and CRCs."""
-
-    def __init__(self, path: Path, record: FileRecord | None, *, verify: bool = True) -> None:
-        """``record`` None: a foreign safetensors file (Hugging Face), nothing to verify."""
-        from safetensors import safe_open
-
-        self.path = path
-        self.verify = verify and record is not None
-        if not path.is_file():
-            raise FormatError(f"checkpoint file {path} is missing (the index lists it)")
-        if record is None:
-            self._handle = safe_open(str(path), framework="pt", device="cpu")
-            return
-        size = path.stat().st_size
-        if size != record.size:
-            raise FormatError(
-                f"checkpoint file {path} has {size} bytes, the index says {record.size}: "
-                f"truncated or overwritten"
-            )
-        with open(path, "rb") as handle:
-            head = handle.read(8)
-            length = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
-            body = handle.read(length) if 0 <= length <= size else b""
-        if crc32(head + body) != record.header_crc32:
-            raise FormatError(f"checkpoint file {path}: header checksum mismatch (corrupted)")
-        self._handle: Any = safe_open(str(path), framework="pt", device="cpu")
-
-    def read(self, chunk: ChunkRecord, box: Box) -> torch.Tensor:
-        """``box`` (in the chunk's own coordinates) of the stored chunk."""
-        if chunk.stored_offsets is not None:  # a box inside a bigger stored tensor
-            return self._handle.get_slice(chunk.key)[
-                box.shifted(tuple(chunk.stored_offsets)).slices()
-            ]
-        verify = self.verify and bool(chunk.crc32)
-        if not chunk.shape:
-            value = self._handle.get_tensor(chunk.key)
-            if verify and [_crc_of(value)] != chunk.crc32:
-                raise self._corrupt(chunk, 0)
-            return value
-        if not verify:
-            return self._handle.get_slice(chunk.key)[box.slices()]
-        rows = chunk.crc_rows
-        first, last = box.offsets[0] // rows, -(-(box.offsets[0] + box.shape[0]) // rows)
-        start, stop = first * rows, min(last * rows, chunk.shape[0])
-        data = self._handle.get_slice(chunk.key)[start:stop]
-        for index, block in enumerate(range(first, last)):
-            piece = data[index * rows : (index + 1) * rows]
-            if _crc_of(piece) != chunk.crc32[block]:
-                raise self._corrupt(chunk, block)
-        inner = (slice(box.offsets[0] - start, box.offsets[0] - start + box.shape[0]),)
-        return data[inner + box.slices()[1:]]
-
-    def _corrupt(self, chunk: ChunkRecord, block: int) -> FormatError:
-        return FormatError(
-            f"checkpoint file {self.path}: checksum mismatch in tensor {chunk.key!r} (rows "
-            f"{block * chunk.crc_rows}..{(block + 1) * chunk.crc_rows - 1}): the file is corrupted"
-        )
-
-    def verify_all(self, chunks: Sequence[ChunkRecord]) -> None:
-        """Read and check every chunk stored here."""
-        for chunk in chunks:
-            self.read(chunk, Box.whole(chunk.shape))

@@ -265,7 +265,7 @@ def merge_manifests(
         meta = manifest["meta"]
         if "optimizer" in meta:
             index.optimizer = _merge_optimizer(index.optimizer, meta["optimizer"])
-        for key in ("scheduler", "user_content", "hf_config", "lora"):
+        for key in ("scheduler", "scheduler_class", "user_content", "hf_config", "lora"):
             if key in meta:
                 setattr(index, key, meta[key])
         for key in ("has_scheduler", "has_user_content"):

@@ -13,19 +13,18 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from nxd_ckpt import _jsonstate, _saver, _tags
-from nxd_ckpt._boxes import Box
+from nxd_ckpt._contain import check_tag
 from nxd_ckpt._context import agree, broadcast_int, current_context
-from nxd_ckpt._load_model import json_paths, load_json, model_reads, rng_names
-from nxd_ckpt._load_model import load_rng as _load_rng_states
+from nxd_ckpt._load_model import load_json, model_reads, rng_names
 from nxd_ckpt._optim_load import optimizer_reads
 from nxd_ckpt._plan import build_plan
 from nxd_ckpt._preflight import verify_reads
 from nxd_ckpt._reader import CheckpointReader
+from nxd_ckpt._restore import apply_scheduler
 from nxd_ckpt._slots import host_slot
 from nxd_ckpt._write import StagingBuffer, file_plan_for
 from nxd_ckpt.format import INDEX_NAME
@@ -50,9 +49,7 @@ def _check_num_workers(num_workers: Any) -> int:
 def _check_save_args(path: Any, tag: Any, num_kept_ckpts: Any) -> tuple[Path, str]:
     if not isinstance(path, (str, os.PathLike)) or not str(path):
         raise ValueError(f"path must be a non-empty str or path, got {path!r}")
-    tag = "" if tag is None else str(tag)
-    if "/" in tag or "\\" in tag or tag in (".", "..") or tag.startswith("."):
-        raise ValueError(f"tag {tag!r} must be a plain folder name (no separators, no leading '.')")
+    tag = check_tag("" if tag is None else str(tag))
     if num_kept_ckpts is not None and (
         isinstance(num_kept_ckpts, bool)
         or not isinstance(num_kept_ckpts, int)
@@ -125,6 +122,7 @@ def save_checkpoint(
     started = time.perf_counter()
     error = None
     try:  # plan first (no I/O): bad content fails before anything is created
+        _tags.check_save_target(tag_dir, tag)  # no link, nobody else's folder
         plan = build_plan(
             ctx, model=model, optimizer=optimizer, scheduler=scheduler, user_content=user_content
         )
@@ -201,7 +199,7 @@ def load_checkpoint(
     _saver.wait_pending()
     ctx = current_context()
     tag_dir, _ = _tags.resolve_tag_dir(path, tag)
-    if not (tag_dir / INDEX_NAME).exists():
+    if not os.path.lexists(tag_dir / INDEX_NAME):  # (a link is refused by the reader)
         from nxd_ckpt.nxd_format import is_nxd_checkpoint, load_nxd_checkpoint
 
         if is_nxd_checkpoint(tag_dir):
@@ -218,51 +216,87 @@ def load_checkpoint(
         )
     if optimizer is not None and model is None:
         logger.info("loading optimizer state without model=: parameters are matched by position")
-    reader = CheckpointReader(tag_dir)
+    with CheckpointReader(tag_dir) as reader:
+        return _load_native(reader, ctx, model, optimizer, scheduler, num_workers, strict, load_rng)
+
+
+def _load_native(
+    reader: CheckpointReader,
+    ctx: Any,
+    model: Any,
+    optimizer: Any,
+    scheduler: Any,
+    num_workers: int,
+    strict: bool,
+    load_rng: bool,
+) -> Any:
+    """Plan, check, then apply (see :func:`load_checkpoint`): nothing is changed until every
+    check passed on every rank."""
+    tag_dir = reader.tag_dir
 
     def slot() -> Any:  # reading only: never held across a collective
         return host_slot(num_workers, ctx.local_rank, f"rank {ctx.rank} load")
 
-    # Match names and shapes (collective), then check every box this rank will read and
-    # agree (collective) before anything is copied: a damaged file leaves the model,
-    # optimizer and scheduler as they were, on every rank (see _preflight).
+    # 1. Match names, shapes and types (collective key checks).
     model_part = model_reads(model, reader, ctx, strict) if model is not None else None
     optim_part = None
     if optimizer is not None:
         optim_part = optimizer_reads(optimizer, model, reader, ctx, strict)
-    error = None
-    if scheduler is not None and not reader.index.has_scheduler:
-        error = ValueError(f"{tag_dir} holds no scheduler state (saved without scheduler=)")
-    agree(error, "loading the scheduler")
+    agree(_scheduler_problem(reader, scheduler), "loading the scheduler")
     rng = rng_names(reader, ctx) if load_rng else []
 
-    def reads() -> Iterator[tuple[str, str, Box]]:
-        if model_part is not None:
-            yield from model_part.boxes()
-        if optim_part is not None:
-            yield from optim_part.boxes()
-        categories = [("rng", rng)]
-        for category, wanted in (("scheduler", scheduler), ("user_content", True)):
-            if wanted is not None and getattr(reader.index, f"has_{category}"):
-                categories.append((category, json_paths(reader, category)))
-        for category, names in categories:
-            for name in names:
-                yield category, name, Box.whole(reader.record(category, name).shape)
+    # 2. Check every byte this rank will copy into the model (sizes, headers, CRCs), and read
+    # (and check) the optimizer state, scheduler state, user content and RNG states into new
+    # objects; then agree (collective): a problem on any rank stops every rank here, with
+    # nothing changed (see _preflight).
+    loaded: dict[str, Any] = {}
 
-    with slot():
-        checked = verify_reads(reader, reads())
-    logger.debug("checked %d boxes of %s on rank %d", checked, tag_dir, ctx.rank)
-    if model_part is not None:
-        with slot():
-            model_part.fill(reader)
-    if optim_part is not None:
-        with slot():
-            optim_part.fill()
-    with slot():
+    def prepare() -> None:
+        if optim_part is not None:
+            loaded["optimizer"] = optim_part.prepare()
         if scheduler is not None:
-            scheduler.load_state_dict(load_json(reader, "scheduler"))
+            loaded["scheduler"] = load_json(reader, "scheduler")
         if rng:
-            _load_rng_states(reader, ctx)
-        content = load_json(reader, "user_content") if reader.index.has_user_content else None
+            prefix = f"rank{ctx.rank:05d}/"
+            loaded["rng"] = {n[len(prefix) :]: reader.read_full("rng", n) for n in rng}
+        has_content = reader.index.has_user_content
+        loaded["content"] = load_json(reader, "user_content") if has_content else None
+
+    boxes = model_part.boxes() if model_part is not None else iter(())
+    with slot():
+        checked = verify_reads(reader, boxes, then=prepare)
+    logger.debug("checked %d boxes of %s on rank %d", checked, tag_dir, ctx.rank)
+
+    # 3. Apply: the scheduler first (restored if anything after it fails), the model, the
+    # optimizer, the RNG states.
+    restore = apply_scheduler(scheduler, loaded.get("scheduler"), str(tag_dir))
+    try:
+        if model_part is not None:
+            with slot():
+                model_part.fill(reader)
+        if optim_part is not None:
+            loaded["optimizer"]()
+    except BaseException:
+        restore()
+        raise
+    if rng:
+        import nxd_state
+
+        nxd_state.load_rng_state_dict(loaded["rng"])
     logger.info("loaded %s (%d bytes read on rank %d)", tag_dir, reader.bytes_read, ctx.rank)
-    return content
+    return loaded["content"]
+
+
+def _scheduler_problem(reader: CheckpointReader, scheduler: Any) -> BaseException | None:
+    if scheduler is None:
+        return None
+    index = reader.index
+    if not index.has_scheduler:
+        return ValueError(f"{reader.tag_dir} holds no scheduler state (saved without scheduler=)")
+    saved, current = index.scheduler_class, type(scheduler).__name__
+    if saved is not None and saved != current:
+        return ValueError(
+            f"{reader.tag_dir}: its scheduler state was saved from {saved}, this scheduler "
+            f"is {current}: state of another scheduler type is not loaded (nothing was loaded)"
+        )
+    return None

@@ -11,9 +11,10 @@
 
 ``info`` lists the tags of a checkpoint folder (complete or not, newest first), and for one
 tag the degrees it was saved at, its tensors and sizes; ``--verify`` reads every byte and
-checks the checksums. ``export-hf`` writes a Hugging Face folder. ``convert-nxd`` turns a
-folder in NxD's own layout (pickled ``.pt`` files, read with ``torch.load(weights_only=True)``)
-into this format.
+checks the checksums. A tag whose index or files fail a check (an index whose chunks overlap,
+a link, a checksum) is reported ``DAMAGED`` with the reason, and the command exits 1.
+``export-hf`` writes a Hugging Face folder. ``convert-nxd`` turns a folder in NxD's own
+layout (pickled ``.pt`` files, read with ``torch.load(weights_only=True)``) into this format.
 """
 
 from __future__ import annotations
@@ -31,13 +32,22 @@ __all__ = ["main"]
 
 def _tag_summary(tag_dir: Path, *, tensors: bool, verify: bool) -> dict[str, Any]:
     from nxd_ckpt._reader import CheckpointReader
+    from nxd_ckpt.format import FormatError
 
-    reader = CheckpointReader(tag_dir)
+    try:
+        with CheckpointReader(tag_dir) as reader:
+            return _summary(reader, tensors=tensors, verify=verify)
+    except FormatError as error:  # DamagedFileError and ContainmentError included
+        return {"tag": tag_dir.name, "path": str(tag_dir), "damaged": str(error)}
+
+
+def _summary(reader: Any, *, tensors: bool, verify: bool) -> dict[str, Any]:
+    tag_dir = reader.tag_dir
     index = reader.index
     summary: dict[str, Any] = {
         "tag": index.tag,
         "path": str(tag_dir),
-        "complete": (tag_dir / "done").exists(),
+        "complete": (tag_dir / "done").is_file(),
         "format_version": index.format_version,
         "saved_at": index.parallel,
         "files": len(index.files),
@@ -69,13 +79,17 @@ def _info(args: argparse.Namespace) -> int:
     path = Path(args.checkpoint)
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist")
-    if (path / INDEX_NAME).is_file() and args.tag is None:
+    if (path / INDEX_NAME).is_file() and not (path / INDEX_NAME).is_symlink() and args.tag is None:
         tag_dirs = [path]
         listing = None
     else:
         tags = _tags.list_tags(path)
         listing = [{"tag": t.name, "complete": t.complete} for t in reversed(tags)]
-        chosen = [t for t in tags if t.complete and (args.tag is None or t.name == args.tag)]
+        chosen = [
+            t
+            for t in tags
+            if t.complete and t.kind == "nxd" and (args.tag is None or t.name == args.tag)
+        ]
         if args.tag is not None and not chosen:
             _tags.resolve_tag_dir(path, args.tag)  # raises the precise error
         tag_dirs = [chosen[-1].path] if chosen else []
@@ -85,15 +99,19 @@ def _info(args: argparse.Namespace) -> int:
             _tag_summary(d, tensors=args.tensors, verify=args.verify) for d in tag_dirs
         ],
     }
+    damaged = any("damaged" in summary for summary in result["newest_complete"])
     if args.json:
         print(json.dumps(result, indent=2))
-        return 0
+        return 1 if damaged else 0
     if listing is not None:
         print(f"{path}: {len(listing)} tag(s), newest first")
         for entry in listing:
             state = "complete" if entry["complete"] else "INCOMPLETE (no done marker)"
             print(f"  {entry['tag'] or '(root)':<24} {state}")
     for summary in result["newest_complete"]:
+        if "damaged" in summary:
+            print(f"tag {summary['tag']!r} at {summary['path']}: DAMAGED: {summary['damaged']}")
+            continue
         saved = summary["saved_at"]
         print(
             f"tag {summary['tag']!r}: format v{summary['format_version']}, saved at TP="
@@ -107,7 +125,7 @@ def _info(args: argparse.Namespace) -> int:
                 print(f"    {name} {record['dtype']}{record['shape']} chunks={record['chunks']}")
         if "verified_bytes" in summary:
             print(f"  verified: {summary['verified_bytes']:,} bytes, all checksums match")
-    return 0
+    return 1 if damaged else 0
 
 
 def _load_config(value: str | None) -> Any:

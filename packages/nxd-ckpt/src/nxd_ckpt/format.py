@@ -2,6 +2,8 @@
 
 ::
 
+    <path>/<tag>/nxd-ckpt.json               {"format": "nxd-ckpt", "format_version": 1, ...}:
+                                             nxd-ckpt wrote this tag (retention deletes only these)
     <path>/<tag>/checkpoint                  written when the first save into the tag begins
     <path>/<tag>/done                        written once the index names a complete save
     <path>/<tag>/index.json                  CheckpointIndex (this module), the commit point
@@ -33,8 +35,10 @@ __all__ = [
     "FORMAT_VERSION",
     "INDEX_NAME",
     "START_MARKER",
+    "TAG_MARKER",
     "CheckpointIndex",
     "ChunkRecord",
+    "ContainmentError",
     "FileRecord",
     "FormatError",
     "TensorRecord",
@@ -46,11 +50,19 @@ FORMAT_VERSION = 1
 INDEX_NAME = "index.json"
 START_MARKER = "checkpoint"
 DONE_MARKER = "done"
+TAG_MARKER = "nxd-ckpt.json"
+"""Written first into every tag nxd-ckpt creates: its format name and version. Retention
+deletes only tags that carry it (or, written before it existed, a valid nxd-ckpt index)."""
 CATEGORIES = ("model", "optimizer", "rng", "scheduler", "user_content")
 
 
 class FormatError(ValueError):
     """A checkpoint's files do not match what its index promises (or the index is unreadable)."""
+
+
+class ContainmentError(FormatError):
+    """A checkpoint path leaves the checkpoint folder: a symbolic link below the folder the
+    user named, an absolute file name or one with ``..`` in an index."""
 
 
 @dataclass
@@ -131,6 +143,9 @@ class CheckpointIndex:
     """The user content as JSON (tensors replaced by references)."""
     has_scheduler: bool = False
     has_user_content: bool = False
+    scheduler_class: str | None = None
+    """The saved scheduler's class name (None: saved before it was recorded); a load into a
+    scheduler of another class is refused before anything is loaded."""
     lora: dict[str, Any] | None = None
     """For a LoRA model: the save mode and the adapter configuration."""
     hf_config: dict[str, Any] | None = None
@@ -139,36 +154,20 @@ class CheckpointIndex:
     format_version: int = FORMAT_VERSION
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"))
+        document = asdict(self)
+        if document["scheduler_class"] is None:  # (indexes without it stay readable by
+            del document["scheduler_class"]  # nxd-ckpt releases that predate the field)
+        return json.dumps(document, separators=(",", ":"))
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], source: str = "index") -> CheckpointIndex:
-        if data.get("format") != FORMAT_NAME:
-            raise FormatError(f"{source}: format {data.get('format')!r} is not {FORMAT_NAME!r}")
-        version = data.get("format_version")
-        if version != FORMAT_VERSION:
-            raise FormatError(
-                f"{source}: format_version {version!r} is not supported: this nxd-ckpt reads "
-                f"version {FORMAT_VERSION} (a newer nxd-ckpt wrote it? upgrade nxd-ckpt)"
-            )
-        data = dict(data)
-        data["files"] = {k: FileRecord(**v) for k, v in data.get("files", {}).items()}
-        data["tensors"] = {
-            category: {
-                name: TensorRecord(
-                    shape=record["shape"],
-                    dtype=record["dtype"],
-                    chunks=[ChunkRecord(**c) for c in record.get("chunks", [])],
-                    sharding=record.get("sharding", {}),
-                )
-                for name, record in tensors.items()
-            }
-            for category, tensors in data.get("tensors", {}).items()
-        }
-        try:
-            return cls(**data)
-        except TypeError as error:
-            raise FormatError(f"{source}: unexpected index structure: {error}") from error
+    def from_dict(cls, data: Any, source: str = "index") -> CheckpointIndex:
+        """Parse and validate a native index (:mod:`nxd_ckpt._validate`): every field's type,
+        contained file names, chunks that tile each tensor exactly, sizes bounded by the
+        files, a CRC for every block, known dtypes, the JSON content's tensor references.
+        Any problem is a :class:`FormatError` naming ``source`` and the field."""
+        from nxd_ckpt._validate import parse_index
+
+        return parse_index(cls, data, source)
 
     def category(self, name: str) -> dict[str, TensorRecord]:
         return self.tensors.get(name, {})
@@ -183,12 +182,28 @@ class CheckpointIndex:
 
 
 def read_index(tag_dir: Path) -> CheckpointIndex:
-    """Parse ``tag_dir/index.json`` (clear errors for a missing or foreign index)."""
-    path = tag_dir / INDEX_NAME
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist: {tag_dir} is not an nxd-ckpt tag")
+    """Parse and validate ``tag_dir/index.json`` (clear errors for a missing, foreign,
+    damaged or hostile index; ``index.json`` must not be a symbolic link)."""
+    import os
+
+    from nxd_ckpt._contain import open_regular
+
+    path = Path(tag_dir) / INDEX_NAME
     try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
+        fd = open_regular(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"{path} does not exist: {tag_dir} is not an nxd-ckpt tag"
+        ) from None
+    try:
+        with os.fdopen(fd, "rb") as handle:
+            raw = handle.read()
+    except OSError as error:
+        raise FormatError(f"{path} cannot be read: {error}") from error
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise FormatError(f"{path} is not valid JSON: {error}") from error
+    except RecursionError:
+        raise FormatError(f"{path} is nested too deeply to be an nxd-ckpt index") from None
     return CheckpointIndex.from_dict(data, str(path))

@@ -11,7 +11,11 @@ in place keeps its own, or declares them: :mod:`nxd_ckpt.parts`); ``name_map`` r
 drops.
 
 Import builds an in-memory index of a Hugging Face folder (one whole-tensor chunk per
-tensor) and loads it like a checkpoint: each rank reads only the slices its shards need.
+tensor) and loads it like a checkpoint: each rank reads only the slices its shards need. The
+index's ``weight_map`` may name only files inside the folder (relative, no ``..``, not
+absolute: :func:`hf_weight_files`); the files themselves may be links (the Hugging Face
+cache is made of them). Headers are parsed and checked by :mod:`nxd_ckpt._stread`, so a
+damaged file is an error naming it.
 """
 
 from __future__ import annotations
@@ -28,14 +32,24 @@ from typing import Any
 import torch
 
 from nxd_ckpt import _tags
+from nxd_ckpt._contain import check_relative
 from nxd_ckpt._context import current_context
 from nxd_ckpt._hf_config import export_configs
 from nxd_ckpt._load_model import load_model
 from nxd_ckpt._reader import CheckpointReader
-from nxd_ckpt._stfile import _ST_DTYPES, dtype_from_name, dtype_name, plan_file, write_planned
-from nxd_ckpt.format import INDEX_NAME, CheckpointIndex, ChunkRecord, TensorRecord
+from nxd_ckpt._stfile import dtype_from_name, dtype_name, plan_file, write_planned
+from nxd_ckpt._stread import SafetensorsFile
+from nxd_ckpt.format import INDEX_NAME, CheckpointIndex, ChunkRecord, FormatError, TensorRecord
 
-__all__ = ["HF_INDEX_NAME", "HF_WEIGHTS_NAME", "export_hf", "hf_index", "load_hf_checkpoint"]
+__all__ = [
+    "HF_INDEX_NAME",
+    "HF_WEIGHTS_NAME",
+    "checkpoint_tag_dir",
+    "export_hf",
+    "hf_index",
+    "hf_weight_files",
+    "load_hf_checkpoint",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -70,9 +84,10 @@ def parse_size(size: int | str) -> int:
 
 
 def checkpoint_tag_dir(checkpoint: str | os.PathLike[str], tag: str | None) -> Path:
-    """A tag folder (holding ``index.json``) given itself, or its checkpoint path and tag."""
+    """A tag folder (holding ``index.json``) given itself, or its checkpoint path and tag
+    (a plain name; the tag folder is not a link: :func:`nxd_ckpt._tags.resolve_tag_dir`)."""
     path = Path(checkpoint)
-    if tag is None and (path / INDEX_NAME).is_file():
+    if tag is None and os.path.lexists(path / INDEX_NAME):  # a link: refused when read
         return path
     return _tags.resolve_tag_dir(path, tag)[0]
 
@@ -136,10 +151,37 @@ def export_hf(
     A LoRA adapter-only checkpoint is written as a PEFT adapter folder instead
     (``adapter_model.safetensors``).
     """
+    tag_dir = checkpoint_tag_dir(checkpoint, tag)
+    with CheckpointReader(tag_dir) as reader:
+        options = {
+            "config": config,
+            "tokenizer": tokenizer,
+            "max_shard_size": max_shard_size,
+            "dtype": dtype,
+            "name_map": name_map,
+            "progress": progress,
+            "token_ids": token_ids,
+            "architectures": architectures,
+        }
+        return _export(reader, Path(out_dir), **options)
+
+
+def _export(
+    reader: CheckpointReader,
+    out_dir: Path,
+    *,
+    config: Any,
+    tokenizer: Any,
+    max_shard_size: int | str,
+    dtype: torch.dtype | None,
+    name_map: NameMap | None,
+    progress: bool,
+    token_ids: dict[str, Any] | None,
+    architectures: list[str] | None,
+) -> Path:
     from tqdm.auto import tqdm
 
-    tag_dir = checkpoint_tag_dir(checkpoint, tag)
-    reader = CheckpointReader(tag_dir)
+    tag_dir = reader.tag_dir
     index = reader.index
     if index.lora is not None and index.lora.get("mode") == "adapter":
         from nxd_ckpt.lora import export_peft_adapter
@@ -247,16 +289,27 @@ def _nbytes(record: TensorRecord, dtype: torch.dtype | None) -> int:
     return count * _out_dtype(record, dtype).itemsize
 
 
-_FROM_ST = {code: dtype for dtype, code in _ST_DTYPES.items()}
-
-
-def _weight_files(source: Path) -> tuple[Path, list[str]]:
-    """(folder, safetensors files relative to it) of a Hugging Face folder or one file."""
+def hf_weight_files(source: Path) -> tuple[Path, list[str]]:
+    """(folder, safetensors files relative to it) of a Hugging Face folder or one file. The
+    index's ``weight_map`` must map names to file names inside the folder (a FormatError
+    names an absolute path, ``..`` or a malformed index)."""
     if source.is_file():
         return source.parent, [source.name]
-    if (source / HF_INDEX_NAME).is_file():
-        weight_map = json.loads((source / HF_INDEX_NAME).read_text())["weight_map"]
-        return source, sorted(set(weight_map.values()))
+    index_path = source / HF_INDEX_NAME
+    if index_path.is_file():
+        try:
+            document = json.loads(index_path.read_bytes())
+        except (ValueError, RecursionError) as error:
+            raise FormatError(f"{index_path} is not valid JSON: {error}") from None
+        weight_map = document.get("weight_map") if isinstance(document, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
+            raise FormatError(f"{index_path}: 'weight_map' must map tensor names to file names")
+        files = sorted(set(weight_map.values()))
+        for name in files:
+            check_relative(name, str(index_path))
+        return source, files
     if (source / HF_WEIGHTS_NAME).is_file():
         return source, [HF_WEIGHTS_NAME]
     pickled = sorted(p.name for p in source.glob("*.bin")) if source.is_dir() else []
@@ -273,23 +326,23 @@ def _weight_files(source: Path) -> tuple[Path, list[str]]:
 
 
 def hf_index(source: str | os.PathLike[str], name_map: NameMap | None = None):
-    """(folder, in-memory index) of the safetensors weights of ``source``."""
-    from safetensors import safe_open
-
-    folder, files = _weight_files(Path(source))
+    """(folder, in-memory index) of the safetensors weights of ``source``; every header is
+    parsed and checked (an error names the file)."""
+    folder, files = hf_weight_files(Path(source))
     index = CheckpointIndex(tag="", save_id="", parallel={})
     model: dict[str, TensorRecord] = {}
     for relative in files:
-        with safe_open(str(folder / relative), framework="pt") as handle:
-            for key in handle.keys():  # noqa: SIM118 - safe_open is not a dict
+        header = SafetensorsFile(folder / relative, follow=True)
+        try:
+            for key, entry in header.entries.items():
                 name = name_map(key) if name_map is not None else key
                 if name is None:
                     continue
-                view = handle.get_slice(key)
-                shape = list(view.get_shape())
-                dtype = dtype_name(_FROM_ST[view.get_dtype()])
+                shape = list(entry.shape)
                 chunk = ChunkRecord(relative, key, [0] * len(shape), shape, [], 1)
-                model[name] = TensorRecord(shape, dtype, [chunk])
+                model[name] = TensorRecord(shape, dtype_name(entry.dtype), [chunk])
+        finally:
+            header.close()
     index.tensors["model"] = model
     return folder, index
 
@@ -304,6 +357,6 @@ def load_hf_checkpoint(
     """Load a Hugging Face folder (or one safetensors file) into ``model`` at any TP/PP/DP
     layout; ``name_map(hf_name)`` gives the model's name (None: skip). Collective."""
     folder, index = hf_index(source, name_map)
-    reader = CheckpointReader(folder, index=index)
-    load_model(model, reader, current_context(), strict)
-    logger.info("loaded %s (%d bytes read)", source, reader.bytes_read)
+    with CheckpointReader(folder, index=index, follow_links=True) as reader:
+        load_model(model, reader, current_context(), strict)
+        logger.info("loaded %s (%d bytes read)", source, reader.bytes_read)

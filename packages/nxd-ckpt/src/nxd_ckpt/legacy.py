@@ -10,7 +10,9 @@ Per-rank files carry no sharding metadata, as in NxD: they load back at the same
 (``save_checkpoint`` is the resharding format). ``load`` also reads NxD's own pickled
 ``checkpoint.pt`` files and xser folders, with ``torch.load(weights_only=True)`` only, and with
 ``sharded=False`` one unsharded state dict (a safetensors file, a Hugging Face folder or a
-``.pt`` file) into a sharded model, each rank reading only its slices.
+``.pt`` file) into a sharded model, each rank reading only its slices. Inside the folder
+the user names nothing is a link (a rank folder or file that is one is refused, as in
+:mod:`nxd_ckpt._contain`), and a damaged file is an error naming it.
 """
 
 from __future__ import annotations
@@ -24,11 +26,19 @@ from typing import Any
 import torch
 
 from nxd_ckpt import _jsonstate
+from nxd_ckpt._contain import open_regular, real_dir
 from nxd_ckpt._context import RankContext, barrier, current_context
 from nxd_ckpt._load_model import load_model
 from nxd_ckpt._reader import CheckpointReader
 from nxd_ckpt._stfile import dtype_name, plan_file, write_planned, write_text_atomic
-from nxd_ckpt.format import CheckpointIndex, ChunkRecord, TensorRecord
+from nxd_ckpt._stread import SafetensorsFile
+from nxd_ckpt.format import (
+    CheckpointIndex,
+    ChunkRecord,
+    ContainmentError,
+    FormatError,
+    TensorRecord,
+)
 
 __all__ = ["load", "save"]
 
@@ -84,16 +94,45 @@ def save(
     logger.info("saved %s", folder)
 
 
+def _no_link(path: Path) -> None:
+    if path.is_symlink():
+        raise ContainmentError(
+            f"{path} is a symbolic link: nxd-ckpt does not follow links inside a checkpoint folder"
+        )
+
+
+def _read_safetensors_pair(folder: Path) -> Any:
+    """``checkpoint.safetensors`` + ``checkpoint.json`` of a rank folder, checked."""
+    weights = SafetensorsFile(folder / "checkpoint.safetensors")
+    try:
+        tensors = {key: weights.tensor(key) for key in weights.entries}
+    finally:
+        weights.close()
+    structure = folder / "checkpoint.json"
+    try:
+        fd = open_regular(structure)
+    except FileNotFoundError:
+        raise FormatError(f"{structure} is missing (checkpoint.safetensors is there)") from None
+    with os.fdopen(fd, "rb") as handle:
+        raw = handle.read()
+    try:
+        skeleton = json.loads(raw)
+    except (ValueError, RecursionError) as error:
+        raise FormatError(f"{structure} is not valid JSON: {error}") from None
+    _jsonstate.check_encoded(skeleton, set(tensors), str(structure))
+    return _jsonstate.decode(skeleton, tensors)
+
+
 def _read_rank_file(root: Path, ctx: RankContext, master_dp_only: bool) -> Any:
     from nxd_ckpt.nxd_format import torch_load_safe
 
     folder = _rank_folder(root, ctx, master_dp_only)
-    if (folder / "checkpoint.safetensors").is_file():
-        from safetensors.torch import load_file
-
-        tensors = load_file(str(folder / "checkpoint.safetensors"))
-        return _jsonstate.decode(json.loads((folder / "checkpoint.json").read_text()), tensors)
+    if os.path.lexists(folder) and not folder.is_file():
+        real_dir(folder, "rank folder")
+    if folder.is_dir() and os.path.lexists(folder / "checkpoint.safetensors"):
+        return _read_safetensors_pair(folder)
     for candidate in (folder / "checkpoint.pt", folder):  # NxD's pickled file, or xser ref file
+        _no_link(candidate)
         if candidate.is_file():
             return torch_load_safe(candidate)
     raise FileNotFoundError(

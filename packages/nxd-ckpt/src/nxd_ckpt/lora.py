@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -134,18 +135,28 @@ def load_lora_from_ckpt(model: Any, *, strict: bool = True) -> None:
     LoRA config into ``model`` (an ``nxd_lora.LoRAModel``), adopting the saved LoRA config.
     A tag written by ``save_checkpoint`` is read at any TP/PP/DP layout; a folder written by
     ``nxd_lora.save_lora`` goes to nxd_lora's loader. Collective."""
-    from nxd_ckpt._load_model import load_model
+    from nxd_ckpt._contain import check_tag, is_regular, real_dir
     from nxd_ckpt._reader import CheckpointReader
     from nxd_ckpt.format import INDEX_NAME
     from nxd_lora import load_lora_checkpoint_into
 
     config = model.lora_config
     root = Path(config.lora_save_dir)
-    folder = root / config.lora_load_tag if config.lora_load_tag else root
-    if not (folder / INDEX_NAME).is_file():
+    tag = check_tag(config.lora_load_tag or "", "lora_load_tag")
+    folder = root / tag if tag else root
+    if tag and os.path.lexists(folder):
+        real_dir(folder, "LoRA checkpoint tag folder")
+    if not is_regular(folder / INDEX_NAME):
         load_lora_checkpoint_into(model)
         return
-    reader = CheckpointReader(folder)
+    with CheckpointReader(folder) as reader:
+        _load_lora_tag(model, reader, config, strict)
+
+
+def _load_lora_tag(model: Any, reader: Any, config: Any, strict: bool) -> None:
+    from nxd_ckpt._load_model import load_model
+
+    folder = reader.tag_dir
     saved = reader.index.lora
     if saved is None:
         raise ValueError(f"{folder} is a checkpoint of a model without LoRA (no LoRA metadata)")

@@ -31,14 +31,21 @@ import torch
 from nxd_ckpt import _jsonstate
 from nxd_ckpt._boxes import Box
 from nxd_ckpt._context import RankContext, current_context
-from nxd_ckpt._load_model import load_model
+from nxd_ckpt._load_model import model_reads
 from nxd_ckpt._nxd_layout import SavedGQA, saved_gqa_layouts, saved_spec
 from nxd_ckpt._optim_common import encode_scalar, resolve_optimizer
-from nxd_ckpt._optim_load import load_optimizer
+from nxd_ckpt._optim_load import optimizer_reads
 from nxd_ckpt._reader import CheckpointReader
+from nxd_ckpt._restore import apply_scheduler
 from nxd_ckpt._sharding import ShardSpec
 from nxd_ckpt._stfile import dtype_name
-from nxd_ckpt.format import CheckpointIndex, ChunkRecord, TensorRecord
+from nxd_ckpt.format import (
+    CheckpointIndex,
+    ChunkRecord,
+    ContainmentError,
+    FormatError,
+    TensorRecord,
+)
 
 __all__ = [
     "LLAMA_RULES",
@@ -68,7 +75,12 @@ class _TensorReference:
 
 def _resolve_xser(value: Any, folder: Path) -> Any:
     if isinstance(value, _TensorReference):
-        return torch_load_safe(folder / f"tensor_{value.tid}.pt")
+        tid = getattr(value, "tid", None)
+        if isinstance(tid, bool) or not isinstance(tid, int) or tid < 0:
+            raise FormatError(f"{folder}: an xser tensor reference has tensor id {tid!r}")
+        path = folder / f"tensor_{tid}.pt"
+        _refuse_link(path)
+        return torch_load_safe(path)
     if isinstance(value, dict):
         return {k: _resolve_xser(v, folder) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -85,15 +97,33 @@ def torch_load_safe(path: str | os.PathLike[str]) -> Any:
         except RuntimeError:  # not a zip archive (legacy format): no mmap
             value = torch.load(path, map_location="cpu", weights_only=True)
     tensors = path.with_name(path.name + ".tensors")
+    if tensors.is_symlink():
+        _refuse_link(tensors)
     return _resolve_xser(value, tensors) if tensors.is_dir() else value
 
 
-def _scan(folder: Path) -> dict[tuple[int, int, int], Path]:
-    """(dp, tp, pp) -> file of one of NxD's ``model`` / ``optim`` folders."""
-    found = {}
+def _refuse_link(path: Path) -> None:
+    if path.is_symlink():
+        raise ContainmentError(
+            f"{path} is a symbolic link: nxd-ckpt does not follow links inside a checkpoint folder"
+        )
+
+
+def _scan(folder: Path, *, strict: bool = True) -> dict[tuple[int, int, int], Path]:
+    """(dp, tp, pp) -> file of one of NxD's ``model`` / ``optim`` folders; a link (the
+    folder or a file) is refused with ``strict``, else ignored."""
+    found: dict[tuple[int, int, int], Path] = {}
+    if folder.is_symlink():
+        if strict:
+            _refuse_link(folder)
+        return found
     if not folder.is_dir():
         return found
     for path in folder.iterdir():
+        if path.is_symlink():
+            if strict and _FILE.match(path.name):
+                _refuse_link(path)
+            continue
         if "_ep_rank_" in path.name:
             raise NotImplementedError(
                 f"{path}: expert-parallel NxD checkpoints are not supported (nxd has no EP)"
@@ -106,7 +136,12 @@ def _scan(folder: Path) -> dict[tuple[int, int, int], Path]:
 
 
 def is_nxd_checkpoint(tag_dir: str | os.PathLike[str]) -> bool:
-    return bool(_scan(Path(tag_dir) / "model") or _scan(Path(tag_dir) / "optim"))
+    """Whether ``tag_dir`` holds NxD's layout (``model/`` or ``optim/`` rank files; links
+    are not counted)."""
+    try:
+        return any(_scan(Path(tag_dir) / sub, strict=False) for sub in ("model", "optim"))
+    except NotImplementedError:  # expert-parallel files: NxD's, refused when loaded
+        return True
 
 
 class _TorchSource:
@@ -292,6 +327,7 @@ def _optimizer_tensors(states: list[dict[str, Any]], zero1: bool) -> dict[str, t
 
 def _pickled(tag_dir: Path, name: str, allow_pickle: bool) -> Any:
     path = tag_dir / name
+    _refuse_link(path)
     if not path.exists():
         return None
     if not allow_pickle:
@@ -326,15 +362,30 @@ def load_nxd_checkpoint(
         index.optimizer = meta
         sources.update(optimizer_sources)
     reader = CheckpointReader(tag_dir, index=index, sources=sources)
-    load_model(model, reader, ctx, strict)
+    # Everything is read and matched before anything changes: every file unpickled (no CRCs
+    # here: a damaged file fails its torch.load), names and shapes checked, the optimizer
+    # state built, the scheduler state read; then the scheduler (undone if what follows
+    # fails), the model and the optimizer are set.
+    for source in sources.values():
+        _ = source.tensors
+    model_part = model_reads(model, reader, ctx, strict)
+    prepared = None
     if optimizer is not None:
-        load_optimizer(optimizer, model, reader, ctx, strict)
+        prepared = optimizer_reads(optimizer, model, reader, ctx, strict).prepare()
+    state = None
     if scheduler is not None:
         state = _pickled(tag_dir, "scheduler.pt", allow_pickle)
         if state is None:
             raise FileNotFoundError(f"{tag_dir}/scheduler.pt does not exist")
-        scheduler.load_state_dict(state)
     content = _pickled(tag_dir, "user_content.pt", allow_pickle) if allow_pickle else None
+    restore = apply_scheduler(scheduler, state, str(tag_dir))
+    try:
+        model_part.fill(reader)
+        if prepared is not None:
+            prepared()
+    except BaseException:
+        restore()
+        raise
     if not allow_pickle and (tag_dir / "user_content.pt").exists():
         # A warning, not an error: the weights loaded fine, and an error would push a job
         # that only wants them to pass allow_pickle=True (running code from the file).

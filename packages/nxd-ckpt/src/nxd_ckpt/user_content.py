@@ -26,17 +26,18 @@ def read_user_content(path: str | os.PathLike[str], tag: str | None = None) -> A
     Collective-free and side-effect free: any single process may call it (no process group
     is needed), no RNG state, model or optimizer is touched and a pending ``async_save`` is
     not waited for (an unfinished tag is an error naming it; ``tag=None`` skips it). Errors as
-    :func:`~nxd_ckpt.load_checkpoint`'s: a missing path or tag, an incomplete tag, a damaged
-    file. NxD's pickled layout is refused (read it with ``load_checkpoint(...,
-    allow_pickle=True)``: unpickling executes code).
+    :func:`~nxd_ckpt.load_checkpoint`'s: a bad tag name, a missing path or tag, an incomplete
+    tag, a damaged or hostile index or file (nothing outside the tag is opened). NxD's
+    pickled layout is refused (read it with ``load_checkpoint(..., allow_pickle=True)``:
+    unpickling executes code).
     """
     tag_dir, name = _tags.resolve_tag_dir(path, tag)
-    if not (tag_dir / INDEX_NAME).exists():
+    if not os.path.lexists(tag_dir / INDEX_NAME):  # (a link is refused by the reader)
         raise FileNotFoundError(
             f"tag {name!r} at {tag_dir} has no {INDEX_NAME}: not an nxd checkpoint (NxD's "
             f"pickled layout is read only by load_checkpoint(..., allow_pickle=True))"
         )
-    reader = CheckpointReader(tag_dir)
-    if not reader.index.has_user_content:
-        return None
-    return load_json(reader, "user_content")
+    with CheckpointReader(tag_dir) as reader:
+        if not reader.index.has_user_content:
+            return None
+        return load_json(reader, "user_content")

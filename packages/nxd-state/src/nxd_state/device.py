@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import importlib
+import importlib.metadata
 import logging
 import os
 from typing import Literal, cast
@@ -38,6 +39,7 @@ __all__ = [
     "mark_step",
     "move_model_to_device",
     "resolve_device_type",
+    "xla_version_mismatch",
 ]
 
 logger = logging.getLogger(__name__)
@@ -152,7 +154,42 @@ def backend_for(device_type: str | None = None) -> str:
     return _BACKENDS[resolve_device_type(device_type)]
 
 
+def xla_version_mismatch(torch_version: str, torch_xla_version: str) -> str | None:
+    """The one-line refusal when torch-xla X.Y is installed next to a torch whose (major,
+    minor) is not (X, Y); None when they agree or either version is unreadable.
+
+    A torch-xla release is built against one torch minor (torch-xla 2.9 on torch 2.9.x), and
+    its wheel's metadata does not pin torch, so ``pip install torch-xla`` beside another torch
+    gives an import that dies with an undefined C++ symbol. Local labels (``+cpu``, ``+cu128``)
+    and pre-release tails are ignored: only the first two numbers are compared.
+    """
+    torch_minor, xla_minor = _minor(torch_version), _minor(torch_xla_version)
+    if torch_minor is None or xla_minor is None or torch_minor == xla_minor:
+        return None
+    wanted = f"{xla_minor[0]}.{xla_minor[1]}"
+    return (
+        f"torch-xla {torch_xla_version} needs torch {wanted}.x, but torch {torch_version} is "
+        f"installed: pip install 'torch=={wanted}.*' (or install 'nxd-state[xla]', which pins "
+        "both)"
+    )
+
+
+def _minor(version: str) -> tuple[int, int] | None:
+    parts = version.split("+")[0].split(".")
+    if len(parts) < 2 or not (parts[0].isdigit() and parts[1].isdigit()):
+        return None
+    return int(parts[0]), int(parts[1])
+
+
 def _import_xla() -> object:
+    try:
+        xla_version = importlib.metadata.version("torch-xla")
+    except importlib.metadata.PackageNotFoundError:  # absent: the import below says so
+        xla_version = None
+    if xla_version is not None:
+        mismatch = xla_version_mismatch(torch.__version__, xla_version)
+        if mismatch is not None:
+            raise ImportError(mismatch)
     try:
         return importlib.import_module("torch_xla")
     except ImportError as error:

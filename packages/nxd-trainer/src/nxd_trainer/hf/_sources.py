@@ -118,12 +118,18 @@ class MemoryStore(Store):
 
 class FolderStore(Store):
     """A Hugging Face folder: ``model.safetensors``, or shards listed in
-    ``model.safetensors.index.json`` (every listed shard must exist)."""
+    ``model.safetensors.index.json`` (every listed shard must exist, named by a path inside
+    the folder: an absolute name or one with ``..`` is refused, as nxd-ckpt's
+    :func:`~nxd_ckpt.hf.hf_weight_files` does; the files may be links, as in the Hugging
+    Face cache)."""
 
     def __init__(self, folder: str | Path) -> None:
+        from nxd_ckpt.hf import hf_weight_files
+
         self.folder = Path(folder)
         index = self.folder / HF_INDEX_NAME
         if index.is_file():
+            hf_weight_files(self.folder)  # the index's file names stay inside the folder
             weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
         elif (self.folder / HF_WEIGHTS_NAME).is_file():
             weight_map = {name: HF_WEIGHTS_NAME for name in _keys(self.folder / HF_WEIGHTS_NAME)}
@@ -145,18 +151,28 @@ class FolderStore(Store):
 
     @contextmanager
     def view(self, name: str) -> Iterator[tuple[Any, tuple[int, ...]]]:
-        from safetensors import safe_open
-
         path = self.folder / self.weight_map[name]
-        with safe_open(str(path), framework="pt") as handle:
+        with _opened(path) as handle:
             if name not in handle.keys():  # noqa: SIM118 - safe_open is not a dict
                 raise KeyError(f"{path} does not hold {name!r} (its index says it does)")
             view = handle.get_slice(name)
             yield view, tuple(view.get_shape())
 
 
-def _keys(path: Path) -> list[str]:
-    from safetensors import safe_open
+@contextmanager
+def _opened(path: Path) -> Iterator[Any]:
+    """``safe_open(path)``; a damaged file is an error naming it (safetensors' own errors
+    do not)."""
+    from safetensors import SafetensorError, safe_open
 
-    with safe_open(str(path), framework="pt") as handle:
+    try:
+        handle = safe_open(str(path), framework="pt")
+    except SafetensorError as error:
+        raise ValueError(f"{path} is not a readable safetensors file: {error}") from None
+    with handle:
+        yield handle
+
+
+def _keys(path: Path) -> list[str]:
+    with _opened(path) as handle:
         return list(handle.keys())

@@ -59,18 +59,12 @@ def load_model_sharded_checkpoint(model: nn.Module, load_dir: str | Path) -> Non
 
 
 def _tag_dir(root: Path, tag: str | None) -> Path:
-    """The tag folder: ``root/tag``, ``root`` itself when it holds the index, else the newest
-    complete tag (by the time of its ``done`` marker, as nxd-ckpt orders them)."""
-    from nxd_ckpt.format import INDEX_NAME
+    """The tag folder: ``root`` itself when it holds the index (and ``tag`` is None), else
+    ``root/tag`` (a plain name, not a link) or the newest complete tag, as nxd-ckpt finds
+    them (:func:`nxd_ckpt.hf.checkpoint_tag_dir`)."""
+    from nxd_ckpt.hf import checkpoint_tag_dir
 
-    if tag is not None:
-        return root / tag if tag else root
-    if (root / INDEX_NAME).is_file():
-        return root
-    complete = [p for p in root.iterdir() if (p / "done").is_file()] if root.is_dir() else []
-    if not complete:
-        raise FileNotFoundError(f"no complete checkpoint tag under {root}")
-    return max(complete, key=lambda p: ((p / "done").stat().st_mtime_ns, p.name))
+    return checkpoint_tag_dir(root, tag)
 
 
 def export_hf(

@@ -1,12 +1,13 @@
-"""The ``nxd-train`` command line: ``nxd-train [flags]`` and ``nxd-train export RUN_DIR``.
+"""The ``nxd-train`` command line: ``nxd-train [flags]``, ``nxd-train prepare [flags]`` and
+``nxd-train export RUN_DIR``.
 
 Every field of :class:`~nxd_trainer.train.config.TrainConfig` is a flag (``--seq-len``; bools
 as ``--zero1`` / ``--no-zero1``), its help text the field's docstring. Flags are spelled out
 (an abbreviation such as ``--step`` is an error, not ``--steps``). Bad input ends with one
 line, ``nxd-train: error: ...`` (with the closest valid flag when one is misspelled), and exit
-status 2, before anything is written; 1 when a worker failed; 130 when interrupted (Ctrl-C
-anywhere, imports included: one line, nothing half written). Never a traceback, except for a
-bug.
+status 2, before anything is written; 1 when a worker failed or the disk refused a write (one
+line naming the path); 130 when interrupted (Ctrl-C anywhere, imports included: one line,
+nothing half written). Never a traceback, except for a bug.
 
 This module imports no torch at import time (nor does the ``nxd_trainer`` package), so
 ``--help`` answers at once and Ctrl-C while the heavy modules load is handled here.
@@ -50,6 +51,7 @@ examples:
   nxd-train --dry-run --tp 2 --pp 2 --nproc-per-node 8
   nxd-train --nnodes 2 --node-rank 0 --rdzv-endpoint host0:29500   (same on host1, rank 1)
   nxd-train export runs/tiny                 (HF folder of the newest checkpoint)
+  nxd-train prepare --data corpus/ --name big   (tokenize only: the same flags then train at once)
 
 run folder <runs-dir>/<name>/: config.toml, tokenizer/, data/, checkpoints/step_NNNNNNNN/,
 tb/, metrics.jsonl, summary.json, hf/. Rerunning the same command resumes; Ctrl-C finishes
@@ -173,6 +175,56 @@ def _export_main(argv: list[str]) -> int:
     return 0
 
 
+PREPARE_HELP = """\
+usage: nxd-train prepare [--workers N] [nxd-train flags]
+
+Tokenize the run's corpus into its token shards (shared by every run of the same corpus and
+tokenizer, under <runs-dir>/.cache or $NXD_TRAIN_CACHE) and write the run folder's tokenizer/
+and data/, without training: `nxd-train` with the same flags then starts at once. Interrupted,
+it resumes where it stopped. Takes the flags of nxd-train (nxd-train --help; --data,
+--text-field, --tokenizer, --vocab-size, --corpus-mb, --val-fraction, --seq-len, --name,
+--runs-dir, --no-progress matter here) and:
+
+  --workers N   processes that tokenize (default: this machine's cores)
+"""
+
+
+def _prepare_main(argv: list[str]) -> int:
+    """``nxd-train prepare``: the data of the run, and nothing else."""
+    if "-h" in argv or "--help" in argv:
+        print(PREPARE_HELP, end="")
+        return 0
+    pre = _Parser(prog="nxd-train prepare", add_help=False, allow_abbrev=False)
+    pre.add_argument("--workers", type=int)
+    known, rest = pre.parse_known_args(argv)
+    if known.workers is not None and known.workers < 1:
+        raise ConfigError(f"--workers must be an integer >= 1, got {known.workers}")
+    cfg = parse_config(rest)
+    from nxd_trainer.train.data import check_inputs, prepare_data, prepare_lock
+    from nxd_trainer.train.rundir import RunDir
+
+    check_inputs(cfg)
+    run = RunDir.of(cfg)
+    created = not run.root.exists()
+    try:
+        with run.lock():
+            point = run.resume_point()
+            if point is not None:
+                run.check_resume(point)  # the data of another setup would not resume
+            with prepare_lock(cfg):
+                tokenizer, train, valid = prepare_data(cfg, build=True, workers=known.workers)
+    except BaseException:
+        if created:
+            _remove_if_unused(run.root)
+        raise
+    print(
+        f"nxd-train: prepared {run.root}: {len(train):,} training and {len(valid):,} "
+        f"validation sequences of {cfg.seq_len} tokens, vocabulary {len(tokenizer):,}",
+        file=sys.stderr,
+    )
+    return 0
+
+
 def _dry_run(cfg: TrainConfig) -> int:
     from nxd_trainer.train.layout import format_layout
     from nxd_trainer.train.model import hf_config
@@ -197,7 +249,7 @@ def _launcher(cfg: TrainConfig, argv: list[str]) -> int:
     from nxd_trainer.train.data import check_inputs, prepare_data, prepare_lock
     from nxd_trainer.train.launch import launch
     from nxd_trainer.train.model import hf_config
-    from nxd_trainer.train.rundir import OWNER_ENV, RunDir
+    from nxd_trainer.train.rundir import OWNER_ENV, RESUME_ENV, RunDir
 
     dp = cfg.check_world(cfg.world_size)
     hf_config(cfg, 1)  # the model against the degrees (heads, layers), before any write
@@ -217,9 +269,10 @@ def _launcher(cfg: TrainConfig, argv: list[str]) -> int:
                 tokenizer, _, _ = prepare_data(cfg, build=True)
             hf_config(cfg, len(tokenizer))
             if single_node:
-                run.begin()
+                run.begin(point)
                 os.environ[OWNER_ENV] = "1"
             os.environ[_signals.LAUNCHER_PID_ENV] = str(os.getpid())
+            os.environ[RESUME_ENV] = point.tag if point is not None else ""  # verified here
             print(
                 f"nxd-train: starting {cfg.nproc_per_node} worker(s) on this node (world "
                 f"{cfg.world_size}, tp={cfg.tp} pp={cfg.pp} dp={dp})",
@@ -282,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
         _signals.install()
         if argv[:1] == ["export"]:
             return _export_main(argv[1:])
+        if argv[:1] == ["prepare"]:
+            return _prepare_main(argv[1:])
         cfg = parse_config(argv)
         if cfg.dry_run:
             return _dry_run(cfg)
@@ -300,6 +355,12 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         interrupted = True
+    except OSError as error:  # a read-only or full disk, a missing permission: it names the path
+        if worker and _signals.was_received():
+            return EXIT_INTERRUPTED
+        where = f" (rank {os.environ.get('RANK', '?')})" if worker else ""
+        print(f"nxd-train: error{where}: {error}", file=sys.stderr)
+        return 1
     except Exception as error:
         from nxd_trainer.train.loop import PeerFailed
 

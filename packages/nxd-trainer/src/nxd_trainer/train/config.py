@@ -25,6 +25,7 @@ PRESETS = ("tiny", "small")
 SCHEDULES = ("gpipe", "1f1b", "zb_h1")
 CHECKPOINTING = ("none", "full", "selective")
 DEVICES = ("cpu", "cuda", "xla")
+MAX_VOCAB = 1 << 20
 
 
 class ConfigError(ValueError):
@@ -89,13 +90,15 @@ class TrainConfig:
     # --- data --------------------------------------------------------------------------
     data: str | None = setting(
         None,
-        """Training text: a text file, a folder of text files, or a ``datasets`` folder saved
-        with ``save_to_disk``. None: the Python standard library's own sources (no download).""",
+        """Training text: a file or a folder of text, JSON Lines or Parquet files (each
+        recognised by its content), a ``datasets`` folder (``save_to_disk``), or
+        ``BUILDER:FILES`` for ``datasets.load_dataset`` (e.g. ``csv:tables/*.csv``). None: the
+        Python standard library's own sources (no download).""",
     )
 
     text_field: str = setting(
         "text",
-        "Column holding the text in a ``datasets`` folder.",
+        "Field holding the text in JSON Lines, Parquet and ``datasets`` inputs.",
     )
 
     tokenizer: str | None = setting(
@@ -115,13 +118,14 @@ class TrainConfig:
     )
 
     corpus_mb: float = setting(
-        2.0,
-        "At most this many MB of text are read (train and validation together; 0: all).",
+        0.0,
+        "Read only the first this many MB of the corpus (train and validation together; 0: all).",
     )
 
     val_fraction: float = setting(
         0.05,
-        "Fraction of documents held out for validation (chosen by a hash of their name).",
+        """Fraction of documents held out for validation (chosen by a hash of their content;
+        inside documents when they are few).""",
     )
 
     # --- optimization ------------------------------------------------------------------
@@ -291,10 +295,12 @@ class TrainConfig:
     )
 
     def __post_init__(self) -> None:
-        for name in ("seed",):
-            _int(name, getattr(self, name), minimum=0)
+        # Upper bounds where a huge value would hang or exhaust memory before any check:
+        # torch seeds are 64-bit and the loader adds the epoch to the seed; no tokenizer has
+        # a million-token vocabulary (the BPE trainer allocates per entry).
+        _int("seed", self.seed, minimum=0, maximum=2**32 - 1)
+        _int("vocab_size", self.vocab_size, minimum=1, maximum=MAX_VOCAB)
         for name in (
-            "vocab_size",
             "seq_len",
             "steps",
             "batch_size",
@@ -466,9 +472,11 @@ def default_of(name: str) -> Any:
     raise KeyError(name)
 
 
-def _int(name: str, value: Any, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
+def _int(name: str, value: Any, minimum: int, maximum: int | None = None) -> None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+    if not ok or (maximum is not None and value > maximum):
+        bounds = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ConfigError(f"{name} must be an integer {bounds}, got {value!r}")
 
 
 def _float(name: str, value: Any, low: float, high: float) -> None:

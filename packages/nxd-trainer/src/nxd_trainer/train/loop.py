@@ -17,7 +17,14 @@ import torch
 
 from nxd_trainer.train import _signals
 from nxd_trainer.train.config import TrainConfig
-from nxd_trainer.train.rundir import OWNER_ENV, RunDir, finite_or_none, tag_name
+from nxd_trainer.train.rundir import (
+    OWNER_ENV,
+    RESUME_ENV,
+    Resume,
+    RunDir,
+    finite_or_none,
+    tag_name,
+)
 
 __all__ = ["EXIT_INTERRUPTED", "PeerFailed", "run_worker", "summary_line"]
 
@@ -63,20 +70,50 @@ def _owns_run(rank: int) -> bool:
     return rank == 0 and os.environ.get(OWNER_ENV) != "1"
 
 
-def _prepare(cfg: TrainConfig, run: RunDir, owner: bool) -> tuple[Any, Any, Any]:
-    """Check the resume point, then make the data (local rank 0 of each node, unless the
-    launcher already did) and read it on every rank."""
+def _resume_point(run: RunDir) -> Resume | None:
+    """The checkpoint to resume, the same on every rank: the one the launcher verified, or
+    (under torchrun) the one rank 0 verified, its step broadcast; the others read only its
+    user content."""
+    import torch.distributed as dist
+
+    import nxd_state
+    from nxd_state import collectives
+
+    chosen = os.environ.get(RESUME_ENV)
+    if chosen is not None:
+        return run.read_point(chosen) if chosen else None
+    step = torch.tensor([-1], dtype=torch.int64, device=nxd_state.current_device())
+    point: Resume | None = None
+    error: BaseException | None = None
+    if dist.get_rank() == 0:
+        try:
+            point = run.resume_point(verify=True)
+        except BaseException as e:  # raised below, after the others know
+            error = e
+        step[0] = point.step if point is not None else -1
+    _agree(error is None, "the run's checkpoints were refused on another rank")
+    if error is not None:
+        raise error
+    collectives.broadcast(step, src=0)
+    if dist.get_rank() != 0 and int(step.item()) >= 0:
+        point = run.read_point(tag_name(int(step.item())))
+    return point
+
+
+def _prepare(cfg: TrainConfig, run: RunDir, owner: bool) -> tuple[Resume | None, Any]:
+    """The resume point, checked against the run before anything in it changes; then the
+    data, made by local rank 0 of each node (unless the launcher already did) and read on
+    every rank."""
     from nxd_trainer.train.data import prepare_data, prepare_lock
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    point = _resume_point(run)
     error: BaseException | None = None
     try:
         if owner:
-            run.begin()  # checked against the run before anything in it changes
-        else:
-            point = run.resume_point()
-            if point is not None:
-                run.check_resume(point)
+            run.begin(point)
+        elif point is not None:
+            run.check_resume(point)
     except BaseException as e:  # raised below, after the others know
         error = e
     _agree(error is None, "the run folder was refused on another rank")
@@ -91,7 +128,7 @@ def _prepare(cfg: TrainConfig, run: RunDir, owner: bool) -> tuple[Any, Any, Any]
     _agree(error is None, "data preparation failed on another rank")
     if error is not None:
         raise error
-    return prepare_data(cfg, build=False)
+    return point, prepare_data(cfg, build=False)
 
 
 def run_worker(cfg: TrainConfig) -> int:
@@ -128,9 +165,8 @@ def _train(cfg: TrainConfig, run: RunDir) -> int:
     from nxd_trainer.train.trainer import Trainer
 
     rank = dist.get_rank()
-    data = _prepare(cfg, run, _owns_run(rank))
+    point, data = _prepare(cfg, run, _owns_run(rank))
     trainer = Trainer(cfg, run, data)
-    point = run.resume_point()
     if point is not None:
         trainer.resume(point)
     writer = rank == 0

@@ -3,7 +3,7 @@
 ::
 
     config.toml        the settings of the run (of the last command that started or continued it)
-    tokenizer/ data/   the tokenizer and the packed token ids (made once, reused)
+    tokenizer/ data/   the tokenizer; data/meta.json names the run's token shards (in the cache)
     checkpoints/step_NNNNNNNN/   complete tags carry nxd-ckpt's ``done`` marker
     metrics.jsonl tb/  per-step rows (strict JSON) and TensorBoard scalars
     summary.json       the last session's final figures
@@ -47,6 +47,8 @@ FROZEN = ("model", "data", "tokenizer", "vocab_size", "seq_len", "corpus_mb", "v
 TAG_PREFIX = "step_"
 # Set by the launcher for its workers: it holds the run's lock and wrote config.toml.
 OWNER_ENV = "NXD_TRAIN_LAUNCHER_OWNS_RUN"
+# Set by the launcher for its workers: the tag to resume ("" for none), already verified.
+RESUME_ENV = "NXD_TRAIN_RESUME_TAG"
 
 
 def tag_name(step: int) -> str:
@@ -147,13 +149,35 @@ class RunDir:
         tags = self.complete_tags()
         return tags[-1] if tags else None
 
-    def resume_point(self) -> Resume | None:
-        """The newest complete checkpoint and its user content (one process, no collective,
-        nothing changed); None for a run with none. A tag nxd-train did not write is an
-        error naming it."""
-        tag = self.newest_tag()
-        if tag is None:
+    def resume_point(self, *, verify: bool = True) -> Resume | None:
+        """The newest intact checkpoint and its user content (one process, no collective,
+        nothing changed); None for a run with none.
+
+        ``verify``: every file of the candidate tags is checked (sizes, headers, CRCs of every
+        byte: ``nxd_ckpt.newest_intact_tag``), newest first; a damaged one is skipped with a
+        warning naming it and the problem, and the run resumes from the newest intact one.
+        Every tag damaged is an error (never a silent fresh start). A tag nxd-train did not
+        write is an error naming it."""
+        tags = self.complete_tags()
+        if not tags:
             return None
+        import nxd_ckpt
+
+        tag = tags[-1]
+        if verify:
+            found = nxd_ckpt.newest_intact_tag(self.checkpoints, tags)
+            for bad in found.damaged:
+                warn(f"checkpoint {bad.path} is damaged ({bad.problem}); skipping it")
+            if found.tag is None:
+                raise ConfigError(
+                    f"every checkpoint of {self.root} is damaged (newest: "
+                    f"{found.damaged[0].problem}); move {self.checkpoints} away to start again"
+                )
+            tag = found.tag
+        return self.read_point(tag)
+
+    def read_point(self, tag: str) -> Resume:
+        """Tag ``tag``'s step and user content (refused if nxd-train did not write it)."""
         import nxd_ckpt
 
         user = nxd_ckpt.read_user_content(self.checkpoints, tag)
@@ -178,16 +202,14 @@ class RunDir:
                 "use another --name, or the saved settings"
             )
 
-    def begin(self) -> Resume | None:
-        """Before a command changes the folder: the resume point, checked against the
-        command; then ``config.toml`` is written if the command starts or continues the run
-        (a rerun of a finished run changes nothing)."""
-        resume = self.resume_point()
+    def begin(self, resume: Resume | None) -> None:
+        """Before a command changes the folder: ``resume`` (the resume point) checked against
+        the command; then ``config.toml`` is written if the command starts or continues the
+        run (a rerun of a finished run changes nothing)."""
         if resume is not None:
             self.check_resume(resume)
         if resume is None or resume.step < self.cfg.steps:
             self.write_config()
-        return resume
 
     # Files ------------------------------------------------------------------------------
     def write_config(self) -> None:
@@ -216,6 +238,13 @@ class RunDir:
             if isinstance(row, dict) and row.get("kind") == kind:
                 rows.append(row)
         return rows
+
+
+def warn(message: str) -> None:
+    """One line on stderr, ``nxd-train: warning: ...``."""
+    import sys
+
+    print(f"nxd-train: warning: {message}", file=sys.stderr, flush=True)
 
 
 def finite_or_none(value: float | None) -> float | None:
