@@ -335,29 +335,29 @@ LoRAModel = LoraModel  # the name NxD's API reference uses
 
 
 def lora_requested(lora_config: LoraConfig | None, where: str) -> bool:
-    """Whether ``lora_config`` asks for LoRA: any config does, unless it says
-    ``enable_lora=False``, which is honoured (NxD's documented flag) with a warning naming
-    ``where``, so that a config passed with LoRA switched off is never a surprise."""
+    """Whether ``lora_config`` applies LoRA: whenever it is a :class:`LoraConfig`, as in NxD's
+    current code (its ``enable_lora`` is not consulted). An explicit ``enable_lora=False`` is
+    applied all the same, with a warning naming ``where``: on NxD it is too, so a ported script
+    trains the same model, and the warning says so instead of letting the flag mislead."""
     if lora_config is None:
         return False
     if not isinstance(lora_config, LoraConfig):
         raise TypeError(
             f"{where}: lora_config must be an nxd_lora.LoraConfig, got {type(lora_config).__name__}"
         )
-    if not lora_config.enable_lora:
+    if lora_config.enable_lora is False:
         logger.warning(
-            "%s: lora_config has enable_lora=False, so LoRA is NOT applied (drop the flag, or "
-            "set it True, to fine-tune with LoRA; pass lora_config=None to silence this)",
+            "%s: lora_config has enable_lora=False, but LoRA IS applied, as NxD applies every "
+            "given LoraConfig; pass lora_config=None to train without LoRA",
             where,
         )
-        return False
     return True
 
 
 def get_lora_model(model: nn.Module, lora_config: LoraConfig | None) -> nn.Module:
     """NxD's ``get_lora_model``: ``model`` wrapped in :class:`LoraModel` whenever a
-    ``lora_config`` is given (``None``: ``model`` itself; ``enable_lora=False``: ``model``
-    itself, with a warning)."""
+    ``lora_config`` is given (``None``: ``model`` itself), whatever its ``enable_lora`` says
+    (see :func:`lora_requested`)."""
     if not lora_requested(lora_config, "get_lora_model"):
         return model
     if isinstance(model, LoraModel):

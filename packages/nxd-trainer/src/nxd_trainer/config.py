@@ -121,8 +121,8 @@ class NxDConfig:
     """:class:`~nxd_trainer.ModelInitConfig`: meta-device init, ``param_init_fn``, waves."""
 
     lora_config: Any = None
-    """An ``nxd_lora.LoraConfig``: LoRA is applied whenever one is given (as in NxD), unless
-    it says ``enable_lora=False`` (then it is not, with a warning)."""
+    """An ``nxd_lora.LoraConfig``: LoRA is applied whenever one is given, as in NxD (its
+    ``enable_lora`` is not consulted; an explicit False warns)."""
 
     mixed_precision_config: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
     """:class:`~nxd_trainer.MixedPrecisionConfig`, resolved against ZeRO-1 on creation."""
@@ -252,9 +252,8 @@ class NxDConfig:
 
     @property
     def lora_enabled(self) -> bool:
-        """Whether LoRA is applied: a ``LoraConfig`` is given that does not say
-        ``enable_lora=False``."""
-        return self.lora_config is not None and bool(self.lora_config.enable_lora)
+        """Whether LoRA is applied: a ``LoraConfig`` is given (as in NxD)."""
+        return self.lora_config is not None
 
     def check_world(self, world_size: int) -> nxd_state.ParallelLayout:
         """The ``[PP, DP, TP]`` layout on ``world_size`` ranks (the degrees must fit)."""

@@ -33,7 +33,7 @@ __all__ = [
 
 def get_lora_model(model: nn.Module, lora_config: LoraConfig | None) -> nn.Module:
     """NxD's ``get_lora_model``: ``model`` with LoRA whenever a ``lora_config`` is given
-    (``enable_lora=False`` keeps it off, with a warning); an ``NxDModel`` keeps its wrapper
+    (its ``enable_lora`` is not consulted, as in NxD); an ``NxDModel`` keeps its wrapper
     and gets LoRA on the module it wraps, as in NxD."""
     if not nxd_lora.lora_requested(lora_config, "get_lora_model"):
         return model
