@@ -257,7 +257,8 @@ def test_item8_names_resolve_and_behave() -> None:
 
     assert issubclass(NeuronEPZero1Optimizer, NeuronZero1Optimizer)
     assert callable(parallel_state.initialize_pp_gloo_groups)
-    assert callable(comm.send_python_object) and callable(comm.recv_python_object)
+    assert callable(comm.send_python_object)
+    assert callable(comm.recv_python_object)
     with pytest.raises(NotImplementedError, match="ModelBuilder"):
         model_builder.ModelBuilder()
     manager = serialization.SerializationManager()
@@ -266,7 +267,8 @@ def test_item8_names_resolve_and_behave() -> None:
     assert len(tensors) == len(stubs) == 2
     back = manager.deserialize(stubbed, tensors)
     torch.testing.assert_close(back["a"][0], obj["a"][0], **EXACT)
-    assert back["b"][1] == "x" and back["a"][1] == 3
+    assert back["b"][1] == "x"
+    assert back["a"][1] == 3
     assert layers._initialize_parameter_cpu is not None
 
 
@@ -306,3 +308,60 @@ def test_patched_tp_rank_reaches_create_local_weight() -> None:
     ):
         shard = layers.create_local_weight(full, 0, 2, 1)
     torch.testing.assert_close(shard, full[2:], **EXACT)
+
+
+# Item 7: NxD's ZeRO-1 clipping test zips param_groups with base_optimizer.param_groups ---------
+def _zero1_clipping_pattern() -> tuple[float, float, float]:
+    """NxD's ``test_tp_zero1_pp_gradient_clipping`` steps, at TP=2 x DP=2: identical full
+    gradients on every rank, the TP layers' shards of them, ZeRO-1 with clipping, the inner
+    zero_grad patched out, then ``get_grad_norm`` over the zipped shards."""
+    from neuronx_distributed.optimizer import NeuronZero1Optimizer
+    from neuronx_distributed.parallel_layers import layers, parallel_state
+    from neuronx_distributed.parallel_layers.grads import get_grad_norm
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    torch.manual_seed(5)
+    cpu_layer = nn.Linear(6, 10)
+    for p in cpu_layer.parameters():
+        p.grad = 10 * torch.randn(p.shape)
+    layer = layers.ColumnParallelLinear(6, 10, gather_output=False)
+    layer.weight.grad = cpu_layer.weight.grad.chunk(2)[tp_rank].clone()
+    layer.bias.grad = cpu_layer.bias.grad.chunk(2)[tp_rank].clone()
+    opt = NeuronZero1Optimizer(
+        list(layer.parameters()),
+        torch.optim.SGD,
+        lr=0.01,
+        pin_layout=False,
+        sharding_groups=parallel_state.get_data_parallel_group(as_list=True),
+        grad_norm_groups=parallel_state.get_tensor_model_parallel_group(as_list=True),
+        max_norm=1.0,
+        grad_clipping=True,
+    )
+    opt.base_optimizer.zero_grad = lambda set_to_none: set_to_none
+    opt.step()
+    before = float(torch.nn.utils.clip_grad_norm_(list(cpu_layer.parameters()), 1.0))
+    shards = []
+    for group, sharded in zip(opt.param_groups, opt.base_optimizer.param_groups):
+        for param, shard in zip(group["params"], sharded["params"], strict=True):
+            if param.grad is not None:
+                shard.tensor_model_parallel = param.tensor_model_parallel
+                shards.append(shard)
+    after = get_grad_norm(
+        shards,
+        norm_type=2,
+        zero1_optimizer=True,
+        zero1_optimizer_groups=parallel_state.get_data_parallel_group(as_list=True),
+    )
+    cpu_after = torch.sqrt(sum(torch.square(p.grad).sum() for p in cpu_layer.parameters()))
+    return float(opt.grad_norm) - before, float(after), float(cpu_after)
+
+
+def test_zero1_base_optimizer_shards_zip_per_parameter() -> None:
+    """Before the fix ``base_optimizer`` held one flat shard per group: the zip paired the
+    weight with the whole shard and the norm was wrong. Tolerance: float32 sums of 70
+    squares reduced in another order (rtol 1e-5)."""
+    for diff, after, cpu_after in run_distributed(_zero1_clipping_pattern, 4):
+        assert abs(diff) <= 1e-5 * abs(diff + 1)
+        assert after == pytest.approx(cpu_after, rel=1e-5)
+        assert after <= 1.0 + 1e-6  # clipped to max_norm
