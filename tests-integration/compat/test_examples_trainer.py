@@ -9,7 +9,8 @@ decay/no-decay groups; the loss averaged over DP with an all-reduce (``xm.all_re
 example); ``optimizer.grad_norm``; a linear warmup schedule; ``save_checkpoint`` with its
 positional arguments and ``num_kept_ckpts=-1`` (the example's default: keep all).
 
-``tp_pp_llama_hf_pretrain``: the same model (``return_dict=False``) under NxD's
+``tp_pp_llama_hf_pretrain`` (refused for now, see its test): the same model
+(``return_dict=False``) under NxD's
 ``pipeline_config`` dict (``transformer_layer_cls``, ``output_loss_value_spec=(True, False)``,
 ``input_names``, ``auto_partition``, ``leaf_module_cls`` by class name, ``autowrap_modules``,
 ``use_optimizer_wrapper``, ``deallocate_pipeline_outputs``, ``fuse_microbatches``, the ZeRO-1
@@ -17,8 +18,8 @@ flag) and ``model.run_train(input_ids=..., attention_mask=..., labels=...)``; th
 captured on the meta device, where its rotary embedding switches autocast off for
 ``x.device.type == "meta"``.
 
-Both run two steps at TP=2 x DP=2 (ZeRO-1) and TP=2 x PP=2 and are compared with the same
-script at one process (TP=1, no ZeRO-1, PP=1): losses and gradient norms agree. Tolerance:
+The ZeRO-1 script runs two steps at TP=2 x DP=2 and is compared with the same script at one
+process (TP=1, no ZeRO-1): losses and gradient norms agree. Tolerance:
 float32 throughout; the parallel runs sum the same products in another order (row-parallel
 partial sums, the vocabulary-parallel log-sum-exp, DP/ZeRO-1 reductions, micro-batch means)
 and AdamW's first step moves every weight by ~lr whatever the gradient's size, so step 2's loss
@@ -32,6 +33,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import torch
 
 from nxd_state.testing import load_sibling, run_distributed
@@ -212,6 +214,7 @@ def train_llama_pp(tp: int, pp: int, use_zero1_optimizer: bool) -> dict[str, Any
     return {"losses": losses, "norms": norms, "last_stage": last}
 
 
+@pytest.mark.slow  # ~60-80 s on 2 shared cores: 4 + 1 ranks, two checkpoint saves and a load
 def test_trainer_api_llama_tp_zero1_matches_one_process(tmp_path: Path) -> None:
     folder = str(tmp_path / "ckpts")
     parallel = run_distributed(train_llama_zero1, 4, 2, True, folder)
@@ -225,12 +228,14 @@ def test_trainer_api_llama_tp_zero1_matches_one_process(tmp_path: Path) -> None:
     assert sorted(p.name for p in Path(folder).iterdir() if p.is_dir()) == ["step_1", "step_2"]
 
 
-def test_trainer_api_llama_tp_pp_matches_one_process() -> None:
-    parallel = run_distributed(train_llama_pp, 4, 2, 2, True)
-    (reference,) = run_distributed(train_llama_pp, 1, 1, 1, False)
-    held = [r for r in parallel if r["last_stage"]]
-    assert len(held) == 2  # the two TP ranks of the last stage hold the loss
-    for result in held:
-        torch.testing.assert_close(result["losses"], reference["losses"], **TOL)
-    for result in parallel:
-        torch.testing.assert_close(result["norms"], reference["norms"], **TOL)
+@pytest.mark.slow  # ~20 s: four ranks capture the model
+def test_trainer_api_llama_tp_pp_root_loss_is_refused_clearly() -> None:
+    """Not yet run: NxD's Llama computes ``parallel_cross_entropy`` in
+    ``LlamaForCausalLM.forward`` itself, and the pipeline's ``torch.export`` capture of a
+    Hugging Face model would keep only that autograd Function's forward (wrong gradients), so
+    it refuses, naming the Function and the fix, instead of training wrongly (TP=2 x PP=2; the
+    refusal comes from the capture, before any step)."""
+    from nxd_pipeline import PipelineTraceError
+
+    with pytest.raises(PipelineTraceError, match=r"LlamaForCausalLM\) applies _ParallelCross"):
+        run_distributed(train_llama_pp, 4, 2, 2, True)
