@@ -365,3 +365,72 @@ def test_zero1_base_optimizer_shards_zip_per_parameter() -> None:
         assert abs(diff) <= 1e-5 * abs(diff + 1)
         assert after == pytest.approx(cpu_after, rel=1e-5)
         assert after <= 1.0 + 1e-6  # clipped to max_norm
+
+
+# Item 5: NeuronLTModule's two argument orders, model_fn optional; NeuronHooksCallback ---------
+def test_neuron_lt_module_takes_both_nxd_orders() -> None:
+    import neuronx_distributed as nxd
+    from neuronx_distributed.lightning import NeuronLTModule
+
+    config = nxd.neuronx_distributed_config()
+
+    class LlamaModule(NeuronLTModule):  # NxD's example: builds its model in setup()
+        def setup(self, stage: str | None = None) -> None:
+            include_buffers = True
+            self.model = nxd.initialize_parallel_model(
+                self.nxd_config, _get_net, include_buffers, 4
+            )
+
+    current = LlamaModule(config, torch.optim.AdamW, None, opt_kwargs={"lr": 1e-3}, log_rank0=1)
+    assert current.model_fn is None
+    assert (current.opt_cls, current.opt_kwargs) == (torch.optim.AdamW, {"lr": 1e-3})
+    earlier = NeuronLTModule(_get_net, config, torch.optim.SGD, None, (4,))
+    assert (earlier.model_fn, earlier.model_args, earlier.opt_cls) == (
+        _get_net,
+        (4,),
+        torch.optim.SGD,
+    )
+    with pytest.raises(TypeError, match=r"NeuronLTModule\(nxd_config, opt_cls"):
+        NeuronLTModule(config, torch.optim.SGD, None, model_fn=_get_net, bogus=1)
+
+
+def test_neuron_hooks_callback_dumps_what_the_layer_saw(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from types import SimpleNamespace
+
+    from neuronx_distributed.lightning import NeuronHooksCallback
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    cfg = SimpleNamespace(
+        hooks=True,
+        master_print_model_layers=False,
+        target_layers="1",
+        dump_only_master_rank=False,
+        dump_only_norms=False,
+        hooks_interval=2,
+        enable_activation_dumps=True,
+        enable_grad_dumps=True,
+        enable_tb_logging_master_rank_activation_norms=False,
+        enable_tb_logging_master_rank_grad_norms=False,
+    )
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    module = SimpleNamespace(model=model, global_step=0)
+    callback = NeuronHooksCallback(cfg)
+    callback.on_train_start(None, module)  # type: ignore[arg-type]
+    x = torch.randn(3, 4)
+    for step in (0, 1):  # interval 2: step 1 is not dumped
+        module.global_step = step
+        model(x).sum().backward()
+    folder = tmp_path / "hooks_outputs/7/hooks_dumps/1"
+    assert sorted(p.name for p in folder.iterdir()) == ["global_step_0"]
+    files = folder / "global_step_0"
+    seen_in = torch.load(files / "dp0_pp0_tp0_layer_input_raw.pt", weights_only=True)
+    seen_out = torch.load(files / "dp0_pp0_tp0_layer_output_raw.pt", weights_only=True)
+    hidden = model[0](x)
+    torch.testing.assert_close(seen_in, hidden, **EXACT)  # the same ops on the same values
+    torch.testing.assert_close(seen_out, torch.tanh(hidden), **EXACT)
+    grad_out = torch.load(files / "dp0_pp0_tp0_grad_output_raw.pt", weights_only=True)
+    torch.testing.assert_close(grad_out, model[2].weight.sum(0).expand(3, 4), **EXACT)
