@@ -67,6 +67,12 @@ def returns_an_int() -> tuple[int, None]:
     return 42, None
 
 
+def returns_aliases() -> tuple[nn.Module, dict]:
+    """NxD's ``input_output_alias`` with an entry (a parameter aliased to output 1)."""
+    model = Mlp()
+    return model, {next(model.parameters()): 1}
+
+
 def returns_bare_module() -> nn.Module:
     return Mlp()
 
@@ -139,6 +145,7 @@ def test_nxd_get_model_and_compiler_flags_run_on_the_portable_route(
     [
         (returns_an_int, WorkerError, "model a torch.nn.Module, got int"),
         (returns_bare_module, WorkerError, "must return (model, input_output_alias)"),
+        (returns_aliases, WorkerError, "non-empty input_output_alias map"),
         (built_for_one_rank, WorkerError, "sharded over 1 rank(s), but tp_degree=2"),
         (dies_on_rank_1, WorkerDiedError, "TP worker rank 1"),
     ],

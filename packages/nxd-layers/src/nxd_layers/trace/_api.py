@@ -167,9 +167,10 @@ def parallel_model_trace(
     by its input shapes. ``max_parallel_compilations`` bounds the ranks capturing at once.
     ``inline_weights_to_neff=False`` keeps the weights out of the saved programs
     (``tp_<r>.safetensors``). The second value of ``func()`` is NxD's ``input_output_alias``
-    map: ``None`` or ``{}`` (no aliases, what NxD's examples return); nxd also takes this
-    rank's state dict there (``{name: tensor}``, loaded strictly). nxd's keywords: ``seed``, ``device_type`` (``cpu``/``cuda``,
-    default nxd_state's choice), ``start_method``, ``startup_timeout``, ``call_timeout``.
+    map: ``None`` or ``{}`` (no aliases, what NxD's examples return; a non-empty alias map, keyed
+    by tensors, is refused); nxd also takes this rank's state dict there (``{name: tensor}``,
+    loaded strictly). nxd's keywords: ``seed``, ``device_type`` (``cpu``/``cuda``, default
+    nxd_state's choice), ``start_method``, ``startup_timeout``, ``call_timeout``.
     """
     ref = make_ref(func)
     max_parallel = _check_degree(tp_degree, max_parallel_compilations)
