@@ -40,12 +40,11 @@ _SAVE_FIELDS = ("save_lora_base", "merge_lora", "save_lora_config_adapter")
 class LoraConfig:
     """LoRA settings with NxD's names, validated on creation."""
 
-    enable_lora: bool | None = None
-    """NxD's flag, accepted and not consulted: as in NxD's current code (its trainer and
-    ``get_lora_model``), every given ``LoraConfig`` is applied. None: not given (NxD's default
-    is False, which its code ignores the same way). An explicit ``False`` (or 0) is applied
-    too, as NxD does, with a warning where the model is wrapped; to train without LoRA pass
-    ``lora_config=None``. Ints 0 / 1 (NxD's scripts pass int flags) become bools."""
+    enable_lora: bool = False
+    """NxD's flag and default, accepted and not consulted: as in NxD's current code (its
+    trainer and ``get_lora_model``), every given ``LoraConfig`` is applied, whatever this says;
+    to train without LoRA pass ``lora_config=None``. Ints 0 / 1 (NxD's scripts pass int flags)
+    become bools."""
 
     lora_rank: int = 16
     """``r``, the inner dimension of ``B A``: a positive integer."""
@@ -104,7 +103,7 @@ class LoraConfig:
     K/V head). As in NxD, this turns ``save_lora_base`` and ``merge_lora`` off."""
 
     def __post_init__(self) -> None:
-        if self.enable_lora is not None and not isinstance(self.enable_lora, bool):
+        if not isinstance(self.enable_lora, bool):
             if isinstance(self.enable_lora, int) and self.enable_lora in (0, 1):
                 self.enable_lora = bool(self.enable_lora)  # NxD's scripts pass int flags
             else:

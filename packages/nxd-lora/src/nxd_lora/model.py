@@ -336,20 +336,13 @@ LoRAModel = LoraModel  # the name NxD's API reference uses
 
 def lora_requested(lora_config: LoraConfig | None, where: str) -> bool:
     """Whether ``lora_config`` applies LoRA: whenever it is a :class:`LoraConfig`, as in NxD's
-    current code (its ``enable_lora`` is not consulted). An explicit ``enable_lora=False`` is
-    applied all the same, with a warning naming ``where``: on NxD it is too, so a ported script
-    trains the same model, and the warning says so instead of letting the flag mislead."""
+    current code (its ``enable_lora`` is not consulted, so a ported script trains the same
+    model as on NxD); anything else but None is an error naming ``where``."""
     if lora_config is None:
         return False
     if not isinstance(lora_config, LoraConfig):
         raise TypeError(
             f"{where}: lora_config must be an nxd_lora.LoraConfig, got {type(lora_config).__name__}"
-        )
-    if lora_config.enable_lora is False:
-        logger.warning(
-            "%s: lora_config has enable_lora=False, but LoRA IS applied, as NxD applies every "
-            "given LoraConfig; pass lora_config=None to train without LoRA",
-            where,
         )
     return True
 

@@ -122,7 +122,7 @@ class NxDConfig:
 
     lora_config: Any = None
     """An ``nxd_lora.LoraConfig``: LoRA is applied whenever one is given, as in NxD (its
-    ``enable_lora`` is not consulted; an explicit False warns)."""
+    ``enable_lora`` is not consulted)."""
 
     mixed_precision_config: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
     """:class:`~nxd_trainer.MixedPrecisionConfig`, resolved against ZeRO-1 on creation."""
