@@ -58,8 +58,19 @@ def slow_mlp() -> tuple[nn.Module, None]:
     return Mlp(rounds=400), None
 
 
+def mlp_no_aliases() -> tuple[nn.Module, dict]:
+    """NxD's ``get_model``: ``(model, input_output_alias)`` with no aliases."""
+    return Mlp(), {}
+
+
 def returns_an_int() -> tuple[int, None]:
     return 42, None
+
+
+def returns_aliases() -> tuple[nn.Module, dict]:
+    """NxD's ``input_output_alias`` with an entry (a parameter aliased to output 1)."""
+    model = Mlp()
+    return model, {next(model.parameters()): 1}
 
 
 def returns_bare_module() -> nn.Module:
@@ -104,17 +115,37 @@ def test_bad_arguments_raise_before_any_worker() -> None:
         parallel_model_trace(mlp, 42, tp_degree=2)
     with pytest.raises(ValueError, match=r"compiler_args has unknown keys \['opt'\]"):
         parallel_model_trace(mlp, X, tp_degree=2, compiler_args={"opt": 3})
-    with pytest.raises(ImportError, match="compiler_args as neuronx-cc flags needs torch-neuronx"):
-        parallel_model_trace(mlp, X, tp_degree=2, compiler_args="--model-type=transformer")
     with pytest.raises(ValueError, match="parallel_model_save takes the TensorParallelModel"):
         parallel_model_save(nn.Linear(2, 2), "unused")
+
+
+def test_nxd_get_model_and_compiler_flags_run_on_the_portable_route(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``(model, {})`` (NxD's empty input_output_alias) loads nothing, and neuronx-cc flags
+    in ``compiler_args`` are ignored with a warning instead of needing torch-neuronx: the
+    program equals the one traced from ``(model, None)`` without flags (same seed, same
+    kernels: exact)."""
+    with caplog.at_level("WARNING", logger="nxd_layers.trace._api"):
+        nxd_style = parallel_model_trace(
+            mlp_no_aliases, X, tp_degree=2, compiler_args="--model-type=transformer -O1"
+        )
+    assert "neuronx-cc flags: ignored" in caplog.text
+    assert "--model-type=transformer" in caplog.text
+    plain = parallel_model_trace(mlp, X, tp_degree=2)
+    try:
+        torch.testing.assert_close(nxd_style(X), plain(X), rtol=0, atol=0)
+    finally:
+        nxd_style.close()
+        plain.close()
 
 
 @pytest.mark.parametrize(
     ("func", "error", "message"),
     [
         (returns_an_int, WorkerError, "model a torch.nn.Module, got int"),
-        (returns_bare_module, WorkerError, "must return (model, state_dict_or_None), got Mlp"),
+        (returns_bare_module, WorkerError, "must return (model, input_output_alias)"),
+        (returns_aliases, WorkerError, "non-empty input_output_alias map"),
         (built_for_one_rank, WorkerError, "sharded over 1 rank(s), but tp_degree=2"),
         (dies_on_rank_1, WorkerDiedError, "TP worker rank 1"),
     ],

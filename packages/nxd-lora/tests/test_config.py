@@ -55,19 +55,27 @@ def test_merge_sharded_lora_saves_the_adapter_only_as_nxd_does() -> None:
     assert not LoraConfig().merge_sharded_lora
 
 
-def test_get_lora_model_wraps_only_when_enabled() -> None:
+def test_get_lora_model_wraps_whenever_a_config_is_given() -> None:
+    """NxD's current ``get_lora_model`` does not consult ``enable_lora``: a config without the
+    flag wraps (before the fix it returned the model unchanged), and so does an explicit
+    False."""
     from torch import nn
 
-    from nxd_lora import LoRAModel, get_lora_model
+    from nxd_lora import LoRAModel, LoraModel, get_lora_model
 
+    assert LoRAModel is LoraModel
     model = nn.Sequential(nn.Linear(4, 4))
     assert get_lora_model(model, None) is model
-    assert get_lora_model(model, LoraConfig(target_modules=["0"])) is model  # enable_lora=False
-    wrapped = get_lora_model(model, LoraConfig(enable_lora=True, target_modules=["0"]))
-    assert isinstance(wrapped, LoRAModel)
+    wrapped = get_lora_model(model, LoraConfig(target_modules=["0"]))
+    assert isinstance(wrapped, LoraModel)
     assert wrapped.module is model
-    with pytest.raises(ValueError, match="already is a LoRAModel"):
-        get_lora_model(wrapped, LoraConfig(enable_lora=True, target_modules=["0"]))
+    with pytest.raises(ValueError, match="already is a LoraModel"):
+        get_lora_model(wrapped, LoraConfig(target_modules=["0"]))
+    off = get_lora_model(
+        nn.Sequential(nn.Linear(4, 4)), LoraConfig(enable_lora=0, target_modules=["0"])
+    )
+    assert isinstance(off, LoraModel)
+    assert off.lora_config.enable_lora is False  # NxD's int flag, kept as a bool
 
 
 def test_peft_round_trip_and_unsupported_peft_options() -> None:

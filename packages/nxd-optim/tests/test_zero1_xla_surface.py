@@ -87,10 +87,14 @@ def _nxd_test_pattern() -> None:
     opt.step()
     norm = torch.nn.utils.clip_grad_norm_(list(reference.parameters()), 1.0)
     torch.testing.assert_close(opt.grad_norm, norm, **TOL)
-    (master,) = opt.base_optimizer.param_groups[0]["params"]  # one fp32 bucket
-    assert master.grad is not None, "the patched zero_grad keeps the clipped shard gradient"
+    (bucket,) = opt.dtype_buckets  # one fp32 bucket: weight (60) and bias (10), 35 per rank
+    assert bucket.master.grad is not None, "the patched zero_grad keeps the clipped gradient"
     flat = torch.cat([q.grad.reshape(-1) for q in reference.parameters()])  # clipped, 70 elems
-    torch.testing.assert_close(master.grad, flat[rank * 35 : (rank + 1) * 35], **TOL)
+    torch.testing.assert_close(bucket.master.grad, flat[rank * 35 : (rank + 1) * 35], **TOL)
+    # NxD's zip: one shard per param, this rank's piece of it (rank 0: weight[:35], no bias)
+    pieces = opt.base_optimizer.param_groups[0]["params"]
+    assert [p.numel() for p in pieces] == ([35, 0] if rank == 0 else [25, 10])
+    torch.testing.assert_close(torch.cat([p.grad for p in pieces]), bucket.master.grad, **TOL)
 
 
 def _attributes() -> None:
@@ -121,8 +125,12 @@ def _attributes() -> None:
         (0, (0, 1), torch.float32),
         (1, (0, 1, 2, 3), torch.float32),
     ]
-    masters = [p for g in opt.base_optimizer.param_groups for p in g["params"]]
-    assert all(b.master is m for b, m in zip(buckets, masters, strict=True))
+    # base_optimizer.param_groups: one piece of the master shard per param (NxD's tests zip
+    # them with ours), views sharing the masters' storage
+    assert [len(g["params"]) for g in opt.base_optimizer.param_groups] == [2, 4]
+    storages = {b.group_index: b.master.untyped_storage().data_ptr() for b in buckets}
+    for index, group in enumerate(opt.base_optimizer.param_groups):
+        assert all(p.untyped_storage().data_ptr() == storages[index] for p in group["params"])
     # LR schedulers act on our param groups; the step hands them to base_optimizer
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     _local_step(model, opt, 0)

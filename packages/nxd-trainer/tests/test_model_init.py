@@ -178,7 +178,7 @@ def check_hf_passthrough() -> None:
         num_key_value_heads=2,
     )
     model = nxd.initialize_parallel_model(
-        nxd.neuronx_distributed_config(), LlamaForCausalLM, config
+        nxd.neuronx_distributed_config(), LlamaForCausalLM, False, config
     )
     assert model.config is model.local_module().config
     assert model.dtype == torch.float32

@@ -3,6 +3,7 @@
 
 from nxd_lightning import (
     NeuronCheckpointIO,
+    NeuronHooksCallback,
     NeuronLTModule,
     NeuronTensorBoardLogger,
     NeuronTQDMProgressBar,
@@ -13,6 +14,7 @@ from nxd_lightning import (
 
 __all__ = [
     "NeuronCheckpointIO",
+    "NeuronHooksCallback",
     "NeuronLTModule",
     "NeuronTQDMProgressBar",
     "NeuronTensorBoardLogger",

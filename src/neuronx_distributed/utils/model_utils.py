@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
+import nxd_layers
 from nxd_state import get_local_world_size, move_model_to_device
 
 __all__ = [
@@ -55,34 +56,16 @@ def init_on_device(
     force_custom_init_on_device: bool = False,
 ) -> Iterator[None]:
     """Parameters (and buffers with ``include_buffers``) created inside are put on ``device``;
-    with ``torch.device("meta")`` a model is built without allocating its weights.
+    with ``torch.device("meta")`` a model is built without allocating its weights
+    (:func:`nxd_layers.init_on_device`).
 
     Other tensors created inside stay where they would be unless ``include_buffers`` is set,
     in which case every factory call defaults to ``device`` (torch's device context).
     ``force_custom_init_on_device`` is accepted for NxD's signature: NxD uses it to avoid
     accelerate's version, which this function never uses; ``requires_grad`` is always kept.
     """
-    target = torch.device(device)
-    if include_buffers:
-        with target:
-            yield
-        return
-    register = nn.Module.register_parameter
-
-    def register_on_device(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        register(module, name, param)
-        if param is not None and param.device != target:
-            moved = module._parameters[name]
-            assert moved is not None
-            new = type(moved)(moved.to(target), requires_grad=moved.requires_grad)
-            new.__dict__.update(moved.__dict__)  # keep parallel attributes
-            module._parameters[name] = new
-
-    nn.Module.register_parameter = register_on_device  # type: ignore[method-assign]
-    try:
+    with nxd_layers.init_on_device(device, include_buffers=include_buffers):
         yield
-    finally:
-        nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager

@@ -41,6 +41,7 @@ from nxd_layers.grads import (
 )
 from nxd_layers.linear import BaseParallelLinear, ColumnParallelLinear, RowParallelLinear
 from nxd_layers.loss_functions import from_parallel_logits_to_logprobs, parallel_cross_entropy
+from nxd_layers.meta_init import init_on_device, parameters_on_meta
 from nxd_layers.pad import (
     HEAD_ALIGNED,
     PER_RANK,
@@ -99,6 +100,7 @@ __all__ = [
     "get_number_of_extra_heads",
     "get_padding_length",
     "gqa_kv_replica_rows",
+    "init_on_device",
     "is_torch_version_greater_than_2",
     "mappings",
     "mark_sequence_parallel_parameter",
@@ -109,6 +111,7 @@ __all__ = [
     "parallel_cross_entropy",
     "param_is_not_shared",
     "param_is_not_tensor_parallel_duplicate",
+    "parameters_on_meta",
     "set_defaults_if_not_set_tensor_model_parallel_attributes",
     "set_tensor_model_parallel_attributes",
     "shard_for_rank",

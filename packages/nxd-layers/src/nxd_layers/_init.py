@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from nxd_layers._attributes import shard_for_rank
+from nxd_layers.meta_init import parameters_on_meta
 
 __all__ = ["InitMethod", "default_linear_init", "init_master", "is_meta", "sharded_parameter"]
 
@@ -29,7 +30,9 @@ def default_linear_init(weight: torch.Tensor) -> None:
 
 
 def is_meta(device: torch.device | str | None) -> bool:
-    return device is not None and torch.device(device).type == "meta"
+    """Whether the layer's parameters end on ``meta``: built with ``device="meta"``, or inside
+    ``init_on_device(torch.device("meta"))`` (then no master weight is drawn either)."""
+    return parameters_on_meta() or (device is not None and torch.device(device).type == "meta")
 
 
 def init_master(shape: tuple[int, ...], init_method: InitMethod | None) -> torch.Tensor:

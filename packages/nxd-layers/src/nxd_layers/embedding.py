@@ -90,7 +90,8 @@ class ParallelEmbedding(ParallelModuleMixin, nn.Module):
 
     ids are ``[b, s]`` (any shape without sequence parallelism). ``tensor_model_parallel_group``
     is NxD's name for ``tensor_parallel_group``; ``use_spmd_rank`` (an XLA SPMD tracing aid) is
-    not supported.
+    not supported. NxD's ``collect_output`` is accepted as True (the collected output above,
+    what this layer always returns); False is refused.
     """
 
     def __init__(
@@ -113,8 +114,16 @@ class ParallelEmbedding(ParallelModuleMixin, nn.Module):
         *,
         tensor_parallel_group: ProcessGroup | None = None,
         sequence_dimension: int = 0,
+        collect_output: bool = True,
     ) -> None:
         super().__init__()
+        if collect_output is not True:
+            raise ValueError(
+                f"ParallelEmbedding: collect_output={collect_output!r} is not supported; the "
+                f"output is always collected (all-reduced, reduce-scattered under sequence "
+                f"parallelism, or all-gathered with shard_across_embedding), as with "
+                f"collect_output=True"
+            )
         padding_idx, max_norm, norm_type, init_method, dtype, device = _reference_layout(
             padding_idx, max_norm, norm_type, init_method, dtype, device
         )

@@ -20,12 +20,14 @@ CUDA and XLA devices.
 * :class:`NeuronXLAPrecisionPlugin`: fp32, or bf16 with fp32 master weights;
 * :class:`NeuronTQDMProgressBar`, :class:`NeuronTensorBoardLogger`: one bar and one event stream
   for the job;
-* :class:`NeuronCheckpointIO`: Lightning checkpoints as nxd-ckpt tags (safetensors + JSON).
+* :class:`NeuronCheckpointIO`: Lightning checkpoints as nxd-ckpt tags (safetensors + JSON);
+* :class:`NeuronHooksCallback`: NxD's activation / gradient dumps of chosen layers.
 """
 
 from importlib.metadata import version as _version
 
 from nxd_lightning.checkpoint_io import NeuronCheckpointIO
+from nxd_lightning.hooks_callback import NeuronHooksCallback
 from nxd_lightning.logger import NeuronTensorBoardLogger
 from nxd_lightning.module import NeuronLTModule
 from nxd_lightning.precision import NeuronXLAPrecisionPlugin
@@ -36,6 +38,7 @@ __version__ = _version("nxd-lightning")
 
 __all__ = [
     "NeuronCheckpointIO",
+    "NeuronHooksCallback",
     "NeuronLTModule",
     "NeuronTQDMProgressBar",
     "NeuronTensorBoardLogger",

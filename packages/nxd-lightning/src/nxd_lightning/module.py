@@ -1,7 +1,8 @@
 """``NeuronLTModule``: NxD's LightningModule, built on the trainer API.
 
-* ``setup`` builds the model with ``initialize_parallel_model(nxd_config, model_fn, *model_args,
-  **model_kwargs)`` (each rank its TP shards / PP stages, on its device);
+* ``setup`` builds the model with ``initialize_parallel_model(nxd_config, model_fn,
+  include_buffers, *model_args, **model_kwargs)`` (each rank its TP shards / PP stages, on
+  its device);
 * ``configure_optimizers`` builds ``initialize_parallel_optimizer(nxd_config, opt_cls,
   param_groups, **opt_kwargs)`` and ``scheduler_cls(optimizer, *scheduler_args,
   **scheduler_kwargs)``;
@@ -67,36 +68,104 @@ def _run(fn: Callable[..., Any], batch: Any) -> Any:
     return fn(batch)
 
 
-class NeuronLTModule(LightningModule):
-    """NxD's ``NeuronLTModule(model_fn, nxd_config, opt_cls, scheduler_cls, model_args=(),
-    model_kwargs={}, opt_args=(), opt_kwargs={}, scheduler_args=(), scheduler_kwargs={},
-    grad_accum_steps=1, log_rank0=False, manual_opt=True)`` (module docstring).
+def _signature_model_fn_first(
+    model_fn: Callable[..., torch.nn.Module] | None = None,
+    nxd_config: Any = None,
+    opt_cls: Any = None,
+    scheduler_cls: Callable[..., Any] | None = None,
+    model_args: tuple = (),
+    model_kwargs: dict[str, Any] | None = None,
+    opt_args: tuple = (),
+    opt_kwargs: dict[str, Any] | None = None,
+    scheduler_args: tuple = (),
+    scheduler_kwargs: dict[str, Any] | None = None,
+    grad_accum_steps: int = 1,
+    log_rank0: bool = False,
+    manual_opt: bool = True,
+    *,
+    train_batch_size: int = 16,
+    logging_interval: int = 1,
+) -> None:
+    """NxD's earlier order (its API reference): ``model_fn`` first."""
 
+
+def _signature_config_first(
+    nxd_config: Any = None,
+    opt_cls: Any = None,
+    scheduler_cls: Callable[..., Any] | None = None,
+    model_args: tuple = (),
+    model_kwargs: dict[str, Any] | None = None,
+    opt_args: tuple = (),
+    opt_kwargs: dict[str, Any] | None = None,
+    scheduler_args: tuple = (),
+    scheduler_kwargs: dict[str, Any] | None = None,
+    model_fn: Callable[..., torch.nn.Module] | None = None,
+    grad_accum_steps: int = 1,
+    train_batch_size: int = 16,
+    logging_interval: int = 1,
+    log_rank0: bool = False,
+    manual_opt: bool = True,
+) -> None:
+    """NxD's current order (its code): ``nxd_config`` first, ``model_fn`` an optional keyword
+    after ``scheduler_kwargs``."""
+
+
+def _bind(args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The arguments by name, under whichever of NxD's two orders the call uses: the first
+    positional is ``nxd_config`` (a dict or an ``NxDConfig``, never callable) in the current
+    one, ``model_fn`` (callable or None) in the earlier one; keyword-only calls bind the same
+    under both."""
+    from nxd_trainer import NxDConfig
+
+    first = args[0] if args else None
+    config_first = isinstance(first, Mapping | NxDConfig)
+    signature = inspect.signature(
+        _signature_config_first if config_first else _signature_model_fn_first
+    )
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError as error:
+        order = (
+            "nxd_config, opt_cls, scheduler_cls"
+            if config_first
+            else ("model_fn, nxd_config, opt_cls, scheduler_cls")
+        )
+        raise TypeError(f"NeuronLTModule({order}, ...): {error}") from None
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+class NeuronLTModule(LightningModule):
+    """NxD's ``NeuronLTModule``, under both of NxD's argument orders: its current
+    ``NeuronLTModule(nxd_config, opt_cls, scheduler_cls, model_args=(), model_kwargs={},
+    opt_args=(), opt_kwargs={}, scheduler_args=(), scheduler_kwargs={}, model_fn=None,
+    grad_accum_steps=1, train_batch_size=16, logging_interval=1, log_rank0=False,
+    manual_opt=True)`` and its API reference's earlier ``NeuronLTModule(model_fn, nxd_config,
+    opt_cls, scheduler_cls, model_args=(), ..., grad_accum_steps=1, log_rank0=False,
+    manual_opt=True)``; the first positional argument tells them apart (a config is a dict, a
+    ``model_fn`` is callable) (module docstring).
+
+    ``model_fn`` may be None, as in NxD: a subclass then builds ``self.model`` in its own
+    ``setup()`` (NxD's Llama example does). The base ``setup(stage, include_buffers=False)``
+    refuses to run without it. ``nxd_config`` and ``opt_cls`` are required.
     ``scheduler_cls`` may be None (no scheduler). ``opt_args`` are bound to ``opt_cls``'s
     parameters after ``params``. ``manual_opt=False`` is refused, as NxD documents that only
-    manual optimisation is supported. NxD's later keywords ``train_batch_size`` and
-    ``logging_interval`` are accepted and kept as attributes.
+    manual optimisation is supported. ``train_batch_size`` and ``logging_interval`` are kept
+    as attributes.
     """
 
-    def __init__(
-        self,
-        model_fn: Callable[..., torch.nn.Module],
-        nxd_config: dict[str, Any],
-        opt_cls: type[torch.optim.Optimizer],
-        scheduler_cls: Callable[..., Any] | None,
-        model_args: tuple = (),
-        model_kwargs: dict[str, Any] | None = None,
-        opt_args: tuple = (),
-        opt_kwargs: dict[str, Any] | None = None,
-        scheduler_args: tuple = (),
-        scheduler_kwargs: dict[str, Any] | None = None,
-        grad_accum_steps: int = 1,
-        log_rank0: bool = False,
-        manual_opt: bool = True,
-        *,
-        train_batch_size: int = 16,
-        logging_interval: int = 1,
-    ) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        bound = _bind(args, kwargs)
+        model_fn = bound["model_fn"]
+        nxd_config = bound["nxd_config"]
+        opt_cls = bound["opt_cls"]
+        scheduler_cls = bound["scheduler_cls"]
+        model_args, model_kwargs = bound["model_args"], bound["model_kwargs"]
+        opt_args, opt_kwargs = bound["opt_args"], bound["opt_kwargs"]
+        scheduler_args, scheduler_kwargs = bound["scheduler_args"], bound["scheduler_kwargs"]
+        grad_accum_steps, log_rank0 = bound["grad_accum_steps"], bound["log_rank0"]
+        manual_opt = bound["manual_opt"]
+        train_batch_size, logging_interval = bound["train_batch_size"], bound["logging_interval"]
         super().__init__()
         if not manual_opt:
             raise ValueError(
@@ -112,7 +181,9 @@ class NeuronLTModule(LightningModule):
             raise ValueError(
                 f"grad_accum_steps must be a positive integer, got {grad_accum_steps!r}"
             )
-        _check_callable("model_fn", model_fn)
+        if nxd_config is None:
+            raise TypeError("NeuronLTModule needs nxd_config (from neuronx_distributed_config)")
+        _check_callable("model_fn", model_fn, allow_none=True)
         _check_callable("scheduler_cls", scheduler_cls, allow_none=True)
         if not (isinstance(opt_cls, type) and issubclass(opt_cls, torch.optim.Optimizer)):
             raise TypeError(f"opt_cls must be a torch.optim.Optimizer subclass, got {opt_cls!r}")
@@ -146,7 +217,9 @@ class NeuronLTModule(LightningModule):
         self.print_pp_rank = 0
 
     # Building -------------------------------------------------------------------------------
-    def setup(self, stage: str | None = None) -> None:
+    def setup(self, stage: str | None = None, include_buffers: bool = False) -> None:
+        """Build ``self.model = initialize_parallel_model(nxd_config, model_fn,
+        include_buffers, *model_args, **model_kwargs)`` (once)."""
         if isinstance(getattr(self, "model", None), torch.nn.Module):
             return  # fit, then validate: built once
         from nxd_lightning.strategy import NxDStrategy
@@ -165,10 +238,16 @@ class NeuronLTModule(LightningModule):
                 f"pipeline_parallel_size={wanted[1]} but the strategy runs {have[0]} and "
                 f"{have[1]}: give both the same config"
             )
+        if self.model_fn is None:
+            raise TypeError(
+                f"{type(self).__qualname__}: model_fn is None, so the model cannot be built; "
+                f"pass model_fn=..., or override setup() to build self.model (NxD's Llama "
+                f"example does)"
+            )
         from nxd_trainer import initialize_parallel_model
 
         self.model = initialize_parallel_model(
-            self.nxd_config, self.model_fn, *self.model_args, **self.model_kwargs
+            self.nxd_config, self.model_fn, include_buffers, *self.model_args, **self.model_kwargs
         )
         device = nxd_state.current_device()
         self.averaged_loss = torch.zeros((), dtype=torch.float64, device=device)

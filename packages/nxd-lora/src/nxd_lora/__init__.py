@@ -29,7 +29,7 @@ from nxd_lora.checkpoint import (
 )
 from nxd_lora.config import BIAS_MODES, INIT_MODES, LoraConfig
 from nxd_lora.layers import LoraConv2d, LoraEmbedding, LoraLayer, LoraLinear
-from nxd_lora.model import LoRAModel, LoraModel, get_lora_model
+from nxd_lora.model import LoRAModel, LoraModel, get_lora_model, lora_requested
 from nxd_lora.tp_layers import LoraGQAQKVParallelLinear, LoraParallelLinear
 
 __version__ = _version("nxd-lora")
@@ -58,6 +58,7 @@ __all__ = [
     "load_peft_adapter",
     "load_peft_state_dict",
     "lora_checkpoint_dir",
+    "lora_requested",
     "peft_adapter_config",
     "read_peft_adapter",
     "save_lora",

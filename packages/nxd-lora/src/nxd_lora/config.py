@@ -41,7 +41,10 @@ class LoraConfig:
     """LoRA settings with NxD's names, validated on creation."""
 
     enable_lora: bool = False
-    """Apply LoRA to the model (the trainer wraps the model in :class:`LoRAModel` when set)."""
+    """NxD's flag and default, accepted and not consulted: as in NxD's current code (its
+    trainer and ``get_lora_model``), every given ``LoraConfig`` is applied, whatever this says;
+    to train without LoRA pass ``lora_config=None``. Ints 0 / 1 (NxD's scripts pass int flags)
+    become bools."""
 
     lora_rank: int = 16
     """``r``, the inner dimension of ``B A``: a positive integer."""
@@ -100,6 +103,11 @@ class LoraConfig:
     K/V head). As in NxD, this turns ``save_lora_base`` and ``merge_lora`` off."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.enable_lora, bool):
+            if isinstance(self.enable_lora, int) and self.enable_lora in (0, 1):
+                self.enable_lora = bool(self.enable_lora)  # NxD's scripts pass int flags
+            else:
+                raise TypeError(f"enable_lora must be a bool, got {self.enable_lora!r}")
         if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int):
             raise TypeError(f"lora_rank must be an int, got {self.lora_rank!r}")
         if self.lora_rank <= 0:

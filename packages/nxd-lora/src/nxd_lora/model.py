@@ -20,7 +20,13 @@ from nxd_lora._targets import default_target_modules, match_modules
 from nxd_lora.config import LoraConfig
 from nxd_lora.layers import LoraConv2d, LoraEmbedding, LoraLayer, LoraLinear
 
-__all__ = ["LoRAModel", "LoraModel", "get_lora_model", "lora_layer_factories"]
+__all__ = [
+    "LoRAModel",
+    "LoraModel",
+    "get_lora_model",
+    "lora_layer_factories",
+    "lora_requested",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -39,12 +45,15 @@ def lora_layer_factories() -> list[tuple[type, Callable[[Any, LoraConfig], LoraL
     ]
 
 
-class LoRAModel(nn.Module):
-    """NxD's ``LoRAModel(module, LoraConfig)``: ``module`` with LoRA on its target modules.
+class LoraModel(nn.Module):
+    """NxD's ``LoraModel(module, LoraConfig)`` (``LoRAModel`` in its API reference; one class
+    under both names): ``module`` with LoRA on its target modules.
 
     With ``config.load_lora_from_ckpt`` the adapter saved in
     ``config.lora_save_dir``/``config.lora_load_tag`` is loaded (its saved config wins, as in
-    NxD); see :mod:`nxd_lora.checkpoint`.
+    NxD); see :mod:`nxd_lora.checkpoint`. A checkpoint read some other way can be handed over
+    as NxD's loader does, ``model.lora_ckpt = state_dict``, and is loaded by the next
+    :meth:`load_state_dict` (or passed to it as ``lora_ckpt=``).
     """
 
     prefix = "lora_"
@@ -59,6 +68,8 @@ class LoRAModel(nn.Module):
         self.lora_config = config
         self.is_lora_merged = False
         self.lora_module_names: list[str] = []
+        self.lora_ckpt: Mapping[str, Any] | None = None  # NxD's pending adapter checkpoint
+        self.is_checkpoint_loaded = False
         if config.load_lora_from_ckpt:
             from nxd_lora.checkpoint import load_lora_checkpoint_into
 
@@ -211,16 +222,59 @@ class LoRAModel(nn.Module):
         return out
 
     def load_state_dict(  # type: ignore[override]
-        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+        self,
+        state_dict: Mapping[str, Any] | None = None,
+        strict: bool = True,
+        assign: bool = False,
+        *,
+        lora_ckpt: Mapping[str, Any] | None = None,
     ) -> nn.modules.module._IncompatibleKeys:
-        """Load a :meth:`state_dict` of any save mode (base keys under original names).
+        """Load a :meth:`state_dict` of any save mode (base keys under original names), then,
+        as NxD does, the pending adapter checkpoint.
+
+        Two steps, NxD's: (1) ``state_dict`` (None: skipped; also skipped when the pending
+        checkpoint came from disk with ``save_lora_base``, since it holds the base); (2) the
+        adapter checkpoint: ``lora_ckpt`` when given, else ``self.lora_ckpt`` when
+        ``lora_config.load_lora_from_ckpt`` (where NxD's loader leaves it).
 
         ``strict``: every key must name a parameter or buffer of this model, with the same
         shape, and every adapter tensor must be present (unless the dict is a merged base).
+        The result lists the model's keys that neither dict held and every unexpected key.
         """
+        pending = lora_ckpt
+        if pending is None and self.lora_config.load_lora_from_ckpt:
+            pending = self.lora_ckpt
+        if state_dict is None and pending is None:
+            raise ValueError(
+                "LoraModel.load_state_dict: no state_dict and no pending adapter checkpoint "
+                "(pass lora_ckpt=, or set model.lora_ckpt with lora_config.load_lora_from_ckpt)"
+            )
+        dicts: list[Mapping[str, Any]] = []
+        base_in_pending = self.lora_config.save_lora_base and self.is_checkpoint_loaded
+        if state_dict is not None and not (pending is not None and base_in_pending):
+            dicts.append(state_dict)
+        if pending is not None:
+            dicts.append(pending)
         own = self.module.state_dict()
+        for one in dicts:
+            self._check_loadable(one, own, strict=strict)
+        loaded: set[str] = set()
+        unexpected: set[str] = set()
+        for one in dicts:
+            translated = {self.wrapped_name(k): v for k, v in one.items()}
+            self.module.load_state_dict(
+                {k: v for k, v in translated.items() if k in own}, strict=False, assign=assign
+            )
+            loaded.update(k for k in translated if k in own)
+            unexpected.update(k for k in translated if k not in own)
+        missing = [k for k in own if k not in loaded]
+        return nn.modules.module._IncompatibleKeys(missing, sorted(unexpected))
+
+    def _check_loadable(
+        self, state_dict: Mapping[str, Any], own: Mapping[str, Any], *, strict: bool
+    ) -> None:
+        """Shapes always; with ``strict`` unknown keys and missing adapter tensors too."""
         translated = {self.wrapped_name(k): v for k, v in state_dict.items()}
-        unexpected = sorted(k for k in translated if k not in own)
         shape_errors = [
             f"{k}: checkpoint {tuple(v.shape)} vs model {tuple(own[k].shape)}"
             for k, v in translated.items()
@@ -231,19 +285,18 @@ class LoRAModel(nn.Module):
                 "LoRA state dict does not match the model (check lora_rank and the TP degree): "
                 + "; ".join(shape_errors[:6])
             )
+        if not strict:
+            return
+        unexpected = sorted(k for k in translated if k not in own)
         has_adapter = any(self.is_adapter_key(k) for k in translated)
         missing_adapter = sorted(
             k for k in own if self.is_adapter_key(k) and k not in translated and has_adapter
         )
-        if strict and (unexpected or missing_adapter):
+        if unexpected or missing_adapter:
             raise ValueError(
                 f"LoRA state dict does not match the model: unexpected keys {unexpected[:8]}, "
                 f"missing adapter keys {missing_adapter[:8]}"
             )
-        result = self.module.load_state_dict(
-            {k: v for k, v in translated.items() if k in own}, strict=False, assign=assign
-        )
-        return nn.modules.module._IncompatibleKeys(result.missing_keys, unexpected)
 
     def save_lora(self, save_dir: str | None = None, adapter_tag: str | None = None) -> None:
         """NxD's ``save_lora``: :func:`nxd_lora.save_lora` into ``save_dir/adapter_tag``."""
@@ -278,14 +331,29 @@ class LoRAModel(nn.Module):
         )
 
 
-LoraModel = LoRAModel  # the class name in NxD's source
+LoRAModel = LoraModel  # the name NxD's API reference uses
+
+
+def lora_requested(lora_config: LoraConfig | None, where: str) -> bool:
+    """Whether ``lora_config`` applies LoRA: whenever it is a :class:`LoraConfig`, as in NxD's
+    current code (its ``enable_lora`` is not consulted, so a ported script trains the same
+    model as on NxD); anything else but None is an error naming ``where``."""
+    if lora_config is None:
+        return False
+    if not isinstance(lora_config, LoraConfig):
+        raise TypeError(
+            f"{where}: lora_config must be an nxd_lora.LoraConfig, got {type(lora_config).__name__}"
+        )
+    return True
 
 
 def get_lora_model(model: nn.Module, lora_config: LoraConfig | None) -> nn.Module:
-    """NxD's ``get_lora_model``: ``model`` wrapped in :class:`LoRAModel` when ``lora_config``
-    enables LoRA, else ``model`` itself (``None`` or ``enable_lora=False``)."""
-    if lora_config is None or not lora_config.enable_lora:
+    """NxD's ``get_lora_model``: ``model`` wrapped in :class:`LoraModel` whenever a
+    ``lora_config`` is given (``None``: ``model`` itself), whatever its ``enable_lora`` says
+    (see :func:`lora_requested`)."""
+    if not lora_requested(lora_config, "get_lora_model"):
         return model
-    if isinstance(model, LoRAModel):
-        raise ValueError("get_lora_model: the model already is a LoRAModel; wrap it only once")
-    return LoRAModel(model, lora_config)
+    if isinstance(model, LoraModel):
+        raise ValueError("get_lora_model: the model already is a LoraModel; wrap it only once")
+    assert lora_config is not None
+    return LoraModel(model, lora_config)

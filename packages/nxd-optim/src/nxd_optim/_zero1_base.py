@@ -20,6 +20,7 @@ from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
 from nxd_optim import _zero1_checkpoint
+from nxd_optim._base_view import BaseOptimizerView
 from nxd_optim._buckets import DtypeBucket, split_by_dtype
 from nxd_optim._flat import FlatLayout
 from nxd_optim._groups import (
@@ -113,6 +114,7 @@ class Zero1Setup(Optimizer):
         self._buckets: list[DtypeBucket] = []
         self._grads: GradientStore | None = None
         self._inner: Optimizer | None = None
+        self._base_view: BaseOptimizerView | None = None
         self._grad_norm: torch.Tensor | None = None
         self.inited = False
         super().__init__(groups, defaults)
@@ -179,16 +181,26 @@ class Zero1Setup(Optimizer):
     # torch-xla's attributes -------------------------------------------------------------
     @property
     def base_optimizer(self) -> Optimizer:
-        """The inner optimizer, stepping one master shard per dtype bucket."""
+        """The inner optimizer, stepping one master shard per dtype bucket, seen through
+        :class:`~nxd_optim._base_view.BaseOptimizerView`: its ``param_groups`` list one piece
+        of the master shard per parameter, as NxD's tests zip them with ours."""
         if self._inner is None:
             raise AttributeError(
                 "base_optimizer does not exist before init_zero() (lazy_init=True)"
             )
-        return self._inner
+        if self._base_view is None or self._base_view._inner is not self._inner:
+            self._base_view = BaseOptimizerView(self, self._inner)
+        return self._base_view  # type: ignore[return-value]
 
     @property
     def inner_optimizer(self) -> Optimizer:
         return self.base_optimizer
+
+    def _inner_optimizer(self) -> Optimizer:
+        """The inner optimizer itself (flat master shards in its ``param_groups``)."""
+        self.base_optimizer  # noqa: B018 - the clear error before init_zero()
+        assert self._inner is not None
+        return self._inner
 
     @property
     def dtype_buckets(self) -> tuple[DtypeBucket, ...]:
@@ -271,7 +283,7 @@ class Zero1Setup(Optimizer):
             return
         index = len(self.param_groups) - 1
         self._buckets.extend(self._build_buckets(index))
-        self.base_optimizer.add_param_group(self._inner_group(index))
+        self._inner_optimizer().add_param_group(self._inner_group(index))
         self._store_add(self.param_groups[index]["params"])
         self._adopt_inner_defaults()
 
@@ -329,11 +341,11 @@ class Zero1Setup(Optimizer):
 
     def _adopt_inner_defaults(self) -> None:
         """Expose the inner optimizer's hyper-parameters (lr, betas …) on our param groups."""
-        for group, inner in zip(self.param_groups, self.base_optimizer.param_groups):
+        for group, inner in zip(self.param_groups, self._inner_optimizer().param_groups):
             for key, value in inner.items():
                 if key != "params":
                     group.setdefault(key, value)
-        for key, value in self.base_optimizer.defaults.items():
+        for key, value in self._inner_optimizer().defaults.items():
             self.defaults.setdefault(key, value)
 
     def _all_params(self) -> list[torch.Tensor]:

@@ -193,7 +193,7 @@ class NeuronZero1Optimizer(Zero1Setup):
 
     def _sync_hyperparameters(self) -> None:
         """LR schedulers edit our param groups; the inner optimizer reads its own."""
-        for group, inner in zip(self.param_groups, self.base_optimizer.param_groups):
+        for group, inner in zip(self.param_groups, self._inner_optimizer().param_groups):
             for key, value in group.items():
                 if key != "params":
                     inner[key] = value

@@ -10,6 +10,7 @@ without processes, and a runtime whose point-to-point transfers go through
 from importlib.metadata import version as _version
 
 from nxd_pipeline._actions import Action, ActionKind
+from nxd_pipeline._arguments import XLA_RUNTIME_OPTIONS
 from nxd_pipeline._backward import backward_full, backward_input, backward_weight
 from nxd_pipeline._comm import recv_from, send
 from nxd_pipeline._loss import select_loss
@@ -31,6 +32,7 @@ __version__ = _version("nxd-pipeline")
 
 __all__ = [
     "SCHEDULE_NAMES",
+    "XLA_RUNTIME_OPTIONS",
     "Action",
     "ActionKind",
     "ActionTiming",

@@ -23,10 +23,11 @@ with wrong gradients.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -104,17 +105,55 @@ def _cache_key(
     return (type(module), described, layout, tuple(names), tuple(keep))
 
 
+@contextlib.contextmanager
+def _autocast_on_meta() -> Iterator[None]:
+    """``torch.autocast(device_type="meta", enabled=False)`` allowed while capturing.
+
+    Models commonly switch autocast off around precision-sensitive code for the device of
+    their inputs (``torch.autocast(device_type=x.device.type, enabled=False)``, e.g. rotary
+    tables); capturing a meta-device model makes that ``"meta"``, which torch refuses
+    ("unsupported scalarType"). Switching autocast off changes nothing in a capture made with
+    autocast off, so the block is entered for this rank's device type instead. Switching
+    autocast *on* for ``"meta"`` would need the dtype the real device would cast to: refused.
+    """
+    import nxd_state
+
+    original = torch.autocast
+    rank_device_type = nxd_state.current_device().type
+
+    class _Autocast(original):  # type: ignore[misc, valid-type]
+        def __init__(self, device_type: str, *args: Any, **kwargs: Any) -> None:
+            if device_type == "meta":
+                enabled = kwargs.get("enabled", args[1] if len(args) > 1 else True)
+                if enabled:
+                    raise PipelineTraceError(
+                        "the model enables torch.autocast for its inputs' device while being "
+                        "captured on the meta device; build it with meta_device_init=False, "
+                        "or enable autocast around run_train instead"
+                    )
+                device_type = rank_device_type
+            super().__init__(device_type, *args, **kwargs)
+
+    torch.autocast = torch.amp.autocast = _Autocast  # type: ignore[misc, assignment]
+    try:
+        yield
+    finally:
+        torch.autocast = torch.amp.autocast = original  # type: ignore[misc]
+
+
 def _export(
     module: nn.Module, kwargs: dict[str, Any], dynamic: dict[str, Any], keep: Sequence[str]
 ) -> torch.export.ExportedProgram:
-    return torch.export.export(
-        module,
-        (),
-        kwargs,
-        strict=False,
-        dynamic_shapes=dynamic,
-        preserve_module_call_signature=tuple(keep),
-    )
+    on_meta = any(p.is_meta for p in module.parameters())
+    with _autocast_on_meta() if on_meta else contextlib.nullcontext():
+        return torch.export.export(
+            module,
+            (),
+            kwargs,
+            strict=False,
+            dynamic_shapes=dynamic,
+            preserve_module_call_signature=tuple(keep),
+        )
 
 
 def _export_keeping(

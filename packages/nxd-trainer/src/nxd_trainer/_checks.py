@@ -12,6 +12,7 @@ from dataclasses import fields
 from typing import Any
 
 __all__ = [
+    "as_bool",
     "check_bool",
     "check_choice",
     "check_positive_int",
@@ -56,6 +57,16 @@ def section_fields(cls: type) -> list[str]:
 def check_bool(section: str, name: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{section}[{name!r}] must be a bool, got {value!r}")
+
+
+def as_bool(section: str, name: str, value: Any) -> bool:
+    """``value`` as a bool: a bool, or the int 0 / 1 NxD's example scripts pass for flags
+    (``sequence_parallel=args.use_sequence_parallel``); anything else is an error."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise TypeError(f"{section}[{name!r}] must be a bool (or the int 0 or 1), got {value!r}")
 
 
 def check_positive_int(section: str, name: str, value: Any, upper: int | None = None) -> None:

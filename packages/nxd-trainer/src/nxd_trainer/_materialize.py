@@ -1,11 +1,11 @@
 """Building the model without ever holding more than this rank's part of it.
 
-Meta-device init: ``model_fn`` runs under ``torch.device("meta")``, so every tensor it creates
-(parameters, the full master weights the TP layers slice from, buffers) has a shape and no
-storage. :func:`materialize_meta_module` then gives each meta parameter storage on the target
-device (one tensor per parameter, so tied weights stay tied; sharding attributes kept) and calls
-``param_init_fn`` on every module owning one, as NxD does. Under pipeline parallelism
-:class:`nxd_pipeline.NxDPPModel` does the same for the local stages only.
+Meta-device init: ``model_fn`` runs under ``nxd_layers.init_on_device(meta)``, so every
+parameter it registers has a shape and no storage and the TP layers draw no master weight
+(buffers too with ``include_buffers``). :func:`materialize_meta_module` then gives each meta
+parameter storage on the target device (one tensor per parameter, so tied weights stay tied;
+sharding attributes kept) and calls ``param_init_fn`` on every module, as NxD does. Under
+pipeline parallelism :class:`nxd_pipeline.NxDPPModel` does it for the local stages only.
 
 Waves: ``sequential_move_factor = f`` lets the ranks of a node build in waves of ``f`` local
 ranks (wave ``k`` = local ranks ``k·f .. k·f + f − 1``), a world barrier between waves, so at
@@ -57,14 +57,21 @@ def as_module_init(
 
 
 def materialize_meta_module(
-    model: nn.Module, device: torch.device, init: Callable[[nn.Module], None]
+    model: nn.Module,
+    device: torch.device,
+    init: Callable[[nn.Module], None],
+    *,
+    every_module: bool = True,
 ) -> int:
     """Allocate every meta parameter of ``model`` on ``device`` and initialise it; returns how
     many parameters were materialised.
 
-    ``init(module)`` is called once per module owning a meta parameter or a meta buffer, with
-    that module's parameters already allocated (uninitialised): it fills them and must set
-    its meta buffers (rotary tables ...), which are an error if still on ``meta`` afterwards.
+    ``init(module)`` is called, parents first, on every module of ``model`` (NxD's rule: a
+    ``param_init_fn`` may replace a child, e.g. a rotary embedding whose tables are on
+    ``meta``), or with ``every_module=False`` once per module owning a meta parameter or a
+    meta buffer; each module's parameters are already allocated (uninitialised) when it is
+    given. It fills them and must set (or replace the owners of) the meta buffers, which are
+    an error if still on ``meta`` afterwards.
     """
     replaced: dict[int, nn.Parameter] = {}
     owners: list[nn.Module] = []
@@ -85,17 +92,25 @@ def materialize_meta_module(
         if owns or any(b is not None and b.is_meta for b in module._buffers.values()):
             owners.append(module)
     with torch.no_grad():
-        for module in owners:
-            init(module)
+        if every_module:
+            for module in model.modules():  # live: a child a parent replaced is visited
+                init(module)
+        else:
+            for module in owners:
+                init(module)
     still_meta = [name for name, b in model.named_buffers() if b.is_meta]
     if still_meta:
         raise ValueError(
             f"buffers {still_meta[:8]} are still on the meta device after param_init_fn: "
-            f"param_init_fn(module) must also set the meta buffers of the module it is given"
+            f"param_init_fn(module) must also set the meta buffers of the module it is given "
+            f"(or build the model with include_buffers=False: buffers then keep their values)"
         )
     unset = [name for name, p in model.named_parameters() if p.is_meta]
-    if unset:  # pragma: no cover - every meta parameter was replaced above
-        raise RuntimeError(f"parameters {unset[:8]} are still on the meta device")
+    if unset:
+        raise ValueError(
+            f"parameters {unset[:8]} are on the meta device after param_init_fn: a module "
+            f"param_init_fn created holds meta parameters"
+        )
     logger.info("materialised %d meta parameters on %s", len(replaced), device)
     return len(replaced)
 

@@ -103,6 +103,20 @@ def _note_zero1_dcp(use_zero1_dcp: bool) -> None:
 _ZERO1_DCP_NOTED = False
 
 
+def _kept(num_kept_ckpts: Any) -> Any:
+    """NxD's ``num_kept_ckpts``: None or -1 (its scripts' default) keep every tag, N >= 1 the
+    newest N; 0 and other negatives say neither and are refused."""
+    if isinstance(num_kept_ckpts, int) and not isinstance(num_kept_ckpts, bool):
+        if num_kept_ckpts == -1:
+            return None
+        if num_kept_ckpts < 1:
+            raise ValueError(
+                f"num_kept_ckpts must be None or -1 (keep every checkpoint) or >= 1 (keep the "
+                f"newest N), got {num_kept_ckpts}"
+            )
+    return num_kept_ckpts  # None, N >= 1, or a bad type that nxd-ckpt names
+
+
 def save_checkpoint(
     checkpoint_dir_str: str | os.PathLike[str],
     tag: str = "",
@@ -127,12 +141,13 @@ def save_checkpoint(
     name: ZeRO-1 shards and kept fp32 masters included), ``scheduler``, ``user_content``
     (dicts, lists, numbers, strings, tensors; no pickle) and every RNG state of every rank.
     ``tag=""`` writes into ``checkpoint_dir_str`` itself. ``num_kept_ckpts`` keeps the newest N
-    complete tags; ``async_save`` copies the state to host memory and writes it in the
-    background (the next save, :func:`load_checkpoint`, :func:`finalize_checkpoint` and
-    interpreter exit wait for it). ``num_workers``: ranks of a host writing at once (1-32).
-    ``use_xser`` is accepted (the format always writes tensor by tensor). ``nxd_config`` (the
-    reference's sample passes it) is checked against the optimizer; ``zero1_optimizer`` is
-    accepted as in NxD (ZeRO-1 is read from the optimizer). ``use_zero1_dcp`` is accepted and
+    complete tags (None or -1: all of them); ``async_save`` copies the state to host memory
+    and writes it in the background (the next save, :func:`load_checkpoint`,
+    :func:`finalize_checkpoint` and interpreter exit wait for it). ``num_workers``: ranks of
+    a host writing at once (1-32). ``use_xser`` is accepted (the format always writes tensor
+    by tensor). ``nxd_config`` (the reference's sample passes it) is checked against the
+    optimizer; ``zero1_optimizer`` is accepted as in NxD (ZeRO-1 is read from the
+    optimizer). ``use_zero1_dcp`` is accepted and
     changes nothing (see :func:`load_checkpoint`).
     """
     import nxd_ckpt
@@ -149,7 +164,7 @@ def save_checkpoint(
         user_content=user_content,
         num_workers=num_workers,
         use_xser=use_xser,
-        num_kept_ckpts=num_kept_ckpts,
+        num_kept_ckpts=_kept(num_kept_ckpts),
         async_save=async_save,
         zero1_optimizer=zero1,
     )

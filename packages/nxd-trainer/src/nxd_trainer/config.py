@@ -21,7 +21,13 @@ from torch import nn
 
 import nxd_state
 from nxd_state.layout import check_unsupported_degree
-from nxd_trainer._checks import check_bool, check_positive_int, closest, reject_unknown_keys
+from nxd_trainer._checks import (
+    as_bool,
+    check_bool,
+    check_positive_int,
+    closest,
+    reject_unknown_keys,
+)
 from nxd_trainer.sections import (
     MixedPrecisionConfig,
     ModelInitConfig,
@@ -115,7 +121,8 @@ class NxDConfig:
     """:class:`~nxd_trainer.ModelInitConfig`: meta-device init, ``param_init_fn``, waves."""
 
     lora_config: Any = None
-    """An ``nxd_lora.LoraConfig``; LoRA is applied when its ``enable_lora`` is set."""
+    """An ``nxd_lora.LoraConfig``: LoRA is applied whenever one is given, as in NxD (its
+    ``enable_lora`` is not consulted)."""
 
     mixed_precision_config: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
     """:class:`~nxd_trainer.MixedPrecisionConfig`, resolved against ZeRO-1 on creation."""
@@ -149,7 +156,7 @@ class NxDConfig:
             raise ValueError(
                 f"pad_model must be True, False or 'head_aligned', got {self.pad_model!r}"
             )
-        check_bool("config", "sequence_parallel", self.sequence_parallel)
+        self.sequence_parallel = as_bool("config", "sequence_parallel", self.sequence_parallel)
         check_bool("config", "parallelize_hf_models", self.parallelize_hf_models)
         _check_activation_checkpoint(self.activation_checkpoint_config)
         if self.lora_config is not None:
@@ -245,7 +252,8 @@ class NxDConfig:
 
     @property
     def lora_enabled(self) -> bool:
-        return self.lora_config is not None and bool(self.lora_config.enable_lora)
+        """Whether LoRA is applied: a ``LoraConfig`` is given (as in NxD)."""
+        return self.lora_config is not None
 
     def check_world(self, world_size: int) -> nxd_state.ParallelLayout:
         """The ``[PP, DP, TP]`` layout on ``world_size`` ranks (the degrees must fit)."""

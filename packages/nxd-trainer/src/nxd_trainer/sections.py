@@ -11,12 +11,12 @@ in :class:`nxd_trainer.NxDConfig`.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from types import ModuleType
 from typing import Any, TypeVar
 
 from nxd_trainer._checks import (
-    check_bool,
+    as_bool,
     check_choice,
     check_positive_int,
     reject_unknown_keys,
@@ -46,8 +46,11 @@ def _parse(cls: type[S], section: str, value: Any) -> S:
 
 
 def as_dict(section: Any) -> dict[str, Any]:
-    """The section as NxD's dict (shallow: classes and functions are kept as they are)."""
-    return {f.name: getattr(section, f.name) for f in fields(section)}
+    """The section as NxD's dict (shallow: classes and functions are kept as they are); a
+    pipeline section's XLA runtime knobs become top-level keys, as NxD's scripts write them."""
+    out = {f.name: getattr(section, f.name) for f in fields(section)}
+    out.update(out.pop("xla_runtime_options", None) or {})
+    return out
 
 
 @dataclass(kw_only=True)
@@ -73,8 +76,8 @@ class OptimizerConfig:
 
     def __post_init__(self) -> None:
         section = "optimizer_config"
-        check_bool(section, "zero_one_enabled", self.zero_one_enabled)
-        check_bool(section, "grad_clipping", self.grad_clipping)
+        self.zero_one_enabled = as_bool(section, "zero_one_enabled", self.zero_one_enabled)
+        self.grad_clipping = as_bool(section, "grad_clipping", self.grad_clipping)
         if self.grad_clipping and not (
             isinstance(self.max_grad_norm, (int, float))
             and not isinstance(self.max_grad_norm, bool)
@@ -125,8 +128,10 @@ class MixedPrecisionConfig:
         for name in ("use_master_weights", "use_fp32_grad_acc"):
             value = getattr(self, name)
             if value is not None:
-                check_bool(section, name, value)
-        check_bool(section, "use_master_weights_in_ckpt", self.use_master_weights_in_ckpt)
+                setattr(self, name, as_bool(section, name, value))
+        self.use_master_weights_in_ckpt = as_bool(
+            section, "use_master_weights_in_ckpt", self.use_master_weights_in_ckpt
+        )
 
     def resolved(self, zero_one_enabled: bool) -> MixedPrecisionConfig:
         """NxD's defaults filled in from ``zero_one_enabled``; rejects contradictions."""
@@ -174,7 +179,7 @@ class ModelInitConfig:
             section, "sequential_move_factor", self.sequential_move_factor,
             upper=MAX_SEQUENTIAL_MOVE_FACTOR,
         )  # fmt: skip
-        check_bool(section, "meta_device_init", self.meta_device_init)
+        self.meta_device_init = as_bool(section, "meta_device_init", self.meta_device_init)
         if self.param_init_fn is not None and not callable(self.param_init_fn):
             raise TypeError(
                 f"model_init_config['param_init_fn'] must be callable, got {self.param_init_fn!r}"
@@ -278,6 +283,19 @@ class PipelineConfig:
     deallocate_pipeline_outputs: bool = False
     """NxD's XLA memory option; nxd frees sent activations anyway (accepted, logged)."""
 
+    fuse_microbatches: bool = False
+    """NxD's XLA option (one graph for all micro-batches): accepted and passed to
+    ``NxDPPModel``, where it has no effect on the computation (as there, it turns
+    ``return_loss_on_cpu`` off)."""
+
+    autowrap_obj_methods: dict[Any, list[str]] | None = None
+    """Objects whose named methods the FX tracer records as calls (``{obj: ["method"]}``)."""
+
+    xla_runtime_options: dict[str, Any] = field(default_factory=dict)
+    """NxD's private XLA runtime knobs given as ``pipeline_config`` keys
+    (``_all_reduce_send_recv``, ``_use_gloo_for_metadata_comm`` ...): accepted, passed to
+    ``NxDPPModel``, no effect. In NxD's dict they are top-level keys (see :func:`as_dict`)."""
+
     def __post_init__(self) -> None:
         from nxd_pipeline import SCHEDULE_NAMES
 
@@ -290,11 +308,15 @@ class PipelineConfig:
             "auto_partition",
             "return_loss_on_cpu",
             "deallocate_pipeline_outputs",
+            "fuse_microbatches",
         ):
-            check_bool(section, name, getattr(self, name))
+            setattr(self, name, as_bool(section, name, getattr(self, name)))
         for name in ("use_zero1_optimizer", "use_model_wrapper", "use_optimizer_wrapper"):
             if getattr(self, name) is not None:
-                check_bool(section, name, getattr(self, name))
+                setattr(self, name, as_bool(section, name, getattr(self, name)))
+        _check_runtime_options(self.xla_runtime_options)
+        if self.fuse_microbatches and self.return_loss_on_cpu:  # NxDPPModel's rule
+            self.return_loss_on_cpu = False
         if self.use_model_wrapper is False:
             raise ValueError(
                 "pipeline_config['use_model_wrapper'] is False, but initialize_parallel_model "
@@ -339,4 +361,22 @@ class PipelineConfig:
 
     @classmethod
     def from_nxd(cls, value: Any) -> PipelineConfig | None:
+        if isinstance(value, Mapping):  # NxD's runtime knobs are top-level keys of the dict
+            from nxd_pipeline import XLA_RUNTIME_OPTIONS
+
+            knobs = {k: v for k, v in value.items() if k in XLA_RUNTIME_OPTIONS}
+            if knobs:
+                rest = {k: v for k, v in value.items() if k not in XLA_RUNTIME_OPTIONS}
+                value = {
+                    **rest,
+                    "xla_runtime_options": {**rest.get("xla_runtime_options", {}), **knobs},
+                }
         return None if value is None else _parse(cls, "pipeline_config", value)
+
+
+def _check_runtime_options(options: Any) -> None:
+    from nxd_pipeline import XLA_RUNTIME_OPTIONS
+
+    if not isinstance(options, dict):
+        raise TypeError(f"pipeline_config['xla_runtime_options'] must be a dict, got {options!r}")
+    reject_unknown_keys("pipeline_config XLA runtime option", options, sorted(XLA_RUNTIME_OPTIONS))

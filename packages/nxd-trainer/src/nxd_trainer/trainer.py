@@ -2,7 +2,8 @@
 
 The model is built in this order (each step explained where it happens):
 
-1. ``model_fn(*args, **kwargs)``, on the meta device with ``meta_device_init``, in waves of
+1. ``model_fn(*args, **kwargs)``, its parameters on the meta device with
+   ``meta_device_init`` (and its buffers too with ``include_buffers``), in waves of
    ``sequential_move_factor`` local ranks (host memory); at TP > 1 a Hugging Face model of a
    supported family gets nxd's parallel layers (:mod:`nxd_trainer._hf_auto`), filled below;
 2. PP > 1: :class:`nxd_pipeline.NxDPPModel` traces it, keeps this rank's stages and
@@ -70,10 +71,16 @@ def _model_parallel_state(config: NxDConfig) -> nxd_state.ParallelState:
 
 # Building the model ----------------------------------------------------------------------
 def _call_model_fn(
-    config: NxDConfig, model_fn: Callable[..., Any], args: tuple, kwargs: dict
+    config: NxDConfig,
+    model_fn: Callable[..., Any],
+    include_buffers: bool,
+    args: tuple,
+    kwargs: dict,
 ) -> nn.Module:
     if config.model_init_config.meta_device_init:
-        with torch.device("meta"):
+        from nxd_layers import init_on_device
+
+        with init_on_device(torch.device("meta"), include_buffers=include_buffers):
             model = model_fn(*args, **kwargs)
     else:
         model = model_fn(*args, **kwargs)
@@ -137,16 +144,23 @@ def _pipeline_kwargs(
         "schedule": pipe.schedule,
         "device": device,
         "async_sends": pipe.async_sends,
+        "fuse_microbatches": pipe.fuse_microbatches,
+        "autowrap_obj_methods": pipe.autowrap_obj_methods,
+        **pipe.xla_runtime_options,
     }
 
 
 def _build_local(
-    config: NxDConfig, model_fn: Callable[..., Any], args: tuple, kwargs: dict
+    config: NxDConfig,
+    model_fn: Callable[..., Any],
+    include_buffers: bool,
+    args: tuple,
+    kwargs: dict,
 ) -> tuple[nn.Module, nn.Module, ModelInfo]:
     """Steps 1-2: (local model, the original model, its info)."""
     device = nxd_state.current_device()
     init = as_module_init(config.param_init_fn, device)
-    model = _call_model_fn(config, model_fn, args, kwargs)
+    model = _call_model_fn(config, model_fn, include_buffers, args, kwargs)
     info = ModelInfo.of(model)
     plan = prepare_hf_model(config, model, info)
     if plan is not None:
@@ -164,7 +178,9 @@ def _build_local(
                     "model_fn returned a model with meta-device tensors but no param_init_fn "
                     "is set (model_init_config['param_init_fn'])"
                 )
-            materialize_meta_module(model, device, init)
+            # NxD calls param_init_fn on every module (a parent may replace a child holding
+            # meta buffers); a parallelised HF model's fill plan only on those it must fill.
+            materialize_meta_module(model, device, init, every_module=plan is None)
         return nxd_state.move_model_to_device(model, device), model, info
     finally:
         if plan is not None:  # drop the references to the original full tensors
@@ -256,27 +272,43 @@ def _check_pipeline_reachable(stages: Iterable[nn.Module], names: list[str]) -> 
 def initialize_parallel_model(
     nxd_config: dict[str, Any] | NxDConfig,
     model_fn: Callable[..., nn.Module],
+    include_buffers: bool = False,
     *model_args: Any,
     **model_kwargs: Any,
 ) -> NxDModel:
     """NxD's model wrapper: build ``model_fn(*model_args, **model_kwargs)`` with every option
     of ``nxd_config`` applied, on this rank's device; returns an :class:`NxDModel`.
 
+    ``include_buffers`` (NxD's third parameter, positional in NxD's examples): with
+    ``meta_device_init``, buffers are created on the meta device too (``param_init_fn`` must
+    then set them); by default only parameters are, and buffers keep the values ``model_fn``
+    computed. Without ``meta_device_init`` it changes nothing. Arguments for ``model_fn`` come
+    after it: ``initialize_parallel_model(cfg, get_model, False, model_config)``.
+
     ``model_fn`` must not communicate (ranks build it in waves).
     """
     config = NxDConfig.from_nxd(nxd_config)
     if not callable(model_fn):
         raise TypeError(f"model_fn must be callable, got {type(model_fn).__name__}")
+    if not isinstance(include_buffers, bool):
+        raise TypeError(
+            f"initialize_parallel_model(nxd_config, model_fn, include_buffers, *model_args, "
+            f"**model_kwargs): include_buffers must be a bool, got "
+            f"{type(include_buffers).__name__} {include_buffers!r}; pass model_fn's arguments "
+            f"after it (initialize_parallel_model(cfg, fn, False, *args)) or by keyword"
+        )
     _model_parallel_state(config)
     local, original, info = build_in_waves(
         config.model_init_config.sequential_move_factor,
-        lambda: _build_local(config, model_fn, model_args, model_kwargs),
+        lambda: _build_local(config, model_fn, include_buffers, model_args, model_kwargs),
         nxd_state.current_device(),
     )
     _check_sequence_parallel(config, original)
     if config.pad_model:
         _pad(config, local, info)
-    if config.lora_enabled:
+    from nxd_lora.model import lora_requested
+
+    if lora_requested(config.lora_config, "initialize_parallel_model"):  # warns if switched off
         local = wrap_lora(local, config.lora_config)
     if config.activation_checkpoint_config is not None:
         classes = _checkpoint_classes(config, original, info)

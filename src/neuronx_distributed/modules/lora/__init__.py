@@ -32,10 +32,12 @@ __all__ = [
 
 
 def get_lora_model(model: nn.Module, lora_config: LoraConfig | None) -> nn.Module:
-    """NxD's ``get_lora_model``: ``model`` with LoRA when ``lora_config`` enables it; an
-    ``NxDModel`` keeps its wrapper and gets LoRA on the module it wraps, as in NxD."""
-    if lora_config is None or not lora_config.enable_lora:
+    """NxD's ``get_lora_model``: ``model`` with LoRA whenever a ``lora_config`` is given
+    (its ``enable_lora`` is not consulted, as in NxD); an ``NxDModel`` keeps its wrapper
+    and gets LoRA on the module it wraps, as in NxD."""
+    if not nxd_lora.lora_requested(lora_config, "get_lora_model"):
         return model
+    assert lora_config is not None
     from nxd_trainer import NxDModel
 
     if isinstance(model, NxDModel):

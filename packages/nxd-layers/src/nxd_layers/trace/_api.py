@@ -158,16 +158,19 @@ def parallel_model_trace(
 
     Portable route (CPU / CUDA): ``torch.export`` per rank, collectives in the graph;
     ``compiler_args``: ``None``, an :class:`ExportOptions` or a dict of its fields
-    (``{"aot_inductor": True}``). Neuron route (torch-neuronx importable and an XLA device, or
-    a Neuron-only argument: neuronx-cc flags as ``compiler_args``, a ``BucketModelConfig``,
-    ``states``): ``torch_neuronx.trace`` per rank. ``bucket_config``: a list of example
+    (``{"aot_inductor": True}``); neuronx-cc flags given as ``compiler_args`` are ignored
+    there, with a warning. Neuron route (torch-neuronx importable and an XLA device, or a
+    Neuron-only argument: a ``BucketModelConfig``, ``states``): ``torch_neuronx.trace`` per
+    rank, with the neuronx-cc flags. ``bucket_config``: a list of example
     inputs, one program per bucket (``example_inputs`` is bucket 0), or NxD's
     ``BucketModelConfig`` with ``example_inputs`` a list of per-bucket inputs; a call is routed
     by its input shapes. ``max_parallel_compilations`` bounds the ranks capturing at once.
     ``inline_weights_to_neff=False`` keeps the weights out of the saved programs
-    (``tp_<r>.safetensors``). The second value of ``func()``, when not None, is this rank's
-    state dict, loaded strictly. nxd's keywords: ``seed``, ``device_type`` (``cpu``/``cuda``,
-    default nxd_state's choice), ``start_method``, ``startup_timeout``, ``call_timeout``.
+    (``tp_<r>.safetensors``). The second value of ``func()`` is NxD's ``input_output_alias``
+    map: ``None`` or ``{}`` (no aliases, what NxD's examples return; a non-empty alias map, keyed
+    by tensors, is refused); nxd also takes this rank's state dict there (``{name: tensor}``,
+    loaded strictly). nxd's keywords: ``seed``, ``device_type`` (``cpu``/``cuda``, default
+    nxd_state's choice), ``start_method``, ``startup_timeout``, ``call_timeout``.
     """
     ref = make_ref(func)
     max_parallel = _check_degree(tp_degree, max_parallel_compilations)
@@ -179,13 +182,22 @@ def parallel_model_trace(
     neuron_reasons = [
         reason
         for reason, present in (
-            ("compiler_args as neuronx-cc flags", neuron_flags is not None),
             ("a BucketModelConfig", not isinstance(bucket_config, list | tuple | type(None))),
             ("states=", states is not None),
         )
         if present
     ]
     neuron = bool(neuron_reasons) or (device == "xla" and neuron_available())
+    if neuron_flags is not None and not neuron:
+        # neuronx-cc flags tune the Neuron compiler; the portable route compiles nothing
+        # with them (its numerics are the model's own), so NxD's scripts run unchanged.
+        logger.warning(
+            "compiler_args %s are neuronx-cc flags: ignored on the portable route "
+            "(torch.export on %s; torch-neuronx is used on an XLA device where installed)",
+            neuron_flags,
+            device,
+        )
+        neuron_flags = None
     if neuron:
         _neuron.require(" and ".join(neuron_reasons) or "tracing on an XLA device")
         if options.aot_inductor:

@@ -3,8 +3,9 @@
 NxD passes ``compiler_args`` to neuronx-cc (a string or a list of ``--flag`` strings). The
 portable route compiles nothing by default (each rank runs its ``torch.export`` program); its
 options come as an :class:`ExportOptions` (or a dict of its fields), e.g. AOTInductor.
-neuronx-cc flags, a ``torch_neuronx.BucketModelConfig`` and ``states`` need torch-neuronx:
-without it they are refused with a clear error instead of being ignored.
+neuronx-cc flags only tune that compiler: off the Neuron route they are ignored with a
+warning. A ``torch_neuronx.BucketModelConfig`` and ``states`` change what is traced and need
+torch-neuronx: without it they are refused with a clear error instead of being ignored.
 """
 
 from __future__ import annotations

@@ -92,9 +92,18 @@ def _build(state: _Rank, payload: dict[str, Any]) -> dict[str, Any]:
     result = resolve(ref)()
     if not isinstance(result, tuple | list) or len(result) != 2:
         raise ValueError(
-            f"func() must return (model, state_dict_or_None), got {type(result).__name__}"
+            f"func() must return (model, input_output_alias) with input_output_alias {{}} or "
+            f"None (or this rank's state dict), got {type(result).__name__}"
         )
     model, states = result
+    if isinstance(states, dict) and not states:
+        states = None  # NxD's input_output_alias with no aliases
+    if isinstance(states, dict) and not all(isinstance(k, str) for k in states):
+        raise ValueError(
+            "func() returned a non-empty input_output_alias map (tensor keys): aliasing inputs "
+            "to outputs is a Neuron-runtime feature not supported on the portable route; return "
+            "(model, {}) or (model, None), or (model, state_dict) with str keys"
+        )
     if not isinstance(model, nn.Module):
         raise ValueError(
             f"func() must return (model, state_dict_or_None) with model a torch.nn.Module, got "
