@@ -1,22 +1,18 @@
 """Every integration test is a CPU test wherever it runs (a visible GPU must not move it); the
-``slow`` marker: heavier example renditions that run only with ``nox -s integration -- -m slow``."""
+``slow`` marker: heavier variants (more ranks, two launchers, the example renditions) that run
+only with ``nox -s integration -- -m slow``."""
 
 import pytest
 
-from nxd_state.testing import pin_cpu_test
+from nxd_state.testing import SLOW_MARKER, pin_cpu_test, skip_slow_unless_selected
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "slow: heavier example renditions; selected with -m slow")
+    config.addinivalue_line("markers", SLOW_MARKER)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if "slow" in (config.getoption("-m") or ""):
-        return
-    skip = pytest.mark.skip(reason="heavier example rendition: run with -m slow")
-    for item in items:
-        if "slow" in item.keywords:
-            item.add_marker(skip)
+    skip_slow_unless_selected(config, items)
 
 
 @pytest.fixture(autouse=True)
