@@ -16,6 +16,7 @@ from torch.distributed import ProcessGroup
 
 import nxd_state
 from nxd_state import ParallelState
+from nxd_state.health import group_timeout
 
 __all__ = [
     "GroupSpec",
@@ -69,7 +70,9 @@ def _groups_from_lists(lists: Sequence[Sequence[int]], what: str) -> tuple[Proce
     key = tuple(groups)
     if key not in _CREATED:
         logger.info("creating process groups %s for %s", [list(g) for g in groups], what)
-        _CREATED[key] = {g: dist.new_group(list(g)) for g in groups}  # collective, same order
+        # Collective, same order on every rank; with nxd's timeout, as ParallelState's groups
+        # (torch's new_group does not inherit the default group's).
+        _CREATED[key] = {g: dist.new_group(list(g), timeout=group_timeout()) for g in groups}
     return _CREATED[key][mine], list(mine)
 
 
