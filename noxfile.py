@@ -347,7 +347,12 @@ def lint(session: nox.Session) -> None:
 @nox.session(tags=["ci"])
 def xla(session: nox.Session) -> None:
     """Single-device tests on torch-xla's CPU client (PJRT_DEVICE=CPU), torch 2.9."""
-    session.install(*XLA_PINS, *XLA_THIRD_PARTY, "pytest", "numpy")
+    # As constraints too: the root pyproject's uv override (`torch>=2.9`, for the lock) also
+    # applies to `uv pip install` run here and would replace a plain `torch==2.9.0`.
+    constraints = Path(session.create_tmp()) / "xla-constraints.txt"
+    constraints.write_text("\n".join(XLA_PINS) + "\n")
+    pins = ["--constraint", str(constraints), *XLA_PINS]
+    session.install(*pins, *XLA_THIRD_PARTY, "pytest", "numpy")
     for package in XLA_PACKAGES:
         session.install("--no-deps", "-e", f"packages/{package}")
     session.run(
