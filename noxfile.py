@@ -1,9 +1,10 @@
-"""Sessions: one isolated test run per package, its floors from wheels, integration, lint, XLA.
+"""Sessions: one isolated test run per package, the version points from wheels, integration, XLA.
 
 nox -t ci                      # everything CI runs
 nox -s tests-nxd-layers        # one package, its upstream siblings and its test group only
-nox -s lowest                  # every package from wheels at the lowest versions it admits
-nox -s middle                  # every package from wheels at torch 2.11 + transformers 5.17
+nox -s lowest                  # every package from wheels at the lowest versions admitted
+nox -s middle                  # ... at torch 2.11 + transformers 5.17 (each: a share of the
+                               # test functions, first case; `-- --every-case` for all)
 nox -s smoke                   # each wheel alone, declared dependencies only, its main use
 nox -s wheel-nxd-layers        # one package from wheels at the newest versions it admits
 """
