@@ -58,7 +58,7 @@ def _unsupervised_main(
     import torch
 
     import nxd_state
-    from nxd_state.testing import _load_function
+    from nxd_state._rank_pool import _load_function
 
     torch.set_num_threads(1)
     from nxd_state import health
@@ -154,7 +154,7 @@ def launch_ranks(
     :func:`nxd_state.testing.rank_environment` (the CPU device, one thread), ``env`` added last
     (e.g. ``NXD_COLLECTIVE_TIMEOUT_S``). ``fn`` must be a module-level function.
     """
-    from nxd_state.testing import _get_context, rank_environment
+    from nxd_state._rank_pool import _get_context, rank_environment
 
     if "<locals>" in fn.__qualname__ or fn.__name__ == "<lambda>":
         raise ValueError(f"launch_ranks needs a module-level function, got {fn.__qualname__}")
