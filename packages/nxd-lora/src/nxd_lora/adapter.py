@@ -15,7 +15,7 @@ import logging
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,8 +23,10 @@ from nxd_layers import full_tensor
 from nxd_lora._targets import peft_target_modules
 from nxd_lora.config import LoraConfig
 from nxd_lora.layers import copy_full_into
-from nxd_lora.model import LoRAModel
 from nxd_lora.tp_layers import LoraGQAQKVParallelLinear
+
+if TYPE_CHECKING:  # annotations only: the model calls into this module, never the reverse
+    from nxd_lora.model import LoRAModel
 
 __all__ = [
     "ADAPTER_CONFIG_NAME",

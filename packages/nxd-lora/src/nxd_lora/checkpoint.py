@@ -21,7 +21,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -38,7 +38,9 @@ from nxd_lora.adapter import (
 )
 from nxd_lora.config import LoraConfig
 from nxd_lora.layers import copy_full_into
-from nxd_lora.model import LoRAModel
+
+if TYPE_CHECKING:  # annotations only: the model calls into this module, never the reverse
+    from nxd_lora.model import LoRAModel
 
 __all__ = [
     "BASE_WEIGHTS_NAME",

@@ -24,7 +24,7 @@ from nxd_state import collectives
 if TYPE_CHECKING:
     from nxd_optim.zero1 import NeuronZero1Optimizer
 
-__all__ = ["is_xla_state_dict", "load_xla_state_dict"]
+__all__ = ["is_xla_state_dict", "xla_state_to_full"]
 
 
 def is_xla_state_dict(state_dict: dict[str, Any]) -> bool:
@@ -69,10 +69,12 @@ def _is_row_block(value: Any, param: torch.Tensor, n: int) -> bool:
     )
 
 
-def load_xla_state_dict(opt: NeuronZero1Optimizer, state_dict: dict[str, Any]) -> None:
-    """Load this rank's torch-xla ZeRO-1 state dict (collective over the sharding group)."""
-    from nxd_optim._zero1_checkpoint import load_full_state_dict
-
+def xla_state_to_full(
+    opt: NeuronZero1Optimizer, state_dict: dict[str, Any]
+) -> tuple[dict[str, Any], list[torch.Tensor] | None]:
+    """This rank's torch-xla ZeRO-1 state dict as a full (unsharded) optimizer state dict, and
+    the full master weights in param order when it saved them (collective over the sharding
+    group: every rank brings its own rank's dict)."""
     params = _check(opt, state_dict)
     n = opt.sharding_size
     base_state = {int(i): entry for i, entry in state_dict["base_state"].items()}
@@ -86,19 +88,9 @@ def load_xla_state_dict(opt: NeuronZero1Optimizer, state_dict: dict[str, Any]) -
                 entry[key] = value
         if entry:
             full_state[index] = entry
-    load_full_state_dict(opt, {"state": full_state, "param_groups": state_dict["param_groups"]})
+    full = {"state": full_state, "param_groups": state_dict["param_groups"]}
     masters = state_dict.get("sharded_master_weights")
     if not masters:
-        return  # load_full_state_dict rebuilt the masters from the params
+        return full, None
     masters = {int(i): rows for i, rows in masters.items()}
-    full_masters = [_unshard(opt, masters[i], p) for i, p in enumerate(params)]
-    offsets, total = [], 0
-    for group in opt.param_groups:
-        offsets.append(total)
-        total += len(group["params"])
-    with torch.no_grad():
-        for bucket in opt._buckets:
-            values = [full_masters[offsets[bucket.group_index] + i] for i in bucket.positions]
-            flat = bucket.layout.flatten(values, bucket.master.dtype, bucket.master.device)
-            bucket.master.copy_(bucket.layout.shard(flat, opt.sharding_rank))
-    opt.allgather_weights_and_update_full_parameter()  # params <- masters, as torch-xla does
+    return full, [_unshard(opt, masters[i], p) for i, p in enumerate(params)]

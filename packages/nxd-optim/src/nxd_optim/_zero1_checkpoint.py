@@ -16,7 +16,7 @@ import torch
 
 from nxd_optim._groups import current_state_or_none
 from nxd_optim._state_io import read_state, write_state
-from nxd_optim._xla_state import is_xla_state_dict, load_xla_state_dict
+from nxd_optim._xla_state import is_xla_state_dict, xla_state_to_full
 from nxd_state import collectives
 
 if TYPE_CHECKING:
@@ -101,7 +101,7 @@ def local_state_dict(opt: NeuronZero1Optimizer) -> dict[str, Any]:
 
 def load_local_state_dict(opt: NeuronZero1Optimizer, state_dict: dict[str, Any]) -> None:
     if is_xla_state_dict(state_dict):  # NxD / torch-xla's per-param shards: collective
-        load_xla_state_dict(opt, state_dict)
+        _load_xla_state_dict(opt, state_dict)
         return
     _check_meta(opt, state_dict["shard"], "the state dict")
     groups = state_dict["param_groups"]
@@ -127,6 +127,22 @@ def load_local_state_dict(opt: NeuronZero1Optimizer, state_dict: dict[str, Any])
                 bucket.master.copy_(saved)
     else:
         opt.refresh_masters_from_params()
+
+
+def _load_xla_state_dict(opt: NeuronZero1Optimizer, state_dict: dict[str, Any]) -> None:
+    """Load torch-xla's per-param shards: as a full state dict, then its master weights when
+    it saved them (otherwise :func:`load_full_state_dict` rebuilt them from the params)."""
+    full, full_masters = xla_state_to_full(opt, state_dict)
+    load_full_state_dict(opt, full)
+    if full_masters is None:
+        return
+    offsets = _group_offsets(opt)
+    with torch.no_grad():
+        for bucket in opt._buckets:
+            values = [full_masters[offsets[bucket.group_index] + i] for i in bucket.positions]
+            flat = bucket.layout.flatten(values, bucket.master.dtype, bucket.master.device)
+            bucket.master.copy_(bucket.layout.shard(flat, opt.sharding_rank))
+    opt.allgather_weights_and_update_full_parameter()  # params <- masters, as torch-xla does
 
 
 def full_state_dict(opt: NeuronZero1Optimizer) -> dict[str, Any]:
