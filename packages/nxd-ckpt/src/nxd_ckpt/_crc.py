@@ -18,15 +18,14 @@ import threading
 import zlib
 from collections.abc import Callable
 
+crc32: Callable[..., int]
+"""``crc32(data, value=0)``: zlib's CRC-32 of a bytes-like object, continuing ``value``."""
 try:
-    from isal.isal_zlib import crc32 as _fast_crc32
+    from isal.isal_zlib import crc32
 except ImportError:  # pragma: no cover - isal is a dependency; zlib gives the same values
-    _fast_crc32 = None
+    crc32 = zlib.crc32
 
 __all__ = ["Pending", "block_crcs", "crc32", "crc_thread"]
-
-crc32: Callable[..., int] = _fast_crc32 or zlib.crc32
-"""``crc32(data, value=0)``: zlib's CRC-32 of a bytes-like object, continuing ``value``."""
 
 
 def block_crcs(data: memoryview, block: int, scalar: bool) -> list[int]:

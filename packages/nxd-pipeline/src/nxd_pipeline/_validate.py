@@ -75,10 +75,10 @@ def validate_schedule(schedule: PipelineSchedule) -> None:
     for rank, actions in enumerate(schedule.actions):
         counts = Counter((a.kind, a.stage, a.microbatch) for a in actions)
         position = {(a.kind, a.stage, a.microbatch): i for i, a in enumerate(actions)}
-        for action, count in counts.items():
+        for (kind, stage, microbatch), count in counts.items():
             if count > 1:
                 raise ScheduleError(
-                    f"rank {rank}: {Action(action[1], action[0], action[2])} appears {count} times"
+                    f"rank {rank}: {Action(stage, kind, microbatch)} appears {count} times"
                 )
         for action in actions:
             if stage_to_rank(action.stage, p) != rank or not 0 <= action.stage < n_stages:
@@ -120,8 +120,10 @@ def _check_stage_microbatch(
     if not split and where(B) is None:
         raise ScheduleError(f"{name}: no backward {Action(stage, B, mb)}")
     grad = where(BI) if split else where(B)
+    forward = where(F)
     assert grad is not None
-    if grad < where(F):
+    assert forward is not None
+    if grad < forward:
         raise ScheduleError(f"{name}: backward runs before its forward")
     if split and where(W) < grad:  # type: ignore[operator]
         raise ScheduleError(f"{name}: weight gradient {Action(stage, W, mb)} before its I")

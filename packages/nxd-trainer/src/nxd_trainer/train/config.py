@@ -471,7 +471,10 @@ def field_docs(cls: type = TrainConfig) -> dict[str, str]:
 def default_of(name: str) -> Any:
     for f in fields(TrainConfig):
         if f.name == name:
-            return f.default_factory() if f.default is MISSING else f.default  # type: ignore[misc]
+            if f.default is not MISSING:
+                return f.default
+            assert not isinstance(f.default_factory, type(MISSING)), name
+            return f.default_factory()
     raise KeyError(name)
 
 

@@ -126,7 +126,7 @@ def _stdlib_files() -> tuple[Path, list[Path]]:
 
 
 def _folder_files(path: Path) -> list[Path]:
-    out = []
+    out: list[Path] = []
     for root, dirs, files in os.walk(path):
         dirs[:] = sorted(d for d in dirs if d not in _SKIPPED_DIRS)
         out.extend(Path(root) / f for f in sorted(files))
