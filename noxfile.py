@@ -11,6 +11,7 @@ nox -s wheel-nxd-layers        # one package from wheels at the newest versions 
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 import tomllib
@@ -335,13 +336,18 @@ def reliability(session: nox.Session) -> None:
 
 @nox.session(tags=["ci"])
 def lint(session: nox.Session) -> None:
-    """ruff at the locked version (the root `dev` group), and the sources' release checks.
+    """ruff and the import contracts at the locked versions (the root `dev` group), and the
+    sources' release checks.
 
-    ruff from the lock, so local and CI agree; smoke/check_release.py: every import declared,
-    the LICENSE copies, no relative link in a README that ships on the index."""
+    ruff and import-linter from the lock, so local and CI agree; smoke/check_release.py: every
+    import declared, the LICENSE copies, no relative link in a README that ships on the index."""
     _sync(session, "--only-group", "dev")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+    # The import contracts (root pyproject: the package edge, no circle inside a package) read
+    # the sources statically: they need the packages findable, not installed.
+    sources = [str(path) for path in sorted((ROOT / "packages").glob("*/src"))]
+    session.run("lint-imports", env={"PYTHONPATH": os.pathsep.join([*sources, str(ROOT / "src")])})
     session.run("python", "smoke/check_release.py")
 
 

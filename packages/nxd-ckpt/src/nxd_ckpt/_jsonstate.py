@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from nxd_ckpt._records import FormatError
+
 __all__ = ["MAX_DEPTH", "check_encoded", "decode", "encode"]
 
 MAX_DEPTH = 100
@@ -99,8 +101,6 @@ def check_encoded(value: Any, tensors: set[str], where: str) -> None:
     and the ``__dict__`` / ``__tuple__`` / ``__tensor__`` (naming one of ``tensors``) /
     ``__float__`` / ``__dtype__`` forms, nested at most ``MAX_DEPTH`` containers deep.
     Iterative: a hostile depth cannot overflow the stack."""
-    from nxd_ckpt.format import FormatError
-
     stack: list[tuple[Any, int]] = [(value, 0)]
     while stack:
         item, depth = stack.pop()
@@ -114,27 +114,34 @@ def check_encoded(value: Any, tensors: set[str], where: str) -> None:
         if not isinstance(item, dict) or len(item) != 1:
             raise FormatError(f"{where}: {_short(item)} is not an encoded value")
         ((form, inner),) = item.items()
-        if form == "__tensor__":
-            if not isinstance(inner, str) or inner not in tensors:
-                raise FormatError(f"{where}: refers to tensor {inner!r}, which is not stored")
-        elif form == "__tuple__" and isinstance(inner, list):
-            stack.extend((v, depth + 1) for v in inner)
-        elif form == "__float__" and isinstance(inner, str):
-            try:
-                float(inner)
-            except ValueError:
-                raise FormatError(f"{where}: {inner!r} is not a float") from None
-        elif form == "__dtype__" and isinstance(inner, str):
-            if not isinstance(getattr(torch, inner, None), torch.dtype):
-                raise FormatError(f"{where}: unknown dtype {inner!r}")
-        elif form == "__dict__" and isinstance(inner, list):
-            for pair in inner:
-                ok = isinstance(pair, list) and len(pair) == 2
-                if not ok or isinstance(pair[0], bool) or not isinstance(pair[0], (str, int)):
-                    raise FormatError(f"{where}: {_short(pair)} is not a [key, value] pair")
-                stack.append((pair[1], depth + 1))
-        else:
-            raise FormatError(f"{where}: {_short(item)} is not an encoded value")
+        stack.extend((child, depth + 1) for child in _children(form, inner, item, tensors, where))
+
+
+def _children(form: Any, inner: Any, item: Any, tensors: set[str], where: str) -> list[Any]:
+    """The values nested in one encoded form ``{form: inner}``, after checking the form."""
+    if form == "__tensor__":
+        if not isinstance(inner, str) or inner not in tensors:
+            raise FormatError(f"{where}: refers to tensor {inner!r}, which is not stored")
+        return []
+    if form == "__tuple__" and isinstance(inner, list):
+        return inner
+    if form == "__float__" and isinstance(inner, str):
+        try:
+            float(inner)
+        except ValueError:
+            raise FormatError(f"{where}: {inner!r} is not a float") from None
+        return []
+    if form == "__dtype__" and isinstance(inner, str):
+        if not isinstance(getattr(torch, inner, None), torch.dtype):
+            raise FormatError(f"{where}: unknown dtype {inner!r}")
+        return []
+    if form == "__dict__" and isinstance(inner, list):
+        for pair in inner:
+            ok = isinstance(pair, list) and len(pair) == 2
+            if not ok or isinstance(pair[0], bool) or not isinstance(pair[0], (str, int)):
+                raise FormatError(f"{where}: {_short(pair)} is not a [key, value] pair")
+        return [pair[1] for pair in inner]
+    raise FormatError(f"{where}: {_short(item)} is not an encoded value")
 
 
 def _short(value: Any) -> str:

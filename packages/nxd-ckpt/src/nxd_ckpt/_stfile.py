@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from nxd_ckpt._crc import Pending, crc32, crc_thread
-from nxd_ckpt.format import FormatError
+from nxd_ckpt._records import FormatError
 
 __all__ = [
     "CRC_BLOCK_BYTES",

@@ -29,7 +29,7 @@ from typing import Any
 
 from nxd_ckpt._contain import check_relative
 from nxd_ckpt._jsonstate import check_encoded
-from nxd_ckpt.format import (
+from nxd_ckpt._records import (
     CATEGORIES,
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -274,6 +274,21 @@ def _check_tensor(
 def parse_index(cls: type, data: Any, source: str) -> Any:
     """The :class:`~nxd_ckpt.format.CheckpointIndex` of a native ``index.json`` document,
     validated as the module docstring says."""
+    _check_header(data, cls, source)
+    files = {
+        str(check_relative(path, source)): _file(record, f"{source}: files[{path!r}]")
+        for path, record in _dict(data.get("files", {}), f"{source}: files").items()
+    }
+    tensors = _tensors(data, files, source)
+    aliases = _aliases(data, tensors, source)
+    _check_scalars(data, tensors, source)
+    values = dict(data)
+    values.update(files=files, tensors=tensors, aliases=aliases)
+    return cls(**values)
+
+
+def _check_header(data: Any, cls: type, source: str) -> None:
+    """An nxd-ckpt index of this format version, with only known fields and the required ones."""
     if not isinstance(data, dict):
         raise FormatError(
             f"{source}: the index is a JSON {type(data).__name__}, not an object: not an "
@@ -291,10 +306,12 @@ def parse_index(cls: type, data: Any, source: str) -> Any:
     for name in ("tag", "save_id", "parallel"):
         if name not in data:
             raise FormatError(f"{source}: missing field {name!r}")
-    files = {
-        str(check_relative(path, source)): _file(record, f"{source}: files[{path!r}]")
-        for path, record in _dict(data.get("files", {}), f"{source}: files").items()
-    }
+
+
+def _tensors(
+    data: dict[str, Any], files: dict[str, FileRecord], source: str
+) -> dict[str, dict[str, TensorRecord]]:
+    """Every category's tensor records, each tiling its tensor within the files' sizes."""
     tensors: dict[str, dict[str, TensorRecord]] = {}
     for category, records in _dict(data.get("tensors", {}), f"{source}: tensors").items():
         if category not in CATEGORIES:
@@ -303,15 +320,6 @@ def parse_index(cls: type, data: Any, source: str) -> Any:
             name: _tensor(record, f"{source}: {category} tensor {name!r}")
             for name, record in _dict(records, f"{source}: tensors.{category}").items()
         }
-    aliases: dict[str, dict[str, str]] = {}
-    for category, entries in _dict(data.get("aliases", {}), f"{source}: aliases").items():
-        aliases[category] = {}
-        for alias, target in _dict(entries, f"{source}: aliases.{category}").items():
-            if target not in tensors.get(category, {}):
-                raise FormatError(
-                    f"{source}: alias {alias!r} of {category} names {target!r}, which is not stored"
-                )
-            aliases[category][alias] = target
     promised: dict[str, int] = {}
     for category, records in tensors.items():
         for name, record in records.items():
@@ -322,8 +330,29 @@ def parse_index(cls: type, data: Any, source: str) -> Any:
                 f"{source}: its chunks promise {nbytes} bytes in {path}, which the index "
                 f"records as {files[path].size} bytes"
             )
-    values = dict(data)
-    values.update(files=files, tensors=tensors, aliases=aliases)
+    return tensors
+
+
+def _aliases(
+    data: dict[str, Any], tensors: dict[str, dict[str, TensorRecord]], source: str
+) -> dict[str, dict[str, str]]:
+    """Category -> alias -> a stored tensor's name."""
+    aliases: dict[str, dict[str, str]] = {}
+    for category, entries in _dict(data.get("aliases", {}), f"{source}: aliases").items():
+        aliases[category] = {}
+        for alias, target in _dict(entries, f"{source}: aliases.{category}").items():
+            if target not in tensors.get(category, {}):
+                raise FormatError(
+                    f"{source}: alias {alias!r} of {category} names {target!r}, which is not stored"
+                )
+            aliases[category][alias] = target
+    return aliases
+
+
+def _check_scalars(
+    data: dict[str, Any], tensors: dict[str, dict[str, TensorRecord]], source: str
+) -> None:
+    """The fields that are not tensors: their types, and the JSON content's tensor references."""
     _dict(data["parallel"], f"{source}: parallel")
     _str(data["tag"], f"{source}: tag")
     _str(data["save_id"], f"{source}: save_id")
@@ -340,4 +369,3 @@ def parse_index(cls: type, data: Any, source: str) -> Any:
     for category in ("scheduler", "user_content"):
         stored = set(tensors.get(category, {}))
         check_encoded(data.get(category), stored, f"{source}: {category}")
-    return cls(**values)

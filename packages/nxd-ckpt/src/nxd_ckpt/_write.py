@@ -238,39 +238,62 @@ def merge_manifests(
         manifest = json.loads(manifest_path(data_dir, rank).read_text())
         if manifest["file"] is not None:
             index.files[manifest["file"]["path"]] = FileRecord(**manifest["file"]["record"])
-        for category, declared in manifest["declared"].items():
-            tensors = index.tensors.setdefault(category, {})
-            for name, entry in declared.items():
-                record = tensors.get(name)
-                if record is None:
-                    tensors[name] = TensorRecord(
-                        entry["shape"], entry["dtype"], [], entry["sharding"]
-                    )
-                elif record.shape != entry["shape"] or record.dtype != entry["dtype"]:
-                    raise FormatError(
-                        f"ranks disagree on {category} tensor {name!r}: shape/dtype "
-                        f"{record.shape}/{record.dtype} vs {entry['shape']}/{entry['dtype']} "
-                        f"(rank {rank})"
-                    )
+        _merge_declared(index, manifest["declared"], rank)
         for category, aliases in manifest["aliases"].items():
             index.aliases.setdefault(category, {}).update(aliases)
-        for chunk in manifest["chunks"]:
-            category, name = chunk.pop("category"), chunk.pop("name")
-            box = (tuple(chunk["offsets"]), tuple(chunk["shape"]))
-            boxes = seen.setdefault((category, name), set())
-            if box in boxes:  # the same replica written twice (tied across stages): keep one
-                continue
-            boxes.add(box)
-            index.tensors[category][name].chunks.append(ChunkRecord(**chunk))
-        meta = manifest["meta"]
-        if "optimizer" in meta:
-            index.optimizer = _merge_optimizer(index.optimizer, meta["optimizer"])
-        for key in ("scheduler", "scheduler_class", "user_content", "hf_config", "lora"):
-            if key in meta:
-                setattr(index, key, meta[key])
-        for key in ("has_scheduler", "has_user_content"):
-            if meta.get(key):
-                setattr(index, key, True)
+        _merge_chunks(index, manifest["chunks"], seen)
+        _merge_meta(index, manifest["meta"])
+    _check_complete(index)
+    return index
+
+
+def _merge_declared(index: CheckpointIndex, declared: dict[str, Any], rank: int) -> None:
+    """Add the tensors one rank declares; every rank must agree on their shape and dtype."""
+    for category, entries in declared.items():
+        tensors = index.tensors.setdefault(category, {})
+        for name, entry in entries.items():
+            record = tensors.get(name)
+            if record is None:
+                tensors[name] = TensorRecord(entry["shape"], entry["dtype"], [], entry["sharding"])
+            elif record.shape != entry["shape"] or record.dtype != entry["dtype"]:
+                raise FormatError(
+                    f"ranks disagree on {category} tensor {name!r}: shape/dtype "
+                    f"{record.shape}/{record.dtype} vs {entry['shape']}/{entry['dtype']} "
+                    f"(rank {rank})"
+                )
+
+
+def _merge_chunks(
+    index: CheckpointIndex,
+    chunks: list[dict[str, Any]],
+    seen: dict[tuple[str, str], set[tuple[tuple[int, ...], tuple[int, ...]]]],
+) -> None:
+    """Add one rank's chunks; a box another rank already wrote (a replica) is kept once."""
+    for chunk in chunks:
+        category, name = chunk.pop("category"), chunk.pop("name")
+        box = (tuple(chunk["offsets"]), tuple(chunk["shape"]))
+        boxes = seen.setdefault((category, name), set())
+        if box in boxes:  # the same replica written twice (tied across stages): keep one
+            continue
+        boxes.add(box)
+        index.tensors[category][name].chunks.append(ChunkRecord(**chunk))
+
+
+def _merge_meta(index: CheckpointIndex, meta: dict[str, Any]) -> None:
+    """Add one rank's non-tensor content: optimizer metadata, scheduler, user content."""
+    if "optimizer" in meta:
+        index.optimizer = _merge_optimizer(index.optimizer, meta["optimizer"])
+    for key in ("scheduler", "scheduler_class", "user_content", "hf_config", "lora"):
+        if key in meta:
+            setattr(index, key, meta[key])
+    for key in ("has_scheduler", "has_user_content"):
+        if meta.get(key):
+            setattr(index, key, True)
+
+
+def _check_complete(index: CheckpointIndex) -> None:
+    """Every tensor fully written; an alias that some rank stored under its own name is not
+    an alias."""
     for category, tensors in index.tensors.items():
         for name, record in tensors.items():
             stored = sum(math.prod(c.shape) for c in record.chunks)
@@ -283,4 +306,3 @@ def merge_manifests(
         for alias in list(index.aliases.get(category, {})):
             if alias in tensors:  # stored under that name by some rank: not an alias
                 del index.aliases[category][alias]
-    return index

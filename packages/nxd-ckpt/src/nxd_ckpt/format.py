@@ -25,9 +25,26 @@ Saving into an existing tag writes a new ``data-<save_id>`` folder and replaces
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from nxd_ckpt._contain import open_regular
+from nxd_ckpt._records import (
+    DONE_MARKER,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    INDEX_NAME,
+    START_MARKER,
+    TAG_MARKER,
+    ChunkRecord,
+    ContainmentError,
+    FileRecord,
+    FormatError,
+    TensorRecord,
+)
+from nxd_ckpt._validate import parse_index
 
 __all__ = [
     "DONE_MARKER",
@@ -44,80 +61,6 @@ __all__ = [
     "TensorRecord",
     "read_index",
 ]
-
-FORMAT_NAME = "nxd-ckpt"
-FORMAT_VERSION = 1
-INDEX_NAME = "index.json"
-START_MARKER = "checkpoint"
-DONE_MARKER = "done"
-TAG_MARKER = "nxd-ckpt.json"
-"""Written first into every tag nxd-ckpt creates: its format name and version. Retention
-deletes only tags that carry it (or, written before it existed, a valid nxd-ckpt index)."""
-CATEGORIES = ("model", "optimizer", "rng", "scheduler", "user_content")
-
-
-class FormatError(ValueError):
-    """A checkpoint's files do not match what its index promises (or the index is unreadable)."""
-
-
-class ContainmentError(FormatError):
-    """A checkpoint path leaves the checkpoint folder: a symbolic link below the folder the
-    user named, an absolute file name or one with ``..`` in an index."""
-
-
-@dataclass
-class ChunkRecord:
-    """One stored box of a global tensor."""
-
-    file: str
-    """Path of the safetensors file, relative to the tag folder."""
-    key: str
-    """The tensor's key inside that file."""
-    offsets: list[int]
-    """Where the box starts in the global tensor, per dimension."""
-    shape: list[int]
-    """The box's shape (the stored tensor's shape)."""
-    crc32: list[int]
-    """CRC-32 of each block of ``crc_rows`` rows (dim 0) of the stored bytes."""
-    crc_rows: int
-    """Rows per CRC block (1 for a 0-d tensor)."""
-    tp_rank: int = 0
-    """Coordinates of the rank that wrote it."""
-    pp_rank: int = 0
-    dp_rank: int = 0
-    stored_offsets: list[int] | None = None
-    """Where the box starts inside the stored tensor, when that tensor holds more than this
-    box (foreign layouts such as NxD's per-rank files); None: the stored tensor is the box."""
-
-
-@dataclass
-class TensorRecord:
-    """A global tensor: shape, dtype, how it was sharded when saved, and its chunks."""
-
-    shape: list[int]
-    dtype: str
-    """torch dtype name without the ``torch.`` prefix (``float32``, ``bfloat16`` …)."""
-    chunks: list[ChunkRecord] = field(default_factory=list)
-    sharding: dict[str, Any] = field(default_factory=dict)
-    """As saved: ``partition_dim``, ``partition_stride``, ``tp_size``; ``layout: gqa_qkv`` with
-    ``q_size``, ``kv_size``, ``kv_size_multiplier``, ``part`` for the GQA projection;
-    ``padding`` (``dim``, ``unpadded_size``, ``padded_size``, ``layout``, ``tp_size``: an
-    ``nxd_layers.TensorParallelPadding``) for a tensor padded by ``pad_model``, whose shape
-    and chunks are those of the unpadded tensor; ``rank_local: true`` for tensors of unknown
-    sharding (loadable at the same degrees only)."""
-
-
-@dataclass
-class FileRecord:
-    """A data file: what its bytes must be."""
-
-    size: int
-    crc32: int
-    header_crc32: int
-    rank: int
-    tp_rank: int = 0
-    pp_rank: int = 0
-    dp_rank: int = 0
 
 
 @dataclass
@@ -165,8 +108,6 @@ class CheckpointIndex:
         contained file names, chunks that tile each tensor exactly, sizes bounded by the
         files, a CRC for every block, known dtypes, the JSON content's tensor references.
         Any problem is a :class:`FormatError` naming ``source`` and the field."""
-        from nxd_ckpt._validate import parse_index
-
         return parse_index(cls, data, source)
 
     def category(self, name: str) -> dict[str, TensorRecord]:
@@ -184,10 +125,6 @@ class CheckpointIndex:
 def read_index(tag_dir: Path) -> CheckpointIndex:
     """Parse and validate ``tag_dir/index.json`` (clear errors for a missing, foreign,
     damaged or hostile index; ``index.json`` must not be a symbolic link)."""
-    import os
-
-    from nxd_ckpt._contain import open_regular
-
     path = Path(tag_dir) / INDEX_NAME
     try:
         fd = open_regular(path)

@@ -74,7 +74,7 @@ class WeightGradState:
     branch nodes (a linear layer's weight and bias) are differentiated together."""
 
 
-def backward_input(
+def backward_input(  # noqa: C901 - to split (#26)
     roots: list[torch.Tensor],
     grads: list[torch.Tensor | None],
     inputs: list[torch.Tensor],
