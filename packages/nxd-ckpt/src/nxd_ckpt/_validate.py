@@ -281,7 +281,7 @@ def parse_index(cls: type, data: Any, source: str) -> Any:
     }
     tensors = _tensors(data, files, source)
     aliases = _aliases(data, tensors, source)
-    _check_scalars(data, tensors, source)
+    _check_non_tensor_fields(data, tensors, source)
     values = dict(data)
     values.update(files=files, tensors=tensors, aliases=aliases)
     return cls(**values)
@@ -349,7 +349,7 @@ def _aliases(
     return aliases
 
 
-def _check_scalars(
+def _check_non_tensor_fields(
     data: dict[str, Any], tensors: dict[str, dict[str, TensorRecord]], source: str
 ) -> None:
     """The fields that are not tensors: their types, and the JSON content's tensor references."""
