@@ -46,7 +46,8 @@ from nxd_ckpt.format import (
 )
 from nxd_ckpt.hf import export_hf, load_hf_checkpoint
 from nxd_ckpt.integrity import DamagedTag, IntactTag, newest_intact_tag, verify_tag
-from nxd_ckpt.nxd_format import convert_nxd_checkpoint, is_nxd_checkpoint, load_nxd_checkpoint
+from nxd_ckpt.nxd_convert import convert_nxd_checkpoint
+from nxd_ckpt.nxd_format import is_nxd_checkpoint, load_nxd_checkpoint
 from nxd_ckpt.parts import CHECKPOINT_PARTS, StoredPart
 from nxd_ckpt.user_content import read_user_content
 

@@ -169,7 +169,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from nxd_ckpt.nxd_format import convert_nxd_checkpoint, load_rules
+    from nxd_ckpt.nxd_convert import convert_nxd_checkpoint, load_rules
 
     out = convert_nxd_checkpoint(
         args.source,

@@ -47,24 +47,12 @@ from nxd_ckpt.format import (
     TensorRecord,
 )
 
-__all__ = [
-    "LLAMA_RULES",
-    "convert_nxd_checkpoint",
-    "is_nxd_checkpoint",
-    "load_nxd_checkpoint",
-    "load_rules",
-    "torch_load_safe",
-]
+__all__ = ["is_nxd_checkpoint", "load_nxd_checkpoint", "torch_load_safe"]
 
 logger = logging.getLogger(__name__)
 
 _FILE = re.compile(r"^dp_rank_(\d+)_tp_rank_(\d+)_pp_rank_(\d+)\.pt$")
 _XSER_NAME = "torch_xla.utils.serialization.TensorReference"
-LLAMA_RULES: list[tuple[str, int]] = [
-    (r"(embed_tokens|lm_head|q_proj|k_proj|v_proj|gate_proj|up_proj|qkv_proj)\.(weight|bias)$", 0),
-    (r"(o_proj|down_proj)\.weight$", 1),
-]
-"""Partition dims of a Llama-family model by parameter name (others are replicated)."""
 
 
 class _TensorReference:
@@ -397,55 +385,3 @@ def load_nxd_checkpoint(
         logger.warning(message)
         warnings.warn(message, UserWarning, stacklevel=3)
     return content
-
-
-def load_rules(rules: str | os.PathLike[str] | list[tuple[str, int]] | None):
-    """Name rules: ``"llama"``, a JSON file of ``[regex, dim]`` pairs, or the list itself."""
-    import json
-
-    if rules is None or rules == "llama":
-        return LLAMA_RULES
-    if isinstance(rules, list):
-        return rules
-    return [(pattern, int(dim)) for pattern, dim in json.loads(Path(rules).read_text())]
-
-
-def _rule_dim(name: str, rules: list[tuple[str, int]]) -> int | None:
-    """The partition dim of ``name`` by the first matching rule (None: replicated)."""
-    return next((dim for pattern, dim in rules if re.search(pattern, name)), None)
-
-
-def convert_nxd_checkpoint(
-    source: str | os.PathLike[str],
-    destination: str | os.PathLike[str],
-    *,
-    tag: str | None = None,
-    out_tag: str | None = None,
-    rules: list[tuple[str, int]] | None = None,
-    allow_pickle: bool = False,
-) -> Path:
-    """Convert the model of an NxD-layout tag into this format (global tensors, loadable at
-    any degrees), partition dims from name ``rules`` (default: Llama's). One process."""
-    from nxd_ckpt import _tags
-    from nxd_ckpt.checkpoint import save_checkpoint
-
-    root = Path(source)
-    tag_dir = root if is_nxd_checkpoint(root) else _tags.resolve_tag_dir(root, tag)[0]
-    files = {(tp, pp): p for (dp, tp, pp), p in _scan(tag_dir / "model").items() if dp == 0}
-    if not files:
-        raise FileNotFoundError(f"{tag_dir} is not an NxD checkpoint (no model/*.pt files)")
-    size = max(tp for tp, _ in files) + 1
-    rules = load_rules(rules)
-    full: dict[str, torch.Tensor] = {}
-    for pp in sorted({pp for _, pp in files}):
-        shards = [torch_load_safe(files[(t, pp)]) for t in range(size)]
-        for name in shards[0]:
-            dim = _rule_dim(name, rules)
-            parts = [shard[name] for shard in shards]
-            full[name] = parts[0] if dim is None else torch.cat(parts, dim=dim)
-    content = _pickled(tag_dir, "user_content.pt", allow_pickle) if allow_pickle else None
-    out = Path(destination)
-    name = out_tag if out_tag is not None else tag_dir.name
-    save_checkpoint(out, name, model=full, user_content=content)
-    logger.info("converted %s (TP=%d) to %s/%s: %d tensors", tag_dir, size, out, name, len(full))
-    return out / name
