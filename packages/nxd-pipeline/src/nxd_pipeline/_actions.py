@@ -12,7 +12,7 @@ import enum
 import re
 from dataclasses import dataclass
 
-__all__ = ["Action", "ActionKind"]
+__all__ = ["Action", "ActionKind", "stage_to_rank"]
 
 
 class ActionKind(enum.Enum):
@@ -71,3 +71,8 @@ class Action:
                 f"of {[kind.value for kind in ActionKind]}, e.g. '1F0' or '0SEND_F2'"
             )
         return cls(int(match.group(1)), ActionKind(match.group(2)), int(match.group(3)))
+
+
+def stage_to_rank(stage: int, num_ranks: int) -> int:
+    """Looped placement: stage ``s`` runs on pipeline rank ``s mod p``."""
+    return stage % num_ranks

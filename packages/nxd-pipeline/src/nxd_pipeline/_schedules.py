@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from nxd_pipeline._actions import Action, ActionKind
+from nxd_pipeline._actions import Action, ActionKind, stage_to_rank
 
 __all__ = ["SCHEDULE_NAMES", "PipelineSchedule", "build_schedule", "stage_to_rank"]
 
@@ -43,11 +43,6 @@ F, B, BI, W = (
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
 _ALIASES = {"interleaved": "interleaved_1f1b", "zb": "zb_h1", "zbh1": "zb_h1", "zb-h1": "zb_h1"}
 _COST = {F: 1, B: 2, BI: 1, W: 1}
-
-
-def stage_to_rank(stage: int, num_ranks: int) -> int:
-    """Looped placement: stage ``s`` runs on pipeline rank ``s mod p``."""
-    return stage % num_ranks
 
 
 @dataclass(kw_only=True)

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from nxd_pipeline._actions import Action, ActionKind
-from nxd_pipeline._schedules import PipelineSchedule, stage_to_rank
+from nxd_pipeline._actions import Action, ActionKind, stage_to_rank
+
+if TYPE_CHECKING:  # annotations only: a schedule prints itself through format_grid
+    from nxd_pipeline._schedules import PipelineSchedule
 
 __all__ = ["DryRun", "ScheduleError", "dry_run", "format_grid", "validate_schedule"]
 
