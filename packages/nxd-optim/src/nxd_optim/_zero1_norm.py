@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed import ProcessGroup
 
-from nxd_layers import copy_tensor_model_parallel_attributes, get_grad_norm
+from nxd_layers import copy_tensor_model_parallel_attributes, get_grad_norm, tensor_norms
 
 __all__ = ["GradSpan", "global_grad_norm"]
 
@@ -89,10 +89,17 @@ def _summaries(spans: Sequence[GradSpan], p: float) -> list[torch.Tensor]:
     weights = [None if p == math.inf else _row_replicas(s) for s in spans]
     plain = [i for i, w in enumerate(weights) if w is None]
     out = []
-    if plain:  # one fused kernel, fp32 accumulation whatever the gradients' dtype
-        norms = torch._foreach_norm([spans[i].grad for i in plain], p, dtype=torch.float32)
+    if plain:  # one foreach call per (device, dtype), fp32 accumulation (nxd_layers)
+        by_kind: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for i in plain:
+            by_kind.setdefault((spans[i].grad.device, spans[i].grad.dtype), []).append(i)
+        norm_of: dict[int, torch.Tensor] = {}
+        for members in by_kind.values():
+            values = tensor_norms([spans[i].grad for i in members], p).float()
+            norm_of.update(zip(members, values.unbind()))
         groups: dict[object, tuple[dict[str, object], list[torch.Tensor]]] = {}
-        for norm, i in zip(norms, plain):
+        for i in plain:
+            norm = norm_of[i]
             attributes = _attributes(spans[i].param, replicas_folded=False)
             signature = _signature(attributes)
             key = ("alone", i) if signature is None else signature
