@@ -75,7 +75,11 @@ def _race(
     out = {}
     for name, samples in times.items():
         q1, median, q3 = statistics.quantiles(samples, n=4)
-        out[name] = {"ns_per_element_median": round(median, 4), "q1": round(q1, 4), "q3": round(q3, 4)}
+        out[name] = {
+            "ns_per_element_median": round(median, 4),
+            "q1": round(q1, 4),
+            "q3": round(q3, 4),
+        }
     return out
 
 
@@ -219,7 +223,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "tp1": tp1,
         "tp2_fp32_p2": tp2,
         "goals": {
-            **{f"tp1 {k} clip nxd/torch <= {GOAL}": v["clip_nxd_over_torch"] for k, v in tp1.items()},
+            **{
+                f"tp1 {k} clip nxd/torch <= {GOAL}": v["clip_nxd_over_torch"]
+                for k, v in tp1.items()
+            },
             f"tp2 clip nxd/dtensor <= {GOAL}": tp2["clip_nxd_over_dtensor"],
         },
     }

@@ -274,7 +274,7 @@ def test_killed_writer_keeps_the_previous_tag(
 
 def test_fork_needs_os_fork(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delattr("os.fork")
-    with pytest.raises(ValueError, match="async_copy='fork'.*no os.fork"):
+    with pytest.raises(ValueError, match=r"async_copy='fork'.*no os\.fork"):
         save_checkpoint(tmp_path, "x", model=_model(), async_save=True, async_copy="fork")
     save_checkpoint(tmp_path, "y", model=_model(), async_save=True)  # auto: copies instead
     finalize_checkpoint()
