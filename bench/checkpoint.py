@@ -18,11 +18,9 @@ exp_avg_sq). Every round, in rotating order, on the same state:
 Each artefact is deleted right after it is measured (peak disk use about twice the state).
 Then the async saves, on the same state:
 
-* ``async_save=True`` with the default ``async_copy="auto"`` (on CPU: ``"fork"``, a
-  copy-on-write child writes): the first save (``blocked_cold``, and the peak extra resident
-  memory of this process while it runs) and the next (``blocked``);
-  ``async_copy="before_return"``: the state copied into a host buffer before the call returns
-  (``blocked_before_return``, the buffer already allocated, as a loop's later saves find it);
+* ``async_save=True`` (``async_copy="before_return"``, the default): the first save allocates
+  the host buffer (``blocked_cold``, and the peak extra resident memory while it runs); the
+  next reuses it, as a training loop's later saves do (``blocked``);
 * ``async_copy="before_step"``: the call returns before copying parameters and optimizer
   state, and the next ``optimizer.step()`` waits for the copy: ``blocked_before_step`` is the
   call alone (a loop whose next step comes after a forward and backward long enough for
@@ -31,9 +29,7 @@ Then the async saves, on the same state:
 * the loop: an async save in each mode followed by a training step (forward and backward of
   64 rows, ``optimizer.step()``); ``loop_blocked`` is the call plus the time that step waited
   for a deferred copy (the step gate's own count). The background write also competes with
-  training for the cores while it runs (and under ``fork`` the step's first writes to each
-  page copy it): that is not counted as blocked time, but reported as the step's time after
-  a save over the same step with no save pending (``loop_step_after_save_over_step_without``).
+  training for the cores while it runs; that slowdown is not counted as blocked time.
 
 ``raw_write_speed_vs_dcp`` is the ceiling for ``save_speed_vs_dcp``: no save that makes the
 same bytes durable can beat one ``write`` + ``fsync`` of them by much.
@@ -245,8 +241,6 @@ def _round(folder: Path, model: nn.Module, optimizer: Any, index: int) -> dict[s
         total = cold + _timed(wait)
     warm = _timed(lambda: async_save("warm"))  # a training loop's later saves reuse it
     wait()
-    copied = _timed(lambda: async_save("copied", "before_return"))  # the host-buffer copy
-    wait()
     start = time.perf_counter()
     async_save("deferred_step", "before_step")
     call = time.perf_counter() - start
@@ -257,7 +251,6 @@ def _round(folder: Path, model: nn.Module, optimizer: Any, index: int) -> dict[s
     out.update(
         async_blocked_cold_s=cold,
         async_blocked_s=warm,
-        async_blocked_before_return_s=copied,
         async_total_s=total,
         async_peak_extra_bytes=memory.extra,
         async_blocked_before_step_s=call,
@@ -277,19 +270,17 @@ def _loop_blocked(model: nn.Module, optimizer: Any, async_save: Any, wait: Any) 
 
     batch = torch.randn(LOOP_BATCH, HIDDEN)
     out = {}
-    for copy in ("none", "auto", "before_return", "before_step"):
+    for copy in ("before_return", "before_step"):
         waited = _step_gate.waited_s()
         start = time.perf_counter()
-        if copy != "none":  # "none": the same step with no save pending, for reference
-            async_save(f"loop_{copy}", copy)
+        async_save(f"loop_{copy}", copy)
         call = time.perf_counter() - start
         model(batch).square().mean().backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         out[f"loop_step_s_{copy}"] = time.perf_counter() - start - call
         out[f"loop_blocked_{copy}_s"] = call + _step_gate.waited_s() - waited
-        if copy != "none":
-            wait()
+        wait()
     return out
 
 
@@ -359,12 +350,6 @@ def main() -> None:
     save_vs_dcp = ratio("dcp_save_s", "nxd_save_s")
     load_vs_dcp = ratio("dcp_load_s", "nxd_load_s")
     blocked = ratio("async_blocked_s", "nxd_save_s")
-    blocked_copy = ratio("async_blocked_before_return_s", "nxd_save_s")
-    loop_auto = ratio("loop_blocked_auto_s", "nxd_save_s")
-    step_slowdown = {
-        mode: _quartiles([r[f"loop_step_s_{mode}"] / r["loop_step_s_none"] for r in rounds])
-        for mode in ("auto", "before_return", "before_step")
-    }
     blocked_cold = ratio("async_blocked_cold_s", "nxd_save_s")
     before_step = ratio("async_blocked_before_step_s", "nxd_save_s")
     loop_return = ratio("loop_blocked_before_return_s", "nxd_save_s")
@@ -391,17 +376,11 @@ def main() -> None:
             "nxd_without_small_fsyncs_speed_vs_nxd": ratio("nxd_save_s", "nxd_nodirsync_save_s"),
         },
         "async_blocked_over_sync_save": blocked,
-        "async_before_return_blocked_over_sync_save": blocked_copy,
         "async_blocked_first_save_over_sync_save": blocked_cold,
         "async_before_step_blocked_over_sync_save": before_step,
         "async_before_step_immediate_step_blocked_over_sync_save": before_step_now,
         "loop_step_s": _quartiles([r["loop_step_s_before_step"] for r in rounds]),
-        "loop_blocked_over_sync_save": {
-            "auto": loop_auto,
-            "before_return": loop_return,
-            "before_step": loop_step,
-        },
-        "loop_step_after_save_over_step_without": step_slowdown,
+        "loop_blocked_over_sync_save": {"before_return": loop_return, "before_step": loop_step},
         "async_peak_extra_memory_over_state": peak,
         "reshard_load": {
             "bytes": reshard_bytes,
@@ -412,9 +391,7 @@ def main() -> None:
         "goals": {
             "save_vs_raw >= 0.8": save_vs_raw["median"] >= 0.8,
             "save_vs_dcp >= 1.5": save_vs_dcp["median"] >= 1.5,
-            "async_blocked_vs_sync <= 0.1 (default: auto, fork on CPU)": blocked["median"] <= 0.1,
-            "async_blocked_vs_sync <= 0.1 (before_return)": blocked_copy["median"] <= 0.1,
-            "loop_blocked_vs_sync <= 0.1 (default: auto)": loop_auto["median"] <= 0.1,
+            "async_blocked_vs_sync <= 0.1 (before_return)": blocked["median"] <= 0.1,
             "async_blocked_vs_sync <= 0.1 (before_step, call)": before_step["median"] <= 0.1,
             "async_blocked_vs_sync <= 0.1 (before_step, immediate step)": (
                 before_step_now["median"] <= 0.1

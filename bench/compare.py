@@ -67,13 +67,13 @@ FIGURES: dict[str, list[Figure]] = {
     ],
     "checkpoint": [
         Figure("async_blocked_over_sync_save.median", 0.1),
-        Figure("loop_blocked_over_sync_save.auto.median", 0.1),
-        Figure("async_before_return_blocked_over_sync_save.median", None),
+        Figure("loop_blocked_over_sync_save.before_return.median", 0.1),
         Figure("async_before_step_blocked_over_sync_save.median", 0.1),
-        Figure("loop_step_after_save_over_step_without.auto.median", None),
+        Figure("loop_blocked_over_sync_save.before_step.median", 0.1),
         Figure("save_speed_vs_raw_write.median", 0.8, lower_is_better=False),
         Figure("save_speed_vs_dcp.median", 1.5, lower_is_better=False),
         Figure("load_speed_vs_dcp.median", None, lower_is_better=False),
+        Figure("async_peak_extra_memory_over_state.median", 1.1),
     ],
 }
 

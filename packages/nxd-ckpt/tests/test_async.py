@@ -204,16 +204,14 @@ def test_full_disk_during_sync_save_keeps_the_previous_tag(
     assert torch.equal(loaded[0].weight, model[0].weight)
 
 
-@pytest.mark.parametrize("mode", ["fork", "before_return"])
 def test_full_disk_during_async_save_raises_at_finalize(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model = _model()
     save_checkpoint(tmp_path, "good", model=model)
     monkeypatch.setattr(_stfile, "_write_all", _full_disk(4096))
-    save_checkpoint(tmp_path, "full", model=_model(seed=1), async_save=True, async_copy=mode)
-    error = _saver.ChildWriteError if mode == "fork" else OSError  # fork: the child's note
-    with pytest.raises(error, match="No space left on device"):
+    save_checkpoint(tmp_path, "full", model=_model(seed=1), async_save=True)  # returns at once
+    with pytest.raises(OSError, match="No space left on device"):
         finalize_checkpoint()
     monkeypatch.undo()
     assert not (tmp_path / "full" / "done").exists()
@@ -234,48 +232,3 @@ def test_interpreter_exit_waits_for_an_async_save(tmp_path: Path) -> None:
     subprocess.run([sys.executable, "-c", script], check=True, timeout=300)
     assert (tmp_path / "last" / "done").exists()
     load_checkpoint(tmp_path, "last", model=nn.Linear(256, 256))
-
-
-def test_default_async_save_forks_and_copies_nothing(tmp_path: Path) -> None:
-    """CPU state, POSIX: ``async_copy="auto"`` forks (no host buffer is allocated)."""
-    finalize_checkpoint()  # frees the host buffer of earlier tests
-    model = _model()
-    save_checkpoint(tmp_path, "a", model=model, async_save=True)
-    assert nxd_ckpt.checkpoint._STAGING.nbytes == 0
-    finalize_checkpoint()
-    loaded = _model(seed=1)
-    load_checkpoint(tmp_path, "a", model=loaded)
-    assert torch.equal(loaded[0].weight, model[0].weight)
-
-
-def test_killed_writer_keeps_the_previous_tag(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The forked writer dies mid-save (SIGKILL): finalize raises, the new tag is not done,
-    the previous one still loads and is the newest complete tag."""
-    import os
-    import signal
-
-    model = _model()
-    save_checkpoint(tmp_path, "good", model=model)
-
-    def die(*args: object, **kwargs: object) -> None:
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    monkeypatch.setattr(_saver, "write_rank", die)  # only the child writes in fork mode
-    save_checkpoint(tmp_path, "killed", model=_model(seed=1), async_save=True, async_copy="fork")
-    with pytest.raises(_saver.ChildWriteError, match="exited with -9"):
-        finalize_checkpoint()
-    assert not (tmp_path / "killed" / "done").exists()
-    loaded = _model(seed=2)
-    load_checkpoint(tmp_path, model=loaded)  # the newest complete tag: "good"
-    assert torch.equal(loaded[0].weight, model[0].weight)
-
-
-def test_fork_needs_os_fork(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delattr("os.fork")
-    with pytest.raises(ValueError, match=r"async_copy='fork'.*no os\.fork"):
-        save_checkpoint(tmp_path, "x", model=_model(), async_save=True, async_copy="fork")
-    save_checkpoint(tmp_path, "y", model=_model(), async_save=True)  # auto: copies instead
-    finalize_checkpoint()
-    assert (tmp_path / "y" / "done").exists()

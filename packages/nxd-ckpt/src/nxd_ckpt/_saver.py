@@ -23,7 +23,6 @@ import shutil
 import threading
 import time
 import traceback
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,10 +41,6 @@ __all__ = ["SaveJob", "pending_job", "wait_pending"]
 
 logger = logging.getLogger(__name__)
 _COMMIT_POLL_S = 0.01
-
-
-class ChildWriteError(RuntimeError):
-    """The forked process writing a rank's part of an async save failed."""
 
 
 class SaveAborted(RuntimeError):
@@ -202,50 +197,6 @@ class SaveJob:
         except BaseException:
             _step_gate.open_gate()  # no thread will copy: steps must not wait forever
             raise
-
-    def start_forked(self) -> None:
-        """Write from a forked child: its memory is a copy-on-write snapshot of this process
-        at the fork, so the call returns after the fork alone (no copy) and training may
-        change any tensor at once; the kernel copies a page only when this process writes it
-        while the child still reads. The child writes this rank's file and manifest and
-        exits (``os._exit``: no atexit, no collectives); a thread here waits for it, turns a
-        non-zero exit into the write error (with the child's failure note) and commits on
-        rank 0, as :meth:`start_async` does."""
-
-        with warnings.catch_warnings():  # fork with threads: the child uses none of theirs
-            warnings.simplefilter("ignore", DeprecationWarning)
-            pid = os.fork()
-        if pid == 0:  # the child: write, then leave without running anything of the parent's
-            code = 1
-            try:
-                torch.set_num_threads(1)  # no OpenMP pool in a forked child
-                self.write()
-                code = 0 if self.write_error is None else 1
-            finally:
-                os._exit(code)
-
-        def body() -> None:
-            try:
-                _, status = os.waitpid(pid, 0)
-                code = os.waitstatus_to_exitcode(status)
-                if code != 0:
-                    note = self.data_dir / f"failed_rank_{self.ctx.rank:05d}"
-                    detail = note.read_text().strip() if note.exists() else "no failure note"
-                    self.write_error = ChildWriteError(
-                        f"the process writing rank {self.ctx.rank}'s part of {self.tag_dir} "
-                        f"exited with {code}: {detail}"
-                    )
-                    self._mark_failed(self.write_error)
-            except BaseException as error:
-                self.write_error = error
-                self._mark_failed(error)
-            finally:
-                self.written.set()
-            if self.ctx.rank == 0 and self.write_error is None:
-                self.commit()
-
-        self.thread = threading.Thread(target=body, name=f"nxd-ckpt-save-{self.tag}")
-        self.thread.start()
 
     def finish(self, collective: bool) -> None:
         """Join the background save; raise its error (on every rank when ``collective``)."""

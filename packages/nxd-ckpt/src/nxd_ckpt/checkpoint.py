@@ -33,7 +33,7 @@ __all__ = ["finalize_checkpoint", "has_checkpoint", "load_checkpoint", "save_che
 
 logger = logging.getLogger(__name__)
 _STAGING = StagingBuffer()
-_ASYNC_COPY = ("auto", "fork", "before_return", "before_step")
+_ASYNC_COPY = ("before_return", "before_step")
 
 
 def _check_num_workers(num_workers: Any) -> int:
@@ -81,7 +81,7 @@ def save_checkpoint(
     async_save: bool = False,
     zero1_optimizer: bool = False,
     *,
-    async_copy: str = "auto",
+    async_copy: str = "before_return",
 ) -> None:
     """Save a checkpoint tag (collective: every rank calls it with the same arguments).
 
@@ -96,15 +96,8 @@ def save_checkpoint(
     interpreter exit wait for it, and raise its error if it failed. ``zero1_optimizer`` is
     accepted for NxD compatibility (ZeRO-1 is detected from the optimizer).
 
-    ``async_copy`` (nxd's, with ``async_save``): how the state is snapshotted.
-    ``"auto"`` (default): ``"fork"`` where every saved tensor is on the CPU and the platform
-    has ``os.fork``, else ``"before_return"``.
-    ``"fork"``: the process forks and the child writes this rank's part from its
-    copy-on-write view of memory (the state as it was at the call), so the call returns
-    without copying and any later change is safe; pages this process changes while the
-    child still writes are copied by the kernel then (CPU tensors only).
-    ``"before_return"``: the state is copied into a host buffer (pinned for CUDA tensors)
-    before this call returns, so any later change is safe.
+    ``async_copy`` (nxd's, with ``async_save``): when the copy to host memory is complete.
+    ``"before_return"`` (default): before this call returns, so any later change is safe.
     ``"before_step"``: parameters and optimizer state (on CPU) are copied by the background
     thread and the next ``optimizer.step()`` of any ``torch.optim`` optimizer waits for that
     copy; buffers, RNG states and user content are copied now. A parameter or state tensor
@@ -135,8 +128,6 @@ def save_checkpoint(
         )
         zero1 = bool(plan.meta.get("optimizer", {}).get("zero1"))
         plan.meta["parallel"] = ctx.parallel_dict(zero1)
-        if async_save:
-            async_copy = _snapshot_mode(async_copy, plan)
     except BaseException as caught:
         error = caught
     agree(error, f"preparing checkpoint {tag_dir}")
@@ -152,22 +143,6 @@ def save_checkpoint(
         )
         return
     job.file_plan = file_plan_for(plan)
-    if async_copy == "fork":
-        try:
-            job.start_forked()
-        except OSError as error:  # no fork (memory, process limit): copy instead
-            logger.warning("async save: fork failed (%s); copying the state instead", error)
-            async_copy = "before_return"
-        else:
-            _saver.set_pending(job)
-            logger.info(
-                "forked the writer of %s in %.3fs (%d bytes on rank %d)",
-                tag_dir,
-                time.perf_counter() - started,
-                plan.nbytes,
-                ctx.rank,
-            )
-            return
     defer = async_copy == "before_step"
     job.staged, job.deferred = [], []
     if plan.chunks:
@@ -181,21 +156,6 @@ def save_checkpoint(
         plan.nbytes,
         ctx.rank,
     )
-
-
-def _snapshot_mode(async_copy: str, plan: Any) -> str:
-    """``async_copy`` with ``"auto"`` resolved; ``"fork"`` refused where it cannot work."""
-    devices = sorted({chunk.data.device.type for chunk in plan.chunks} - {"cpu"})
-    can_fork = hasattr(os, "fork") and not devices
-    if async_copy == "auto":
-        return "fork" if can_fork else "before_return"
-    if async_copy == "fork" and not can_fork:
-        why = f"tensors on {devices}" if devices else "this platform has no os.fork"
-        raise ValueError(
-            f"async_copy='fork' snapshots CPU memory by forking the process; {why}: use "
-            f"async_copy='before_return' (or 'auto')"
-        )
-    return async_copy
 
 
 def finalize_checkpoint(*, release_host_memory: bool = True) -> None:
