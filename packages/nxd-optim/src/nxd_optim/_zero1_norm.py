@@ -8,7 +8,8 @@ a reduce-scatter.
 
 Every slice s of param i is summarised by one number x_s with |x_s|^p = Σ_{e∈s} |g_e|^p / r_e
 (r_e: how many TP replicas hold element e, only where the param has per-row counts; a uniform
-count stays an attribute), computed by one fused norm kernel over all slices. Slices of params
+count stays an attribute), computed by ``nxd_layers.tensor_norms`` (one foreach call per
+device and dtype; the inf norm exact, from ``aminmax`` on CPU). Slices of params
 whose attributes are all equal are interchangeable for the rules, so their summaries combine,
 (Σ_s |x_s|^p)^(1/p) (max for p = ∞), and reach ``get_grad_norm`` as one one-element gradient
 carrying those attributes. get_grad_norm applies its rules to the summaries exactly as to the
