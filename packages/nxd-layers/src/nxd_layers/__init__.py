@@ -38,6 +38,7 @@ from nxd_layers.grads import (
     clip_grads_with_norm,
     get_grad_norm,
     param_is_not_shared,
+    tensor_norms,
 )
 from nxd_layers.linear import BaseParallelLinear, ColumnParallelLinear, RowParallelLinear
 from nxd_layers.loss_functions import from_parallel_logits_to_logprobs, parallel_cross_entropy
@@ -118,5 +119,6 @@ __all__ = [
     "split_tensor_along_dim",
     "split_tensor_along_last_dim",
     "split_tensor_along_second_dim",
+    "tensor_norms",
     "utils",
 ]

@@ -40,6 +40,7 @@ __all__ = [
     "clip_grads_with_norm",
     "get_grad_norm",
     "param_is_not_shared",
+    "tensor_norms",
 ]
 
 logger = logging.getLogger(__name__)
@@ -162,6 +163,30 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def tensor_norms(tensors: Sequence[torch.Tensor], p: float) -> torch.Tensor:
+    """(||t_1||_p, ..., ||t_k||_p) for non-empty tensors of one device and dtype, as a 1-D
+    tensor in the accumulation dtype (float32, float64 for float64).
+
+    Sums of |t|^p are accumulated in float32 whatever the tensors' dtype: one
+    ``torch._foreach_norm`` call (one fused kernel on CUDA, which reads bfloat16 and
+    accumulates in float32 in registers). For p = inf the norm max |t| is a value of the
+    tensor, exact in its own dtype: it is taken there (no conversion), on CPU as
+    max(max t, -min t) from ``torch.aminmax``, one vectorised pass, where torch's CPU
+    ``vector_norm(inf)`` takes an elementwise path about 20 times slower; NaN propagates.
+    """
+    dtype = _accumulation_dtype(tensors[0].dtype)
+    if p == math.inf:
+        if tensors[0].device.type == "cpu":
+            bounds = [torch.aminmax(t) for t in tensors]
+            highs = torch.stack([b.max for b in bounds])
+            lows = torch.stack([b.min for b in bounds])
+            return torch.maximum(highs, lows.neg()).to(dtype)
+        return torch.stack(torch._foreach_norm(list(tensors), p)).to(dtype)
+    if tensors[0].dtype == dtype:  # same kernel as dtype=dtype, without the argument
+        return torch.stack(torch._foreach_norm(list(tensors), p))
+    return torch.stack(torch._foreach_norm(list(tensors), p, dtype=dtype))
+
+
 def _local_norm_power(
     params: list[torch.Tensor],
     p: float,
@@ -174,10 +199,10 @@ def _local_norm_power(
 
     sum_i w_i ||g_i||_p^p with w_i = (1 / tp_size for TP-replicated gradients under
     ``force_spmd``) / (K/V replica count). Gradients are grouped by (device, dtype, w_i) and
-    each group's per-tensor norms come from one ``torch._foreach_norm`` call (one fused kernel
-    on CUDA, ``vector_norm`` without temporaries on CPU), accumulated in float32 (float64 for
-    float64 gradients); then sum_i w_i ||g_i||^p = w · ||(||g_1||, ..., ||g_k||)||_p^p per group.
-    A fused QKV weight with per-row replica counts takes row norms (``vector_norm`` over dim 1).
+    each group's per-tensor norms come from :func:`tensor_norms` (one foreach call per
+    group), accumulated in float32 (float64 for float64 gradients); then
+    sum_i w_i ||g_i||^p = w · ||(||g_1||, ..., ||g_k||)||_p^p per group. A fused QKV weight
+    with per-row replica counts takes row norms (``vector_norm`` over dim 1).
     """
     inf = p == math.inf
     total = torch.zeros((), dtype=torch.float32, device=device)
@@ -210,8 +235,8 @@ def _local_norm_power(
         else:
             weight /= replicas
         groups.setdefault((grad.device, grad.dtype, weight), []).append(grad)
-    for (_, dtype, weight), grads in groups.items():
-        norms = torch.stack(torch._foreach_norm(grads, p, dtype=_accumulation_dtype(dtype)))
+    for (_, _, weight), grads in groups.items():
+        norms = tensor_norms(grads, p)
         if inf:
             total = torch.maximum(total, norms.max().to(device, torch.float32))
         else:
@@ -263,12 +288,22 @@ def clip_grads_with_norm(
 ) -> torch.Tensor:
     """g <- g * min(1, max_norm / (total_norm + 1e-6)) for every gradient; returns the norm.
 
-    No host sync (XLA-friendly): the factor is applied whether or not clipping is needed.
+    The factor is cast once per (device, dtype) and applied by one ``torch._foreach_mul_``
+    per group (the same product as ``g.mul_(factor)`` tensor by tensor). No host sync
+    (XLA-friendly): on an accelerator the factor is applied whether or not clipping is
+    needed; on CPU, where reading it costs no sync, a factor of exactly 1 (g * 1 = g) is
+    skipped.
     """
     clip_coef = torch.clamp(float(max_norm) / (total_norm + _CLIP_EPS), max=1.0)
+    if clip_coef.device.type == "cpu" and bool(clip_coef == 1.0):
+        return total_norm
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for param in _as_list(parameters):
         if param.grad is not None:
-            param.grad.detach().mul_(clip_coef.to(param.grad.device, param.grad.dtype))
+            grad = param.grad.detach()
+            groups.setdefault((grad.device, grad.dtype), []).append(grad)
+    for (device, dtype), grads in groups.items():
+        torch._foreach_mul_(grads, clip_coef.to(device, dtype))
     return total_norm
 
 

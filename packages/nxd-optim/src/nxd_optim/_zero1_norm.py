@@ -8,7 +8,8 @@ a reduce-scatter.
 
 Every slice s of param i is summarised by one number x_s with |x_s|^p = Σ_{e∈s} |g_e|^p / r_e
 (r_e: how many TP replicas hold element e, only where the param has per-row counts; a uniform
-count stays an attribute), computed by one fused norm kernel over all slices. Slices of params
+count stays an attribute), computed by ``nxd_layers.tensor_norms`` (one foreach call per
+device and dtype; the inf norm exact, from ``aminmax`` on CPU). Slices of params
 whose attributes are all equal are interchangeable for the rules, so their summaries combine,
 (Σ_s |x_s|^p)^(1/p) (max for p = ∞), and reach ``get_grad_norm`` as one one-element gradient
 carrying those attributes. get_grad_norm applies its rules to the summaries exactly as to the
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed import ProcessGroup
 
-from nxd_layers import copy_tensor_model_parallel_attributes, get_grad_norm
+from nxd_layers import copy_tensor_model_parallel_attributes, get_grad_norm, tensor_norms
 
 __all__ = ["GradSpan", "global_grad_norm"]
 
@@ -89,10 +90,17 @@ def _summaries(spans: Sequence[GradSpan], p: float) -> list[torch.Tensor]:
     weights = [None if p == math.inf else _row_replicas(s) for s in spans]
     plain = [i for i, w in enumerate(weights) if w is None]
     out = []
-    if plain:  # one fused kernel, fp32 accumulation whatever the gradients' dtype
-        norms = torch._foreach_norm([spans[i].grad for i in plain], p, dtype=torch.float32)
+    if plain:  # one foreach call per (device, dtype), fp32 accumulation (nxd_layers)
+        by_kind: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for i in plain:
+            by_kind.setdefault((spans[i].grad.device, spans[i].grad.dtype), []).append(i)
+        norm_of: dict[int, torch.Tensor] = {}
+        for members in by_kind.values():
+            values = tensor_norms([spans[i].grad for i in members], p).float()
+            norm_of.update(zip(members, values.unbind()))
         groups: dict[object, tuple[dict[str, object], list[torch.Tensor]]] = {}
-        for norm, i in zip(norms, plain):
+        for i in plain:
+            norm = norm_of[i]
             attributes = _attributes(spans[i].param, replicas_folded=False)
             signature = _signature(attributes)
             key = ("alone", i) if signature is None else signature
