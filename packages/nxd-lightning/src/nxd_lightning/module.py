@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 import nxd_state
 from nxd_lightning._loss import reduce_step_loss
@@ -252,6 +253,50 @@ class NeuronLTModule(LightningModule):
         device = nxd_state.current_device()
         self.averaged_loss = torch.zeros((), dtype=torch.float64, device=device)
         self.print_pp_rank = logging_pipeline_rank(self.log_rank0)
+
+    def adopt_trainer_settings(self, trainer: Any) -> None:
+        """Lightning's ``Trainer(gradient_clip_val=c, accumulate_grad_batches=k)`` for this
+        manually optimized module (Lightning refuses both under manual optimization; the
+        strategy calls this first and clears them on the Trainer):
+
+        * ``k`` -> ``grad_accum_steps = k``: the optimizer steps on the mean of k
+          micro-batches' gradients (the larger batch's), as ``accumulate_grad_batches`` gives
+          an automatically optimized module; a different ``grad_accum_steps`` > 1 is refused;
+        * ``c`` -> ``optimizer_config["grad_clipping"] = True, ["max_grad_norm"] = c``: the
+          nxd optimizer clips by the norm of the whole model (over TP and PP), the
+          one-process model's norm; it replaces the config's ``max_grad_norm`` (with a
+          warning when that clipped at another value). ``gradient_clip_algorithm="value"`` is
+          refused (the nxd optimizer clips by norm).
+        """
+        accumulate = trainer.accumulate_grad_batches
+        if accumulate != 1:
+            if self.grad_accum_steps not in (1, accumulate):
+                raise ValueError(
+                    f"Trainer(accumulate_grad_batches={accumulate}) contradicts the module's "
+                    f"grad_accum_steps={self.grad_accum_steps}: give one of them"
+                )
+            self.grad_accum_steps = accumulate
+            trainer.accumulate_grad_batches = 1
+        clip = trainer.gradient_clip_val
+        if clip is not None and clip > 0:
+            algorithm = trainer.gradient_clip_algorithm
+            if algorithm is not None and str(algorithm).lower().endswith("value"):
+                raise ValueError(
+                    f"Trainer(gradient_clip_algorithm={algorithm!r}) with a NeuronLTModule: the "
+                    f"nxd optimizer clips by norm only; expected gradient_clip_algorithm='norm'"
+                )
+            config = dict(self.nxd_config)
+            optimizer = dict(config.get("optimizer_config") or {})
+            before = optimizer.get("max_grad_norm")
+            if optimizer.get("grad_clipping", True) and before not in (None, clip):
+                rank_zero_warn(
+                    f"Trainer(gradient_clip_val={clip}) replaces nxd_config's "
+                    f"optimizer_config max_grad_norm={before}"
+                )
+            optimizer.update(grad_clipping=True, max_grad_norm=float(clip))
+            config["optimizer_config"] = optimizer
+            self.nxd_config = config
+            trainer.gradient_clip_val = None
 
     def get_param_groups_by_weight_decay(self) -> list[dict[str, Any]]:
         """NxD's default groups: weight decay 0.01, none for biases and ``LayerNorm`` weights.

@@ -310,6 +310,17 @@ class NxDStrategy(ParallelStrategy):
         nxd_state.init_distributed(device_type=self.root_device.type, timeout=self._timeout)
 
     # The model: built by the module, never wrapped ----------------------------------------------
+    def connect(self, model: Any) -> None:
+        """Lightning's connection; a ``NeuronLTModule`` first takes the Trainer's
+        ``gradient_clip_val`` and ``accumulate_grad_batches`` (its optimizer clips and its
+        steps accumulate: :meth:`NeuronLTModule.adopt_trainer_settings`)."""
+        from nxd_lightning.module import NeuronLTModule
+
+        trainer = getattr(model, "_trainer", None)
+        if isinstance(model, NeuronLTModule) and trainer is not None:
+            model.adopt_trainer_settings(trainer)
+        super().connect(model)
+
     @property
     def is_plain_module(self) -> bool:
         """Whether the module is a plain ``LightningModule`` (not a ``NeuronLTModule``, whose
