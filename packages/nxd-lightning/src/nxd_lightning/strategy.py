@@ -13,7 +13,10 @@
 5. leaves the model alone (``NeuronLTModule.setup`` builds it in place through
    ``initialize_parallel_model``; no DDP wrapper: the optimizer wrapper reduces gradients over
    DP once per step) and saves / loads checkpoints through :class:`NeuronCheckpointIO`
-   (nxd-ckpt's sharded safetensors, Lightning's loop state as JSON), on every rank.
+   (nxd-ckpt's sharded safetensors, Lightning's loop state as JSON), on every rank;
+6. gives a plain ``LightningModule`` what DDP would (:mod:`nxd_lightning._plain`): the start
+   from DP rank 0, the DP gradient mean each step, clipping over the whole model at TP > 1,
+   and a clear refusal of the TP / PP degrees it cannot honour.
 
 :class:`NxDStrategy` runs on CPU, CUDA and XLA devices; :class:`NeuronXLAStrategy` is NxD's name
 and signature for the same strategy.
