@@ -26,6 +26,7 @@ CUDA and XLA devices.
 
 from importlib.metadata import version as _version
 
+from nxd_lightning._folder_load import install as _install_folder_loading
 from nxd_lightning.checkpoint_io import NeuronCheckpointIO
 from nxd_lightning.hooks_callback import NeuronHooksCallback
 from nxd_lightning.logger import NeuronTensorBoardLogger
@@ -33,6 +34,9 @@ from nxd_lightning.module import NeuronLTModule
 from nxd_lightning.precision import NeuronXLAPrecisionPlugin
 from nxd_lightning.progress_bar import NeuronTQDMProgressBar
 from nxd_lightning.strategy import NeuronXLAStrategy, NxDStrategy
+
+# Model.load_from_checkpoint(folder) reads nxd-lightning's checkpoint folders (_folder_load).
+_install_folder_loading()
 
 __version__ = _version("nxd-lightning")
 

@@ -27,7 +27,7 @@ from typing import Any
 from lightning.fabric.plugins import CheckpointIO
 from torch import nn
 
-__all__ = ["LOADED_KEY", "NeuronCheckpointIO"]
+__all__ = ["LOADED_KEY", "NeuronCheckpointIO", "read_loop_state"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +55,24 @@ def _single_optimizer(optimizers: Any) -> Any:
             f"nxd checkpoints hold one optimizer; the module configured {len(optimizers)}"
         )
     return optimizers[0] if optimizers else None
+
+
+def _loop_state(content: Any, path: Any) -> dict[str, Any]:
+    if not isinstance(content, dict) or content.get(_FORMAT_KEY) != _FORMAT:
+        raise ValueError(
+            f"{path} is an nxd checkpoint but not one written by nxd-lightning (no "
+            f"Lightning loop state in its user content): load it with "
+            f"nxd_trainer.load_checkpoint"
+        )
+    return dict(content[_CONTENT_KEY])
+
+
+def read_loop_state(tag_dir: Path) -> dict[str, Any]:
+    """Lightning's checkpoint dict saved in tag folder ``tag_dir`` (without the model and
+    optimizer), read in any one process."""
+    import nxd_ckpt
+
+    return _loop_state(nxd_ckpt.read_user_content(tag_dir.parent, tag_dir.name), tag_dir)
 
 
 class NeuronCheckpointIO(CheckpointIO):
@@ -126,13 +144,7 @@ class NeuronCheckpointIO(CheckpointIO):
         content = nxd_trainer.load_checkpoint(
             folder, tag, model=model, optimizer=optimizer, strict=strict
         )
-        if not isinstance(content, dict) or content.get(_FORMAT_KEY) != _FORMAT:
-            raise ValueError(
-                f"{path} is an nxd checkpoint but not one written by nxd-lightning (no "
-                f"Lightning loop state in its user content): load it with "
-                f"nxd_trainer.load_checkpoint"
-            )
-        checkpoint = dict(content[_CONTENT_KEY])
+        checkpoint = _loop_state(content, path)
         checkpoint[LOADED_KEY] = model is not None
         checkpoint.setdefault("state_dict", {})
         return checkpoint

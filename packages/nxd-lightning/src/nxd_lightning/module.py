@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 import nxd_state
 from nxd_lightning._loss import reduce_step_loss
@@ -253,6 +254,50 @@ class NeuronLTModule(LightningModule):
         self.averaged_loss = torch.zeros((), dtype=torch.float64, device=device)
         self.print_pp_rank = logging_pipeline_rank(self.log_rank0)
 
+    def adopt_trainer_settings(self, trainer: Any) -> None:
+        """Lightning's ``Trainer(gradient_clip_val=c, accumulate_grad_batches=k)`` for this
+        manually optimized module (Lightning refuses both under manual optimization; the
+        strategy calls this first and clears them on the Trainer):
+
+        * ``k`` -> ``grad_accum_steps = k``: the optimizer steps on the mean of k
+          micro-batches' gradients (the larger batch's), as ``accumulate_grad_batches`` gives
+          an automatically optimized module; a different ``grad_accum_steps`` > 1 is refused;
+        * ``c`` -> ``optimizer_config["grad_clipping"] = True, ["max_grad_norm"] = c``: the
+          nxd optimizer clips by the norm of the whole model (over TP and PP), the
+          one-process model's norm; it replaces the config's ``max_grad_norm`` (with a
+          warning when that clipped at another value). ``gradient_clip_algorithm="value"`` is
+          refused (the nxd optimizer clips by norm).
+        """
+        accumulate = trainer.accumulate_grad_batches
+        if accumulate != 1:
+            if self.grad_accum_steps not in (1, accumulate):
+                raise ValueError(
+                    f"Trainer(accumulate_grad_batches={accumulate}) contradicts the module's "
+                    f"grad_accum_steps={self.grad_accum_steps}: give one of them"
+                )
+            self.grad_accum_steps = accumulate
+            trainer.accumulate_grad_batches = 1
+        clip = trainer.gradient_clip_val
+        if clip is not None and clip > 0:
+            algorithm = trainer.gradient_clip_algorithm
+            if algorithm is not None and str(algorithm).lower().endswith("value"):
+                raise ValueError(
+                    f"Trainer(gradient_clip_algorithm={algorithm!r}) with a NeuronLTModule: the "
+                    f"nxd optimizer clips by norm only; expected gradient_clip_algorithm='norm'"
+                )
+            config = dict(self.nxd_config)
+            optimizer = dict(config.get("optimizer_config") or {})
+            before = optimizer.get("max_grad_norm")
+            if optimizer.get("grad_clipping", True) and before not in (None, clip):
+                rank_zero_warn(
+                    f"Trainer(gradient_clip_val={clip}) replaces nxd_config's "
+                    f"optimizer_config max_grad_norm={before}"
+                )
+            optimizer.update(grad_clipping=True, max_grad_norm=float(clip))
+            config["optimizer_config"] = optimizer
+            self.nxd_config = config
+            trainer.gradient_clip_val = None
+
     def get_param_groups_by_weight_decay(self) -> list[dict[str, Any]]:
         """NxD's default groups: weight decay 0.01, none for biases and ``LayerNorm`` weights.
         Override for other groups."""
@@ -377,6 +422,55 @@ class NeuronLTModule(LightningModule):
         self.log("val_loss", value, prog_bar=True, on_step=False, on_epoch=True)
         return loss
 
+    # Prediction --------------------------------------------------------------------------------
+    predict_gathers_vocabulary: bool = True
+    """``predict_step`` returns full-vocabulary logits (gathered over TP) when the model's output
+    embedding is vocabulary-parallel; set False (on the class or the instance) to get this TP
+    rank's slice of the vocabulary instead."""
+
+    def predict_step(self, batch: Any, batch_idx: int = 0, dataloader_idx: int = 0) -> Any:
+        """``model(**batch)`` without gradients; a vocabulary-parallel output's logits gathered
+        over TP (:meth:`gather_vocabulary`) unless ``predict_gathers_vocabulary`` is False."""
+        if self._pipeline_parallel_size > 1:
+            raise NotImplementedError(
+                f"predict at pipeline_parallel_size={self._pipeline_parallel_size}: the pipeline "
+                f"runs only training and evaluation schedules; expected pipeline_parallel_size=1 "
+                f"(load the checkpoint at PP=1 to predict)"
+            )
+        with torch.no_grad():
+            output = _run(self.model, batch)
+        return self.gather_vocabulary(output) if self.predict_gathers_vocabulary else output
+
+    def gather_vocabulary(self, output: Any) -> Any:
+        """``logits`` (a tensor, or an output's ``.logits``) <- [logits_0, ..., logits_{T-1}]
+        along the last dimension over TP, when the model's output embedding
+        (``get_output_embeddings()``) is a column-parallel layer without ``gather_output``; the
+        output unchanged otherwise. Padded vocabularies are refused (no guess at the padding)."""
+        from nxd_layers import BaseParallelLinear
+        from nxd_layers.mappings import gather_from_tensor_model_parallel_region
+
+        local = getattr(self.model, "local_module", None)
+        module = local() if callable(local) else self.model
+        get_head = getattr(module, "get_output_embeddings", None)
+        head = get_head() if callable(get_head) else None
+        if not isinstance(head, BaseParallelLinear) or getattr(head, "gather_output", True):
+            return output
+        logits = output if isinstance(output, torch.Tensor) else getattr(output, "logits", None)
+        if not isinstance(logits, torch.Tensor):
+            return output
+        full = gather_from_tensor_model_parallel_region(logits)
+        vocab = getattr(getattr(module, "config", None), "vocab_size", full.shape[-1])
+        if full.shape[-1] != vocab:
+            raise ValueError(
+                f"the gathered logits have {full.shape[-1]} columns but the vocabulary has "
+                f"{vocab} (padded for tensor parallelism): set predict_gathers_vocabulary=False "
+                f"and remove the padding yourself"
+            )
+        if isinstance(output, torch.Tensor):
+            return full
+        output.logits = full
+        return output
+
     # NxD's module API ---------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.model(*args, **kwargs)
@@ -394,7 +488,17 @@ class NeuronLTModule(LightningModule):
     def load_state_dict(  # type: ignore[override]
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:
-        return self.model.load_state_dict(state_dict, strict=strict, assign=assign)
+        model = self._modules.get("model")
+        if model is None:
+            raise RuntimeError(
+                f"{type(self).__qualname__}.load_state_dict: the model is built in setup() "
+                f"(initialize_parallel_model), so there is nothing to load into yet. Load an "
+                f"nxd checkpoint folder with Trainer.fit / validate / test / predict(..., "
+                f"ckpt_path=folder), or build the unparallelized model with model_fn and load "
+                f"the folder's whole tensors with Model.load_from_checkpoint on a plain "
+                f"LightningModule"
+            )
+        return model.load_state_dict(state_dict, strict=strict, assign=assign)
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
         """This rank's parameters (NxD's: the wrapped model's, original names)."""

@@ -13,7 +13,10 @@
 5. leaves the model alone (``NeuronLTModule.setup`` builds it in place through
    ``initialize_parallel_model``; no DDP wrapper: the optimizer wrapper reduces gradients over
    DP once per step) and saves / loads checkpoints through :class:`NeuronCheckpointIO`
-   (nxd-ckpt's sharded safetensors, Lightning's loop state as JSON), on every rank.
+   (nxd-ckpt's sharded safetensors, Lightning's loop state as JSON), on every rank;
+6. gives a plain ``LightningModule`` what DDP would (:mod:`nxd_lightning._plain`): the start
+   from DP rank 0, the DP gradient mean each step, clipping over the whole model at TP > 1,
+   and a clear refusal of the TP / PP degrees it cannot honour.
 
 :class:`NxDStrategy` runs on CPU, CUDA and XLA devices; :class:`NeuronXLAStrategy` is NxD's name
 and signature for the same strategy.
@@ -40,6 +43,12 @@ import nxd_state
 from nxd_lightning._comm import all_gather_stacked, broadcast_object, reduce_tensor
 from nxd_lightning._launch import ShardedMultiProcessingLauncher
 from nxd_lightning._mixing import check_no_pytorch_lightning, trainer_init_arguments
+from nxd_lightning._plain import (
+    average_gradients_over_dp,
+    broadcast_from_dp_rank0,
+    check_plain_module,
+    clip_grad_norm_full,
+)
 from nxd_lightning.checkpoint_io import LOADED_KEY, NeuronCheckpointIO
 
 __all__ = ["NeuronXLAStrategy", "NxDStrategy"]
@@ -73,6 +82,16 @@ def _sizes(nxd_config: Any, tensor_parallel_size: int, pipeline_parallel_size: i
                 f"give the sizes in nxd_config only"
             )
     return config.to_nxd(), config.tensor_parallel_size, config.pipeline_parallel_size
+
+
+def _clip_over_the_whole_model(plugin: Any) -> None:
+    """Make ``plugin``'s clipping by norm use the whole model's norm (over TP), not this
+    rank's shards' (Lightning's ``clip_grad_by_norm`` is torch's, local)."""
+
+    def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
+        clip_grad_norm_full(plugin.main_params(optimizer), float(clip_val))
+
+    plugin.clip_grad_by_norm = clip_grad_by_norm
 
 
 class NxDStrategy(ParallelStrategy):
@@ -294,8 +313,73 @@ class NxDStrategy(ParallelStrategy):
         nxd_state.init_distributed(device_type=self.root_device.type, timeout=self._timeout)
 
     # The model: built by the module, never wrapped ----------------------------------------------
+    def connect(self, model: Any) -> None:
+        """Lightning's connection; a ``NeuronLTModule`` first takes the Trainer's
+        ``gradient_clip_val`` and ``accumulate_grad_batches`` (its optimizer clips and its
+        steps accumulate: :meth:`NeuronLTModule.adopt_trainer_settings`)."""
+        from nxd_lightning.module import NeuronLTModule
+
+        trainer = getattr(model, "_trainer", None)
+        if isinstance(model, NeuronLTModule) and trainer is not None:
+            model.adopt_trainer_settings(trainer)
+        super().connect(model)
+
+    @property
+    def is_plain_module(self) -> bool:
+        """Whether the module is a plain ``LightningModule`` (not a ``NeuronLTModule``, whose
+        nxd optimizer averages gradients over DP itself): the strategy then does what DDP
+        does (:mod:`nxd_lightning._plain`)."""
+        from nxd_lightning.module import NeuronLTModule
+
+        module = self.lightning_module
+        return module is not None and not isinstance(module, NeuronLTModule)
+
     def model_to_device(self) -> None:
-        """Nothing: ``initialize_parallel_model`` put each rank's part on its device."""
+        """A plain module is moved to this rank's device; a ``NeuronLTModule``'s model is
+        already there (``initialize_parallel_model`` put each rank's part on its device)."""
+        if self.is_plain_module:
+            assert self.model is not None
+            self.model.to(self.root_device)
+
+    def setup(self, trainer: Any) -> None:
+        """A plain module: refused at TP / PP degrees it cannot honour, then its replicas made
+        equal (DP rank 0's parameters and buffers, as DDP), and clipping by norm over the
+        whole model at TP > 1."""
+        if self.is_plain_module:
+            module = self.lightning_module
+            assert module is not None
+            check_plain_module(module, self.tensor_parallel_size, self.pipeline_parallel_size)
+        super().setup(trainer)
+        if self.is_plain_module:
+            assert self.model is not None
+            broadcast_from_dp_rank0(self.model)
+            if self.tensor_parallel_size > 1:
+                _clip_over_the_whole_model(self.precision_plugin)
+
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        """A plain module under manual optimization: gradients averaged over DP after every
+        ``manual_backward`` (as DDP's backward does), so clipping and stepping in
+        ``training_step`` see the mean. The mean is linear: accumulating several backwards
+        averages their sum."""
+        super().post_backward(closure_loss)
+        module = self.lightning_module
+        if self.is_plain_module and not module.automatic_optimization:
+            average_gradients_over_dp(module.parameters())
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """A plain module (automatic optimization): gradients averaged over DP once per
+        optimizer step, after the closure (the last micro-batch's backward), before
+        ``on_before_optimizer_step``, the clipping and the step."""
+        module = self.lightning_module
+        if not self.is_plain_module or not module.automatic_optimization:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+        def closure_then_average() -> Any:
+            result = closure()
+            average_gradients_over_dp(module.parameters())
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_average, model, **kwargs)
 
     def teardown(self) -> None:
         """Release the plugins; the model stays where it is (its shards live on the devices)."""
@@ -357,6 +441,8 @@ class NxDStrategy(ParallelStrategy):
         module = self.lightning_module
         if module is None:
             return None
+        if self.is_plain_module:
+            return module  # its state dict's names are Lightning's own
         model = getattr(module, "model", None)
         return model if isinstance(model, nn.Module) else module
 
