@@ -317,10 +317,8 @@ class NxDStrategy(ParallelStrategy):
         """Lightning's connection; a ``NeuronLTModule`` first takes the Trainer's
         ``gradient_clip_val`` and ``accumulate_grad_batches`` (its optimizer clips and its
         steps accumulate: :meth:`NeuronLTModule.adopt_trainer_settings`)."""
-        from nxd_lightning.module import NeuronLTModule
-
         trainer = getattr(model, "_trainer", None)
-        if isinstance(model, NeuronLTModule) and trainer is not None:
+        if _is_nxd_module(model) and trainer is not None:
             model.adopt_trainer_settings(trainer)
         super().connect(model)
 
@@ -329,10 +327,8 @@ class NxDStrategy(ParallelStrategy):
         """Whether the module is a plain ``LightningModule`` (not a ``NeuronLTModule``, whose
         nxd optimizer averages gradients over DP itself): the strategy then does what DDP
         does (:mod:`nxd_lightning._plain`)."""
-        from nxd_lightning.module import NeuronLTModule
-
         module = self.lightning_module
-        return module is not None and not isinstance(module, NeuronLTModule)
+        return module is not None and not _is_nxd_module(module)
 
     def model_to_device(self) -> None:
         """A plain module is moved to this rank's device; a ``NeuronLTModule``'s model is
@@ -510,3 +506,10 @@ class NeuronXLAStrategy(NxDStrategy):
             checkpoint_io=checkpoint_io,
             **kwargs,
         )
+
+
+def _is_nxd_module(module: Any) -> bool:
+    """Whether ``module`` is a ``NeuronLTModule`` (known by its interface, so the strategy does
+    not import the module class that runs under it): it builds its parallel model itself and
+    its nxd optimizer reduces, clips and accumulates."""
+    return callable(getattr(module, "adopt_trainer_settings", None))
