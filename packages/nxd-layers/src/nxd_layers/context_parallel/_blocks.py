@@ -13,12 +13,13 @@ gradient is exact (the flash-attention backward):
     dq_i += scale * sum_j ds_ij k_j,   dk_j += scale * sum_i ds_ij q_i,   dv_j += sum_i p_ij dO_i
 
 Kernels: ``"math"`` (the formulas above, any device; softmax statistics in fp32, fp64 for fp64
-inputs), ``"flash_cpu"``
-(``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward, which take the final
-``out``/``lse``), ``"efficient"`` (CUDA's memory-efficient SDPA kernel and its backward, same
-contract). Kernels get K/V repeated to ``Hq`` heads locally (what they accept); their K/V
-gradients are summed back over the ``g`` query heads of each K/V head. ``"auto"`` picks
-``flash_cpu`` on CPU, ``efficient`` on CUDA, ``math`` elsewhere.
+inputs; it materializes one block's scores, ``(S/n)^2`` per head, never the whole sequence's)
+and ``"flash_cpu"`` (torch's SDPA kernel ``aten._scaled_dot_product_flash_attention_for_cpu``,
+which returns the ``lse``, and its backward, which takes the final ``out``/``lse``). The kernel
+gets K/V repeated to ``Hq`` heads locally (what it accepts); their gradients are summed back
+over the ``g`` query heads of each K/V head. ``"auto"`` picks ``flash_cpu`` on CPU and
+``math`` elsewhere: CUDA's flash/efficient SDPA kernels also return the ``lse``, but their
+use here has not been verified on a GPU yet.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 
 __all__ = ["KERNELS", "block_backward", "block_forward", "merge", "resolve_kernel"]
 
-KERNELS = ("auto", "math", "flash_cpu", "efficient")
+KERNELS = ("auto", "math", "flash_cpu")
 
 
 def resolve_kernel(kernel: str, q: torch.Tensor) -> str:
@@ -36,11 +37,7 @@ def resolve_kernel(kernel: str, q: torch.Tensor) -> str:
         raise ValueError(f"attention kernel must be one of {KERNELS}, got {kernel!r}")
     if kernel != "auto":
         return kernel
-    if q.device.type == "cpu":
-        return "flash_cpu"
-    if q.device.type == "cuda":
-        return "efficient"
-    return "math"
+    return "flash_cpu" if q.device.type == "cpu" else "math"
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -89,7 +86,7 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> tor
 def block_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool, kernel: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(o, lse)`` of one block, both fp32 for merging: ``o`` ``(B, Hq, S, D)``, ``lse``
+    """``(o, lse)`` of one block in the accumulation dtype: ``o`` ``(B, Hq, S, D)``, ``lse``
     ``(B, Hq, S)``."""
     kernel = resolve_kernel(kernel, q)
     g = _groups(q, k)
@@ -101,17 +98,11 @@ def block_forward(
         out = torch.matmul(p, v.to(p.dtype).unsqueeze(2)).reshape(b, hq, s, v.shape[-1])
         return out, lse.reshape(b, hq, s)
     kr, vr = _repeat(k, g), _repeat(v, g)
-    if kernel == "flash_cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, kr, vr, 0.0, causal, scale=scale
-        )
-    elif kernel == "efficient":
-        out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
-            q, kr, vr, None, True, 0.0, causal, scale=scale
-        )
-        lse = lse[..., : q.shape[2]]  # the kernel pads the row count to its tile
-    else:  # pragma: no cover - resolve_kernel checked the name
-        raise AssertionError(kernel)
+    if q.device.type != "cpu":
+        raise ValueError(f"the flash_cpu kernel runs on CPU tensors, got {q.device}")
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, kr, vr, 0.0, causal, scale=scale
+    )
     acc = acc_dtype(q.dtype)
     return out.to(acc), lse.to(acc)
 
@@ -150,30 +141,9 @@ def block_backward(
     dtype, acc = q.dtype, acc_dtype(q.dtype)
     dout, out = dout.to(dtype).contiguous(), out.to(dtype).contiguous()
     lse = lse.to(acc).contiguous()
-    if kernel == "flash_cpu":
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, kr, vr, out, lse, 0.0, causal, scale=scale
-        )
-    elif kernel == "efficient":
-        empty = torch.empty(0, device=q.device)
-        seed = torch.zeros((), dtype=torch.int64, device=q.device)
-        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            dout,
-            q,
-            kr,
-            vr,
-            empty,
-            out,
-            lse.float().contiguous(),
-            seed,
-            seed,
-            0.0,
-            [True, True, True, False],
-            causal,
-            scale=scale,
-        )
-    else:  # pragma: no cover
-        raise AssertionError(kernel)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, kr, vr, out, lse, 0.0, causal, scale=scale
+    )
     return dq.to(acc), _fold(dk.to(acc), g), _fold(dv.to(acc), g)
 
 
