@@ -140,8 +140,8 @@ def test_out_of_range_rank_and_coordinates() -> None:
 
 
 # CP and EP: degree 1 only --------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["context_parallel_size", "expert_model_parallel_size"])
-def test_context_or_expert_degree_above_one_is_not_implemented(name: str) -> None:
+@pytest.mark.parametrize("name", ["expert_model_parallel_size"])
+def test_expert_degree_above_one_is_not_implemented(name: str) -> None:
     with pytest.raises(NotImplementedError, match=rf"{name}=2: nxd does not support"):
         ParallelLayout(world_size=4, **{name: 2})
     with pytest.raises(ValueError, match=rf"{name} must be a positive integer, got 0"):

@@ -96,9 +96,10 @@ def initialize_and_capture(**kwargs: object) -> tuple[str, str, bool]:
     ("kwargs", "kind", "message"),
     [
         (
-            {"tensor_model_parallel_size": 2, "context_parallel_size": 2},
-            "NotImplementedError",
-            "context_parallel_size=2: nxd does not support context parallelism",
+            {"tensor_model_parallel_size": 2, "context_parallel_size": 4},
+            "ValueError",
+            "tensor_parallel_size(2) x pipeline_parallel_size(1) x context_parallel_size(4) = 8 "
+            "does not divide world_size(2)",
         ),
         (
             {"expert_model_parallel_size": 4},

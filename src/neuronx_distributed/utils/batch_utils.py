@@ -1,7 +1,8 @@
 """NxD's ``neuronx_distributed.utils.batch_utils``: label shifting and the context-parallel slice.
 
-nxd runs with a context-parallel size of 1 (``initialize_model_parallel`` refuses more), so the
-context-parallel slice of a batch is the batch itself.
+The context-parallel slice is the load-balanced (zigzag) one of Megatron and NxD: the sequence
+cut into ``2 * CP`` chunks, rank ``r`` keeping chunks ``r`` and ``2 * CP - 1 - r``
+(:mod:`nxd_layers.context_parallel.split`).
 """
 
 from __future__ import annotations
@@ -33,11 +34,18 @@ def shift_labels(batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def get_batch_on_this_context_parallel_rank(
     batch: Mapping[str, torch.Tensor],
 ) -> Mapping[str, torch.Tensor]:
-    """This rank's share of ``batch`` along the sequence: the whole batch at context-parallel
-    size 1, the only size nxd supports."""
+    """This rank's share of ``batch`` along the sequence (dimension 1 of every tensor): the
+    whole batch at context-parallel size 1, else the zigzag slice; a sequence length that
+    ``2 * CP`` does not divide is an error naming both."""
+    from nxd_layers.context_parallel import split_for_context_parallel
     from nxd_state import parallel_state
 
-    size = parallel_state.get_context_model_parallel_size()
-    if size != 1:  # pragma: no cover - initialize_model_parallel refuses sizes > 1
-        raise NotImplementedError(f"context parallel size {size} is not supported by nxd (only 1)")
-    return batch
+    state = parallel_state.get_parallel_state()
+    if state.context_parallel_size == 1:
+        return batch
+    return {
+        key: split_for_context_parallel(value, state.context_parallel_group, dim=1)
+        if isinstance(value, torch.Tensor) and value.dim() >= 2
+        else value
+        for key, value in batch.items()
+    }

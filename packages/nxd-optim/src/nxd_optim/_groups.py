@@ -62,6 +62,7 @@ def _groups_from_lists(lists: Sequence[Sequence[int]], what: str) -> tuple[Proce
     if state is not None:  # the state's own groups: reuse them instead of creating new ones
         for group, all_lists in (
             (state.data_parallel_group, state.layout.data_parallel_groups()),
+            (state.data_context_parallel_group, state.layout.data_context_parallel_groups()),
             (state.tensor_parallel_group, state.layout.tensor_parallel_groups()),
             (state.pipeline_parallel_group, state.layout.pipeline_parallel_groups()),
         ):
@@ -94,13 +95,16 @@ def resolve_group(spec: GroupSpec, default: ProcessGroup | None, what: str) -> P
 
 
 def resolve_sharding_group(spec: GroupSpec) -> tuple[ProcessGroup, list[int]]:
-    """The data-parallel group ZeRO-1 shards over, checked against the parallel layout.
+    """The group ZeRO-1 shards over, checked against the parallel layout; by default DP x CP
+    (the DP group when CP = 1).
 
     Sharding is only meaningful over replicas: every rank of the group must hold the same
     tensor- and pipeline-parallel slice of the model (same TP and PP coordinates).
     """
     state = current_state_or_none()
-    group = resolve_group(spec, state.data_parallel_group if state else None, "sharding_groups")
+    group = resolve_group(
+        spec, state.data_context_parallel_group if state else None, "sharding_groups"
+    )
     ranks = dist.get_process_group_ranks(group)
     if state is not None:
         mine = state.coordinates
@@ -111,14 +115,15 @@ def resolve_sharding_group(spec: GroupSpec) -> tuple[ProcessGroup, list[int]]:
                     f"sharding group {ranks} does not match the data-parallel layout: rank "
                     f"{rank} is at tp={theirs.tp}, pp={theirs.pp} but this rank "
                     f"({state.rank}) is at tp={mine.tp}, pp={mine.pp}; ZeRO-1 shards over "
-                    f"replicas only (expected the data-parallel group "
-                    f"{state.data_parallel_ranks} or a subset of it)"
+                    f"replicas only (expected the data x context parallel group "
+                    f"{state.data_context_parallel_ranks} or a subset of it)"
                 )
     return group, ranks
 
 
 def shard_norm_group(sharding_ranks: Sequence[int]) -> ProcessGroup | None:
-    """The group that sums shard-local norms: sharding group x pipeline stages (same TP rank).
+    """The group that sums shard-local norms: sharding group (DP x CP) x pipeline stages (same TP
+    rank).
 
     Grad shards are disjoint across the sharding group and across pipeline stages, so their
     squared norms add over both; tensor parallelism is reduced separately. ``None`` when the
@@ -132,20 +137,19 @@ def shard_norm_group(sharding_ranks: Sequence[int]) -> ProcessGroup | None:
     for tp in range(layout.tensor_parallel_size):
         lists.append(
             [
-                layout.rank_of(pp=pp, dp=dp, tp=tp)
+                layout.rank_of(pp=pp, dp=dp, cp=cp, tp=tp)
                 for pp in range(layout.pipeline_parallel_size)
                 for dp in range(layout.data_parallel_size)
+                for cp in range(layout.context_parallel_size)
             ]
         )
-    if sorted(sharding_ranks) != sorted(
-        layout.rank_of(pp=state.coordinates.pp, dp=dp, tp=state.coordinates.tp)
-        for dp in range(layout.data_parallel_size)
-    ):
+    if sorted(sharding_ranks) != sorted(state.data_context_parallel_ranks):
         raise ValueError(
             f"with pipeline parallelism the grad norm needs the sharding group to be the whole "
-            f"data-parallel group {state.data_parallel_ranks}, got {list(sharding_ranks)}"
+            f"data x context parallel group {state.data_context_parallel_ranks}, got "
+            f"{list(sharding_ranks)}"
         )
-    return _groups_from_lists(lists, "grad norm groups (dp x pp)")[0]
+    return _groups_from_lists(lists, "grad norm groups (dp x cp x pp)")[0]
 
 
 def check_params_on_backend_device(

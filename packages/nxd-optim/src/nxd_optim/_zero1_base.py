@@ -211,10 +211,10 @@ class Zero1Setup(Optimizer):
 
     @property
     def sharding_groups(self) -> Any:
-        """The sharding groups as given, or NxD's ``as_list`` form of the default (DP)."""
+        """The sharding groups as given, or NxD's ``as_list`` form of the default (DP x CP)."""
         if self._sharding_spec is None:
             state = current_state_or_none()
-            return state.layout.data_parallel_groups() if state else None
+            return state.layout.data_context_parallel_groups() if state else None
         return self._sharding_spec
 
     @sharding_groups.setter

@@ -77,7 +77,8 @@ class NxDOptimizer(Optimizer):
                 grad_clipping=self.config.grad_clipping,
                 max_norm=self.config.max_grad_norm,
                 norm_type=self.config.norm_type,
-                sharding_groups=self.parallel_state.data_parallel_group,
+                # DP x CP: context-parallel ranks hold the same weights and partial gradients.
+                sharding_groups=self.parallel_state.data_context_parallel_group,
                 grad_norm_groups=self.parallel_state.tensor_parallel_group,
                 use_master_weights=self.config.use_master_weights,
                 use_fp32_grad_acc=self.config.use_fp32_grad_acc,
@@ -221,9 +222,11 @@ class NxDOptimizer(Optimizer):
             zero.step()
             self._grad_norm = zero.grad_norm
             return loss
+        # Averaged over DP x CP: each context-parallel rank's gradient is its sequence slice's
+        # share of the mean loss's gradient (the DP group itself when CP = 1).
         all_reduce_bucketed(
             grads,
-            state.data_parallel_group,
+            state.data_context_parallel_group,
             average=True,
             bucket_cap_bytes=self.config.bucket_cap_bytes,
         )
@@ -285,13 +288,14 @@ class NxDOptimizer(Optimizer):
 
     def save_sharded_state_dict(self, output_dir: str | Path, save_serially: bool = True) -> None:
         """ZeRO-1: every rank writes its shard. Otherwise DP rank 0 of each TP/PP coordinate
-        writes the (DP-replicated) state. safetensors + JSON either way."""
+        writes the (DP x CP-replicated) state. safetensors + JSON either way."""
         if isinstance(self.optimizer, NeuronZero1Optimizer):
             self.optimizer.save_sharded_state_dict(output_dir, save_serially=save_serially)
             return
-        if self.parallel_state.data_parallel_rank == 0:
+        state = self.parallel_state
+        if state.rank == state.data_context_parallel_ranks[0]:
             write_state(self.state_dict(), self._unsharded_prefix(Path(output_dir)), {})
-        collectives.barrier(self.parallel_state.data_parallel_group)
+        collectives.barrier(state.data_context_parallel_group)
 
     def load_sharded_state_dict(
         self, output_dir: str | Path, num_workers_per_step: int = 8

@@ -1,9 +1,9 @@
 """nxd-state: the process-group foundation of nxd.
 
-A :class:`ParallelState` holds the tensor/pipeline/data parallel groups of a ``[PP, DP, TP]``
-rank layout; NxD's ``parallel_state`` functions read the current one. Device and backend
-selection, every collective (with an opt-in traffic counter) and the model-parallel RNG live
-here too. The multi-rank test harness is :mod:`nxd_state.testing`.
+A :class:`ParallelState` holds the tensor/pipeline/context/data parallel groups of a
+``[PP, DP, CP, TP]`` rank layout; NxD's ``parallel_state`` functions read the current one.
+Device and backend selection, every collective (with an opt-in traffic counter) and the
+model-parallel RNG live here too. The multi-rank test harness is :mod:`nxd_state.testing`.
 """
 
 from importlib.metadata import version as _version
@@ -31,6 +31,10 @@ from nxd_state.parallel_state import (
     get_context_model_parallel_rank,
     get_context_model_parallel_replica_groups,
     get_context_model_parallel_size,
+    get_context_model_parallel_src_tgt_pairs,
+    get_data_context_parallel_group,
+    get_data_context_parallel_replica_groups,
+    get_data_context_parallel_size,
     get_data_parallel_group,
     get_data_parallel_rank,
     get_data_parallel_replica_groups,
@@ -100,6 +104,10 @@ __all__ = [
     "get_context_model_parallel_rank",
     "get_context_model_parallel_replica_groups",
     "get_context_model_parallel_size",
+    "get_context_model_parallel_src_tgt_pairs",
+    "get_data_context_parallel_group",
+    "get_data_context_parallel_replica_groups",
+    "get_data_context_parallel_size",
     "get_data_parallel_group",
     "get_data_parallel_rank",
     "get_data_parallel_replica_groups",

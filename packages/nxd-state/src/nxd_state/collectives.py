@@ -62,6 +62,7 @@ from nxd_state._traffic import (
 from nxd_state.health import CheckedWork, checked
 
 __all__ = [
+    "BatchWork",
     "CollectiveCounter",
     "OpStats",
     "P2POp",
@@ -82,6 +83,7 @@ __all__ = [
     "reduce_scatter",
     "register_group_name",
     "send",
+    "start_batch_send_recv",
 ]
 
 Group = ProcessGroup | None
@@ -497,25 +499,59 @@ class P2POp:
 @checked("batch_send_recv", None)
 def batch_send_recv(ops: Sequence[P2POp]) -> None:
     """Issue sends and receives together and wait for all of them (no ordering deadlock)."""
-    if not ops:
-        return
+    start_batch_send_recv(ops).wait()
+
+
+class BatchWork:
+    """The transfers of :func:`start_batch_send_recv`; ``wait()`` finishes all of them (a
+    dead peer named as by the blocking ops) and fills the receiving tensors."""
+
+    def __init__(self, works: list[CheckedWork]) -> None:
+        self._works = works
+
+    def wait(self) -> None:
+        works, self._works = self._works, []
+        for work in works:
+            work.wait()
+
+
+@checked("start_batch_send_recv", None)
+def start_batch_send_recv(ops: Sequence[P2POp]) -> BatchWork:
+    """Post sends and receives together (``batch_isend_irecv``: no ordering deadlock) and return
+    at once, so the caller computes while they progress; read the receiving tensors, and
+    modify the sent ones, only after ``wait()``."""
     for op in ops:
         if op.kind not in ("send", "recv"):
             raise ValueError(f"P2POp.kind must be 'send' or 'recv', got {op.kind!r}")
-    p2p, received = [], []
+    if not ops:
+        return BatchWork([])
+    p2p, after = [], []
     for op in ops:
         if op.kind == "send":
             record("send", op.group, nbytes(op.tensor), nbytes(op.tensor))
-            p2p.append(dist.P2POp(dist.isend, stage(op.tensor, op.group), op.peer, op.group))
+            staged = stage(op.tensor.contiguous(), op.group)
+            p2p.append(dist.P2POp(dist.isend, staged, op.peer, op.group))
+            after.append((staged, None))
         else:
             record("recv", op.group, nbytes(op.tensor), 0)
             buffer = stage(op.tensor, op.group, copy_data=False)
-            received.append((op.tensor, buffer))
             p2p.append(dist.P2POp(dist.irecv, buffer, op.peer, op.group))
-    for work in dist.batch_isend_irecv(p2p):
-        work.wait()
-    for tensor, buffer in received:
-        unstage(tensor, buffer)
+            after.append((buffer, op.tensor))
+    works = []
+    for work, op, (buffer, target) in zip(dist.batch_isend_irecv(p2p), ops, after):
+        if target is None or buffer is target:
+            works.append(CheckedWork(work, f"batch {op.kind}", op.group, keep=buffer))
+        else:
+            works.append(
+                CheckedWork(
+                    work,
+                    f"batch {op.kind}",
+                    op.group,
+                    keep=buffer,
+                    then=lambda t=target, b=buffer: unstage(t, b),
+                )
+            )
+    return BatchWork(works)
 
 
 @checked("barrier", 0)

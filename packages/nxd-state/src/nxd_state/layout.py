@@ -1,16 +1,24 @@
-"""Rank layout: pure arithmetic on the ``[PP, DP, TP]`` mesh, no communication.
+"""Rank layout: pure arithmetic on the ``[PP, DP, CP, TP]`` mesh, no communication.
 
-Global ranks are laid out row-major over ``(pp, dp, tp)`` with TP innermost::
+Global ranks are laid out row-major over ``(pp, dp, cp, tp)`` with TP innermost and context
+parallelism (CP) between DP and TP, the order of NxD and Megatron-core::
 
-    rank = pp_rank * (DP * TP) + dp_rank * TP + tp_rank
+    rank = ((pp_rank * DP + dp_rank) * CP + cp_rank) * TP + tp_rank
 
 so a tensor-parallel group is a run of ``TP`` consecutive ranks (the ranks that talk most
-share a node), a data-parallel group strides by ``TP`` and a pipeline group by ``DP * TP``.
+share a node), a context-parallel group strides by ``TP``, a data-parallel group by
+``CP * TP`` and a pipeline group by ``DP * CP * TP``. With ``CP = 1`` this is the
+``[PP, DP, TP]`` layout, rank for rank.
 
-NxD's other degrees are fixed at 1 here: context parallelism (CP) and expert parallelism (EP)
-are not implemented, so every rank is its own CP and EP group and the expert data-parallel
-groups are the DP groups (NxD's ``[PP, DP_exp, EP, TP]`` view with ``EP = 1``). A degree above
-1 is refused when the layout is made, before any process group exists.
+The ranks of a CP group hold the same weights and see the same batch, each a slice of its
+sequence; their gradients are partial sums over the sequence, so gradients are reduced (and
+ZeRO-1 shards state) over the *DP x CP* group (:meth:`ParallelLayout.data_context_parallel_
+groups`), while data loaders shard batches over DP alone.
+
+Expert parallelism (EP) is fixed at 1: every rank is its own EP group and the expert
+data-parallel groups are the DP x CP groups (NxD's ``[PP, DP_exp, EP, TP]`` view with
+``EP = 1``); an EP degree above 1 is refused when the layout is made. An EP dimension would
+split the DP x CP ranks of one TP/PP position (see :meth:`ParallelLayout._groups`).
 """
 
 from __future__ import annotations
@@ -21,11 +29,6 @@ from typing import NamedTuple
 __all__ = ["ParallelLayout", "RankCoordinates"]
 
 _UNSUPPORTED = {
-    "context_parallel_size": (
-        "context parallelism (CP > 1: the sequence split over ranks, with ring attention)",
-        "sequence parallelism (sequence_parallel_enabled=True) shards activations along the "
-        "sequence inside the TP group",
-    ),
     "expert_model_parallel_size": (
         "expert parallelism (EP > 1: MoE experts split over ranks)",
         "experts of a MoE layer can be tensor-parallel like any other linear layer",
@@ -41,7 +44,7 @@ def check_positive_int(name: str, value: object) -> int:
 
 
 def check_unsupported_degree(name: str, value: object) -> None:
-    """Refuse a CP or EP degree other than 1 (``name`` is NxD's keyword)."""
+    """Refuse an EP degree other than 1 (``name`` is NxD's keyword)."""
     check_positive_int(name, value)
     if value != 1:
         what, instead = _UNSUPPORTED[name]
@@ -51,11 +54,13 @@ def check_unsupported_degree(name: str, value: object) -> None:
 
 
 class RankCoordinates(NamedTuple):
-    """Position of one global rank on the ``[PP, DP, TP]`` mesh."""
+    """Position of one global rank on the ``[PP, DP, CP, TP]`` mesh (``cp`` last, so that
+    ``RankCoordinates(pp, dp, tp)`` still means CP rank 0)."""
 
     pp: int
     dp: int
     tp: int
+    cp: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,28 +74,39 @@ class ParallelLayout:
     pipeline_parallel_size: int = 1
     """Ranks that hold consecutive slices of the layer stack (PP, outermost)."""
     context_parallel_size: int = 1
-    """Ranks that split each sequence (CP); only 1 is supported."""
+    """Ranks that split each sequence (CP), between DP and TP in the rank order."""
     expert_model_parallel_size: int = 1
     """Ranks that split the experts of MoE layers (EP); only 1 is supported."""
 
     def __post_init__(self) -> None:
         for name in ("world_size", "tensor_parallel_size", "pipeline_parallel_size"):
             check_positive_int(name, getattr(self, name))
-        check_unsupported_degree("context_parallel_size", self.context_parallel_size)
+        check_positive_int("context_parallel_size", self.context_parallel_size)
         check_unsupported_degree("expert_model_parallel_size", self.expert_model_parallel_size)
-        model_parallel = self.tensor_parallel_size * self.pipeline_parallel_size
-        if self.world_size % model_parallel != 0:
+        product = self.tensor_parallel_size * self.pipeline_parallel_size
+        if self.world_size % (product * self.context_parallel_size) != 0:
+            cp = ""
+            if self.context_parallel_size != 1:
+                cp = f" x context_parallel_size({self.context_parallel_size})"
+                product *= self.context_parallel_size
             raise ValueError(
                 f"tensor_parallel_size({self.tensor_parallel_size}) x "
-                f"pipeline_parallel_size({self.pipeline_parallel_size}) = {model_parallel} "
+                f"pipeline_parallel_size({self.pipeline_parallel_size}){cp} = {product} "
                 f"does not divide world_size({self.world_size}); choose degrees whose product "
                 f"divides the number of processes"
             )
 
     @property
     def data_parallel_size(self) -> int:
-        """DP = world / (TP * PP)."""
-        return self.world_size // (self.tensor_parallel_size * self.pipeline_parallel_size)
+        """DP = world / (TP * PP * CP)."""
+        return self.world_size // (
+            self.tensor_parallel_size * self.pipeline_parallel_size * self.context_parallel_size
+        )
+
+    @property
+    def data_context_parallel_size(self) -> int:
+        """DP * CP: the ranks over which gradients are averaged and ZeRO-1 shards state."""
+        return self.data_parallel_size * self.context_parallel_size
 
     @property
     def model_parallel_size(self) -> int:
@@ -98,70 +114,91 @@ class ParallelLayout:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def coordinates(self, rank: int) -> RankCoordinates:
-        """``(pp, dp, tp)`` of a global rank."""
+        """``(pp, dp, tp, cp)`` of a global rank."""
         self._check_rank(rank)
-        tp = self.tensor_parallel_size
-        dp = self.data_parallel_size
-        return RankCoordinates(pp=rank // (dp * tp), dp=(rank // tp) % dp, tp=rank % tp)
+        tp, cp, dp = self.tensor_parallel_size, self.context_parallel_size, self.data_parallel_size
+        return RankCoordinates(
+            pp=rank // (dp * cp * tp),
+            dp=(rank // (cp * tp)) % dp,
+            tp=rank % tp,
+            cp=(rank // tp) % cp,
+        )
 
-    def rank_of(self, *, pp: int, dp: int, tp: int) -> int:
-        """Global rank at mesh position ``(pp, dp, tp)``."""
+    def rank_of(self, *, pp: int, dp: int, tp: int, cp: int = 0) -> int:
+        """Global rank at mesh position ``(pp, dp, cp, tp)``."""
         for name, value, size in (
             ("pp", pp, self.pipeline_parallel_size),
             ("dp", dp, self.data_parallel_size),
+            ("cp", cp, self.context_parallel_size),
             ("tp", tp, self.tensor_parallel_size),
         ):
             if not 0 <= value < size:
                 raise ValueError(f"{name} coordinate {value} is outside [0, {size})")
-        return (pp * self.data_parallel_size + dp) * self.tensor_parallel_size + tp
+        return (
+            (pp * self.data_parallel_size + dp) * self.context_parallel_size + cp
+        ) * self.tensor_parallel_size + tp
+
+    def _groups(self, vary: str) -> list[list[int]]:
+        """Ranks that differ only in the coordinates named in ``vary`` (a string of ``p``,
+        ``d``, ``c``, ``t``), grouped in rank order; groups ordered by their first rank."""
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for rank in range(self.world_size):
+            c = self.coordinates(rank)
+            key = tuple(
+                v
+                for name, v in (("p", c.pp), ("d", c.dp), ("c", c.cp), ("t", c.tp))
+                if name not in vary
+            )
+            groups.setdefault(key, []).append(rank)
+        return sorted(groups.values())
 
     def tensor_parallel_groups(self) -> list[list[int]]:
         """Every TP group: ranks that differ only in ``tp``."""
-        return [
-            [self.rank_of(pp=p, dp=d, tp=t) for t in range(self.tensor_parallel_size)]
-            for p in range(self.pipeline_parallel_size)
-            for d in range(self.data_parallel_size)
-        ]
+        return self._groups("t")
 
     def data_parallel_groups(self) -> list[list[int]]:
-        """Every DP group: ranks that differ only in ``dp``."""
-        return [
-            [self.rank_of(pp=p, dp=d, tp=t) for d in range(self.data_parallel_size)]
-            for p in range(self.pipeline_parallel_size)
-            for t in range(self.tensor_parallel_size)
-        ]
+        """Every DP group: ranks that differ only in ``dp`` (they see different batches)."""
+        return self._groups("d")
+
+    def context_parallel_groups(self) -> list[list[int]]:
+        """Every CP group: ranks that differ only in ``cp`` (slices of one sequence), in CP-rank
+        order; with CP = 1, each rank alone."""
+        return self._groups("c")
+
+    def data_context_parallel_groups(self) -> list[list[int]]:
+        """Every DP x CP group: ranks that differ only in ``dp`` and ``cp``, the replicas of one
+        TP/PP slice of the model. Gradients are averaged and ZeRO-1 state is sharded over
+        these (Megatron's ``with_context_parallel=True``); with CP = 1, the DP groups."""
+        return self._groups("dc")
 
     def pipeline_parallel_groups(self) -> list[list[int]]:
         """Every PP group: ranks that differ only in ``pp``, in stage order."""
-        return [
-            [self.rank_of(pp=p, dp=d, tp=t) for p in range(self.pipeline_parallel_size)]
-            for d in range(self.data_parallel_size)
-            for t in range(self.tensor_parallel_size)
-        ]
+        return self._groups("p")
 
     def model_parallel_groups(self) -> list[list[int]]:
-        """Every model-parallel (TP x PP) group: ranks that share ``dp``."""
-        return [
-            [
-                self.rank_of(pp=p, dp=d, tp=t)
-                for p in range(self.pipeline_parallel_size)
-                for t in range(self.tensor_parallel_size)
-            ]
-            for d in range(self.data_parallel_size)
-        ]
+        """Every model-parallel (TP x PP) group: ranks that share ``dp`` and ``cp``."""
+        return self._groups("pt")
 
-    def context_parallel_groups(self) -> list[list[int]]:
-        """Every CP group: with CP = 1, each rank alone."""
-        return [[rank] for rank in range(self.world_size)]
+    def context_parallel_src_tgt_pairs(self) -> list[list[int]]:
+        """NxD's ``[src, tgt]`` ring pairs of every CP group: CP rank ``i`` sends to
+        ``(i + 1) mod CP`` (the ``pairs`` of a collective permute that moves K/V one step
+        around the ring), every group's pairs in group order; empty when CP = 1."""
+        if self.context_parallel_size == 1:
+            return []
+        return [
+            [group[i], group[(i + 1) % len(group)]]
+            for group in self.context_parallel_groups()
+            for i in range(len(group))
+        ]
 
     def expert_model_parallel_groups(self) -> list[list[int]]:
         """Every EP group: with EP = 1, each rank alone."""
         return [[rank] for rank in range(self.world_size)]
 
     def expert_data_parallel_groups(self) -> list[list[int]]:
-        """Every expert DP group (ranks holding the same expert shard): with EP = 1, the DP
-        groups."""
-        return self.data_parallel_groups()
+        """Every expert DP group (ranks holding the same expert shard): with EP = 1, the
+        DP x CP groups (the ranks that average an expert's gradients)."""
+        return self.data_context_parallel_groups()
 
     def kv_shared_groups(
         self, kv_shared_group_size: int, *, sequential_ranks_in_group: bool = False

@@ -25,6 +25,10 @@ __all__ = [
     "get_context_model_parallel_rank",
     "get_context_model_parallel_replica_groups",
     "get_context_model_parallel_size",
+    "get_context_model_parallel_src_tgt_pairs",
+    "get_data_context_parallel_group",
+    "get_data_context_parallel_replica_groups",
+    "get_data_context_parallel_size",
     "get_data_parallel_group",
     "get_data_parallel_rank",
     "get_data_parallel_replica_groups",
@@ -90,11 +94,14 @@ def initialize_model_parallel(
 ) -> ParallelState:
     """Build the process groups and make them current (NxD's entry point, NxD's signature).
 
-    As in NxD, a TP or PP degree above the world size is clamped to it. ``expert_model_parallel_
-    size`` and ``context_parallel_size`` must be 1: nxd has no expert or context parallelism,
-    and a larger value raises :class:`NotImplementedError` on every rank before any group is
-    made. ``skip_collective_init`` (NxD: skip the warm-up all-reduce that initialises Neuron's
-    collectives runtime) is accepted and changes nothing: no backend nxd drives needs a warm-up.
+    As in NxD, a TP or PP degree above the world size is clamped to it. ``context_parallel_size``
+    splits each sequence over that many ranks (the CP groups sit between DP and TP in the rank
+    order: see :mod:`nxd_state.layout`); TP x PP x CP must divide the world size, and
+    DP = world / (TP x PP x CP). ``expert_model_parallel_size`` must be 1: nxd has no expert
+    parallelism, and a larger value raises :class:`NotImplementedError` on every rank before
+    any group is made. ``skip_collective_init`` (NxD: skip the warm-up all-reduce that
+    initialises Neuron's collectives runtime) is accepted and changes nothing: no backend nxd
+    drives needs a warm-up.
     ``lnc_size`` (NxD: logical NeuronCores per rank, which picks a replica-group order on trn2)
     is validated and has no effect: nxd always uses the row-major ``[PP, DP, TP]`` order.
 
@@ -103,7 +110,7 @@ def initialize_model_parallel(
     """
     global _CURRENT
     check_unsupported_degree("expert_model_parallel_size", expert_model_parallel_size)
-    check_unsupported_degree("context_parallel_size", context_parallel_size)
+    check_positive_int("context_parallel_size", context_parallel_size)
     if not isinstance(skip_collective_init, bool):
         raise ValueError(f"skip_collective_init must be a bool, got {skip_collective_init!r}")
     check_positive_int("lnc_size", lnc_size)
@@ -116,17 +123,26 @@ def initialize_model_parallel(
             "pipeline_model_parallel_size", pipeline_model_parallel_size, world
         )
     if _CURRENT is not None:
-        current = (_CURRENT.tensor_parallel_size, _CURRENT.pipeline_parallel_size)
-        if current == (tensor_model_parallel_size, pipeline_model_parallel_size):
+        current = (
+            _CURRENT.tensor_parallel_size,
+            _CURRENT.pipeline_parallel_size,
+            _CURRENT.context_parallel_size,
+        )
+        wanted = (tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size)
+        if current == wanted:
             return _CURRENT
         raise RuntimeError(
             f"model parallel is already initialized with tensor_model_parallel_size={current[0]}, "
-            f"pipeline_model_parallel_size={current[1]}; cannot re-initialize with "
-            f"tensor_model_parallel_size={tensor_model_parallel_size}, "
-            f"pipeline_model_parallel_size={pipeline_model_parallel_size} without "
-            f"destroy_model_parallel() first"
+            f"pipeline_model_parallel_size={current[1]}, context_parallel_size={current[2]}; "
+            f"cannot re-initialize with tensor_model_parallel_size={wanted[0]}, "
+            f"pipeline_model_parallel_size={wanted[1]}, context_parallel_size={wanted[2]} "
+            f"without destroy_model_parallel() first"
         )
-    _CURRENT = ParallelState.build(tensor_model_parallel_size, pipeline_model_parallel_size)
+    _CURRENT = ParallelState.build(
+        tensor_model_parallel_size,
+        pipeline_model_parallel_size,
+        context_parallel_size=context_parallel_size,
+    )
     return _CURRENT
 
 
@@ -179,13 +195,24 @@ def get_data_parallel_rank() -> int:
 
 
 def get_context_model_parallel_size() -> int:
-    """CP degree: always 1 in nxd."""
+    """CP degree: the number of ranks each sequence is split over."""
     return get_parallel_state().context_parallel_size
 
 
 def get_context_model_parallel_rank() -> int:
-    """Rank in the CP group: always 0 in nxd."""
+    """This rank's position in its CP group (which slice of the sequence it holds)."""
     return get_parallel_state().context_parallel_rank
+
+
+def get_context_model_parallel_src_tgt_pairs() -> Groups:
+    """NxD's ring pairs ``[[src, tgt], ...]`` of every CP group (global ranks): CP rank ``i``
+    sends to CP rank ``(i + 1) mod CP``; empty when CP = 1."""
+    return get_parallel_state().layout.context_parallel_src_tgt_pairs()
+
+
+def get_data_context_parallel_size() -> int:
+    """DP x CP: the ranks that average gradients (Megatron's DP size with context parallel)."""
+    return get_parallel_state().data_context_parallel_size
 
 
 def get_expert_model_parallel_size() -> int:
@@ -199,12 +226,13 @@ def get_expert_model_parallel_rank() -> int:
 
 
 def get_expert_data_parallel_size() -> int:
-    """Expert DP degree = world / (TP * PP * EP): the DP degree, as EP = 1."""
-    return get_parallel_state().data_parallel_size
+    """Expert DP degree = world / (TP * PP * EP): DP x CP, as EP = 1."""
+    return get_parallel_state().data_context_parallel_size
 
 
 def get_expert_data_parallel_rank() -> int:
-    return get_parallel_state().data_parallel_rank
+    state = get_parallel_state()
+    return state.data_context_parallel_ranks.index(state.rank)
 
 
 # Megatron spellings, which NxD code also uses.
@@ -238,9 +266,13 @@ def get_expert_data_parallel_replica_groups() -> Groups:
     return get_parallel_state().layout.expert_data_parallel_groups()
 
 
+def get_data_context_parallel_replica_groups() -> Groups:
+    return get_parallel_state().layout.data_context_parallel_groups()
+
+
 def get_zero1_sharding_groups() -> Groups:
-    """The groups ZeRO-1 shards optimizer state over: DP x CP, which is DP as CP = 1."""
-    return get_parallel_state().layout.data_parallel_groups()
+    """The groups ZeRO-1 shards optimizer state over: DP x CP (the DP groups when CP = 1)."""
+    return get_parallel_state().layout.data_context_parallel_groups()
 
 
 # Groups: this rank's process group, or with as_list=True the replica groups ----------------
@@ -251,11 +283,29 @@ def get_tensor_model_parallel_group(as_list: bool = False) -> ProcessGroup | Gro
     return get_parallel_state().tensor_parallel_group
 
 
-def get_data_parallel_group(as_list: bool = False) -> ProcessGroup | Groups:
-    """This rank's DP group, or with ``as_list=True`` every DP group as lists of ranks."""
+def get_data_parallel_group(
+    as_list: bool = False, *, with_context_parallel: bool = False
+) -> ProcessGroup | Groups:
+    """This rank's DP group, or with ``as_list=True`` every DP group as lists of ranks.
+
+    The DP group holds the ranks that see different batches; with ``with_context_parallel=True``
+    (Megatron's keyword) the DP x CP group, the one that averages gradients.
+    """
+    if with_context_parallel:
+        return get_data_context_parallel_group(as_list)
     if as_list:
         return get_data_parallel_replica_groups()
     return get_parallel_state().data_parallel_group
+
+
+def get_data_context_parallel_group(as_list: bool = False) -> ProcessGroup | Groups:
+    """This rank's DP x CP group (gradient averaging, ZeRO-1 sharding), or with
+    ``as_list=True`` every one as lists of ranks; the DP group when CP = 1."""
+    if as_list:
+        return get_data_context_parallel_replica_groups()
+    group = get_parallel_state().data_context_parallel_group
+    assert group is not None  # built by ParallelState.build
+    return group
 
 
 def get_pipeline_model_parallel_group(as_list: bool = False) -> ProcessGroup | Groups:
@@ -266,7 +316,8 @@ def get_pipeline_model_parallel_group(as_list: bool = False) -> ProcessGroup | G
 
 
 def get_context_model_parallel_group(as_list: bool = False) -> ProcessGroup | Groups:
-    """This rank's CP group (this rank alone), or with ``as_list=True`` every one."""
+    """This rank's CP group (the ranks sharing its sequence), or with ``as_list=True`` every
+    one as lists of ranks."""
     if as_list:
         return get_context_model_parallel_replica_groups()
     return get_parallel_state().context_parallel_group
@@ -280,11 +331,11 @@ def get_expert_model_parallel_group(as_list: bool = False) -> ProcessGroup | Gro
 
 
 def get_expert_data_parallel_group(as_list: bool = False) -> ProcessGroup | Groups:
-    """This rank's expert DP group (its DP group, as EP = 1), or with ``as_list=True`` every
-    one."""
+    """This rank's expert DP group (its DP x CP group, as EP = 1), or with ``as_list=True``
+    every one."""
     if as_list:
         return get_expert_data_parallel_replica_groups()
-    return get_parallel_state().data_parallel_group
+    return get_data_context_parallel_group()
 
 
 def get_model_parallel_group(as_list: bool = False) -> ProcessGroup | Groups:

@@ -1,4 +1,5 @@
-"""The parallel state object: the process groups of one ``[PP, DP, TP]`` layout, one rank's view.
+"""The parallel state object: the process groups of one ``[PP, DP, CP, TP]`` layout, one rank's
+view.
 
 Building it creates every group of every family on every rank (``new_group`` is collective over
 the default group, so all ranks make the same calls in the same order); each rank keeps the
@@ -75,13 +76,14 @@ class KVSharedGroups:
 
 @dataclass(eq=False)
 class ParallelState:
-    """Process groups of a ``[PP, DP, TP]`` layout, seen from one rank.
+    """Process groups of a ``[PP, DP, CP, TP]`` layout, seen from one rank.
 
     Build it with :meth:`build` on every rank (group creation is collective). Ranks and sizes
     are plain attributes; ``*_groups`` of the layout hold every group of a family as lists of
     global ranks, which is NxD's ``as_list=True`` form and what XLA collectives call replica
-    groups. Context and expert parallelism have degree 1: their groups hold one rank each, and
-    the expert data-parallel group is the data-parallel group.
+    groups. ``data_context_parallel_group`` (DP x CP) is the group that averages gradients and
+    shards ZeRO-1 state; with CP = 1 it is the data-parallel group itself. Expert parallelism
+    has degree 1: its groups hold one rank each.
     """
 
     layout: ParallelLayout
@@ -97,6 +99,11 @@ class ParallelState:
     data_parallel_ranks: list[int] = field(default_factory=list)
     pipeline_parallel_ranks: list[int] = field(default_factory=list)
     model_parallel_ranks: list[int] = field(default_factory=list)
+    context_parallel_ranks: list[int] = field(default_factory=list)
+    """Global ranks of this rank's CP group, in CP-rank order."""
+    data_context_parallel_group: ProcessGroup | None = None
+    """DP x CP: the replicas of this rank's TP/PP slice (gradient averaging, ZeRO-1)."""
+    data_context_parallel_ranks: list[int] = field(default_factory=list)
     kv_shared: KVSharedGroups | None = None
     """The KV-shared groups, once :meth:`initialize_kv_groups` has built them."""
 
@@ -109,9 +116,10 @@ class ParallelState:
         context_parallel_size: int = 1,
         expert_model_parallel_size: int = 1,
     ) -> ParallelState:
-        """Create the TP, DP, PP, model-parallel, CP and EP groups of the default process group.
+        """Create the TP, DP, PP, model-parallel, CP, DP x CP and EP groups of the default process
+        group.
 
-        Bad degrees (including CP or EP above 1) raise on every rank before any group exists.
+        Bad degrees (including EP above 1) raise on every rank before any group exists.
         """
         if not dist.is_initialized():
             raise RuntimeError(
@@ -131,14 +139,19 @@ class ParallelState:
         dp, dp_ranks = _build_family("dp", layout.data_parallel_groups(), rank)
         pp, pp_ranks = _build_family("pp", layout.pipeline_parallel_groups(), rank)
         mp, mp_ranks = _build_family("mp", layout.model_parallel_groups(), rank)
-        cp, _ = _build_family("cp", layout.context_parallel_groups(), rank)
+        cp, cp_ranks = _build_family("cp", layout.context_parallel_groups(), rank)
+        if layout.context_parallel_size == 1:
+            dcp, dcp_ranks = dp, dp_ranks
+        else:
+            dcp, dcp_ranks = _build_family("dp_cp", layout.data_context_parallel_groups(), rank)
         ep, _ = _build_family("ep", layout.expert_model_parallel_groups(), rank)
         logger.info(
-            "rank %d: tp=%d pp=%d dp=%d at %s",
+            "rank %d: tp=%d pp=%d dp=%d cp=%d at %s",
             rank,
             layout.tensor_parallel_size,
             layout.pipeline_parallel_size,
             layout.data_parallel_size,
+            layout.context_parallel_size,
             layout.coordinates(rank),
         )
         return cls(
@@ -155,6 +168,9 @@ class ParallelState:
             data_parallel_ranks=dp_ranks,
             pipeline_parallel_ranks=pp_ranks,
             model_parallel_ranks=mp_ranks,
+            context_parallel_ranks=cp_ranks,
+            data_context_parallel_group=dcp,
+            data_context_parallel_ranks=dcp_ranks,
         )
 
     # Sizes and ranks ------------------------------------------------------------------
@@ -175,6 +191,10 @@ class ParallelState:
         return self.layout.context_parallel_size
 
     @property
+    def data_context_parallel_size(self) -> int:
+        return self.layout.data_context_parallel_size
+
+    @property
     def expert_model_parallel_size(self) -> int:
         return self.layout.expert_model_parallel_size
 
@@ -192,7 +212,7 @@ class ParallelState:
 
     @property
     def context_parallel_rank(self) -> int:
-        return 0  # CP = 1: this rank is its group's only member
+        return self.coordinates.cp
 
     @property
     def expert_model_parallel_rank(self) -> int:
@@ -272,7 +292,8 @@ class ParallelState:
             self.pipeline_parallel_group,
             self.model_parallel_group,
             self.context_parallel_group,
+            self.data_context_parallel_group,
             self.expert_model_parallel_group,
         }:
-            if group is not dist.GroupMember.WORLD:
+            if group is not None and group is not dist.GroupMember.WORLD:
                 _release(group)

@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 import nxd_state
-from nxd_state.layout import check_unsupported_degree
 from nxd_trainer._checks import (
     as_bool,
     check_bool,
@@ -150,7 +149,14 @@ class NxDConfig:
                 f"expert_parallel_size={self.expert_parallel_size!r}: nxd has no expert "
                 f"parallelism; only 1 is supported"
             )
-        check_unsupported_degree("context_parallel_size", self.context_parallel_size)
+        check_positive_int("config", "context_parallel_size", self.context_parallel_size)
+        if self.context_parallel_size != 1:
+            raise NotImplementedError(
+                f"context_parallel_size={self.context_parallel_size}: the trainer's models do "
+                f"not split sequences yet; use context_parallel_size=1 (the process groups, "
+                f"nxd_state.initialize_model_parallel(context_parallel_size=...), and the "
+                f"attention, nxd_layers.context_parallel, support CP > 1)"
+            )
         check_positive_int("config", "lnc_size", self.lnc_size)
         if not (isinstance(self.pad_model, bool) or self.pad_model == "head_aligned"):
             raise ValueError(
