@@ -389,7 +389,7 @@ def bucket_allreduce_gradients(
     if reduce_over_ep_group:
         return
     cap = int(os.environ.get("ALLREDUCE_BUCKET_CAP_MB", _BUCKET_CAP_MB)) * 2**20
-    group = get_parallel_state().data_parallel_group
+    group = get_parallel_state().data_context_parallel_group  # DP x CP: CP ranks are replicas
     collectives.all_reduce_bucketed(
         list(reversed(list(grads_list))), group, average=True, bucket_cap_bytes=cap
     )

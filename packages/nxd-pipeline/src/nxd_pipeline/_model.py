@@ -249,12 +249,14 @@ class NxDPPModel(LocalStagesMixin, nn.Module):
         self._reducer.configure(named, self._data_parallel_reduction())
 
     def _data_parallel_reduction(self) -> ProcessGroup | None:
-        """The group ``run_train`` averages gradients over: the DP group, unless ZeRO-1 or an
-        optimizer wrapper does it (read at every call: a wrapper may set the flag later)."""
+        """The group ``run_train`` averages gradients over: DP x CP (context-parallel ranks hold
+        replicas too; the DP group when CP = 1), unless ZeRO-1 or an optimizer wrapper does it
+        (read at every call: a wrapper may set the flag later)."""
         state = self.parallel_state
         if self.use_zero1_optimizer or self.use_optimizer_wrapper:
             return None
-        return state.data_parallel_group if state.data_parallel_size > 1 else None
+        replicas = state.data_parallel_size * state.context_parallel_size
+        return state.data_context_parallel_group if replicas > 1 else None
 
     def _all_local_names(self) -> dict[str, nn.Parameter]:
         """Every name of every local parameter (a tied one may have several)."""
@@ -359,8 +361,8 @@ class NxDPPModel(LocalStagesMixin, nn.Module):
             if loss is not None:
                 buffer.copy_(loss)
             collectives.all_reduce(buffer, group=state.pipeline_parallel_group)  # one holder
-            collectives.all_reduce(buffer, group=state.data_parallel_group)
-            loss = buffer / state.data_parallel_size
+            collectives.all_reduce(buffer, group=state.data_context_parallel_group)
+            loss = buffer / (state.data_parallel_size * state.context_parallel_size)
         if loss is not None and self.return_loss_on_cpu:
             loss = loss.cpu()
         return loss

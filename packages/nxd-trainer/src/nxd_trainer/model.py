@@ -97,7 +97,7 @@ class NxDModel(nn.Module):
         if self._model_reduces_gradients():
             state = nxd_state.get_parallel_state()
             grads = [p.grad for p in self.parameters() if p.grad is not None]
-            collectives.all_reduce_bucketed(grads, state.data_parallel_group, average=True)
+            collectives.all_reduce_bucketed(grads, state.data_context_parallel_group, average=True)
         return self._loss_out(loss)
 
     def run_eval(self, *args: Any, **kwargs: Any) -> Any:
