@@ -15,6 +15,7 @@ Families (``ParallelizersManager.get_supported_model_types()``): Llama, Mistral,
 each a :class:`ModelSpec` (module names) in :mod:`nxd_trainer.hf.families`.
 """
 
+from nxd_trainer.hf._rules import UnsupportedModelError
 from nxd_trainer.hf.checkpoint import (
     export_hf,
     load_model_sharded_checkpoint,
@@ -36,6 +37,7 @@ from nxd_trainer.hf.optim import (
     parameter_mapping,
 )
 from nxd_trainer.hf.parallelizer import Parallelizer
+from nxd_trainer.hf.plan import PlanParallelizer, plan_parallelizer
 from nxd_trainer.hf.spec import ModelSpec
 
 __all__ = [
@@ -44,9 +46,11 @@ __all__ = [
     "MistralParallelizer",
     "ModelSpec",
     "Parallelizer",
+    "PlanParallelizer",
     "ParallelizersManager",
     "Qwen2Parallelizer",
     "Qwen3Parallelizer",
+    "UnsupportedModelError",
     "export_hf",
     "lazy_load_for_parallelism",
     "load_model_sharded_checkpoint",
@@ -54,5 +58,6 @@ __all__ = [
     "optimizer_for_mp",
     "original_parameter_ids",
     "parameter_mapping",
+    "plan_parallelizer",
     "save_model_sharded_checkpoint",
 ]
