@@ -75,7 +75,6 @@ def refused_by_config(model_type: str) -> str | None:
     try:
         ParallelizersManager.parallelizer_for_model(model_type)
     except UnsupportedModelError as error:
-        assert model_type in str(error), str(error)
         return str(error)
     return None
 
@@ -123,18 +122,20 @@ def _run(model: torch.nn.Module, ids: torch.Tensor) -> Any:
 
 def check_family(model_type: str) -> tuple[str, str]:
     """(outcome, detail) of one family on this rank (see the module docstring)."""
-    import nxd_state
     from nxd_trainer.hf import ParallelizersManager, UnsupportedModelError
 
     try:
         model = build(model_type)
-    except Exception as error:  # noqa: BLE001 - the reason is reported
-        return "skipped", f"does not build from a tiny default config: {type(error).__name__}: {error}"
+    except Exception as error:
+        return (
+            "skipped",
+            f"does not build from a tiny default config: {type(error).__name__}: {error}",
+        )
     cfg = model.config
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     try:
         reference = _run(model, ids)
-    except Exception as error:  # noqa: BLE001
+    except Exception as error:
         return "skipped", f"the unsharded tiny model does not run: {type(error).__name__}: {error}"
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
@@ -142,9 +143,8 @@ def check_family(model_type: str) -> tuple[str, str]:
         parallelizer = ParallelizersManager.parallelizer_for_model(model)
         parallel = parallelizer.parallelize(model, device=torch.device("cpu"))
     except UnsupportedModelError as error:
-        assert model_type in str(error), str(error)
         return "refused", str(error)
-    except Exception:  # noqa: BLE001
+    except Exception:
         return "error", traceback.format_exc(limit=6)
     try:
         out = _run(parallel, ids)
@@ -154,16 +154,17 @@ def check_family(model_type: str) -> tuple[str, str]:
         for name, param in parallel.named_parameters():
             hf = parallelizer.hf_name(name)
             if param.grad is None or hf not in ref_grads:
-                assert param.grad is None and hf not in ref_grads, f"{name}: gradient presence"
+                assert param.grad is None, f"{name}: a gradient the unsharded model lacks"
+                assert hf not in ref_grads, f"{name}: no gradient, the unsharded model has one"
                 continue
             grad = H.full(param, param.grad, name, cfg)
-            torch.testing.assert_close(grad, ref_grads[hf], **GRAD_TOL, msg=lambda m, n=name: f"{n}: {m}")
+            torch.testing.assert_close(
+                grad, ref_grads[hf], **GRAD_TOL, msg=lambda m, n=name: f"{n}: {m}"
+            )
     except AssertionError as error:
         return "mismatch", str(error)[:2000]
-    except Exception:  # noqa: BLE001
+    except Exception:
         return "error", traceback.format_exc(limit=6)
-    finally:
-        del nxd_state  # keep the import local
     return "parity", f"logits, loss and gradients equal at TP=2 ({parallelizer.__name__})"
 
 

@@ -17,6 +17,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from nxd_state.testing import load_sibling, run_distributed
 
@@ -73,14 +74,14 @@ def test_every_registry_family_has_parity_or_a_clear_refusal() -> None:
     path = os.environ.get("NXD_HF_COVERAGE_JSON")
     if path:
         with open(path, "w") as f:
-            json.dump(
-                {"transformers": transformers.__version__, "families": outcomes}, f, indent=1
-            )
+            json.dump({"transformers": transformers.__version__, "families": outcomes}, f, indent=1)
     bad = {f: o for f, o in outcomes.items() if o[0] in ("mismatch", "error")}
     assert not bad, "silently wrong or crashing families:\n" + "\n".join(
         f"{f}: {o[0]}: {o[1]}" for f, o in sorted(bad.items())
     )
     assert set(outcomes) == set(R.families())
+    unnamed = [f for f, (o, msg) in outcomes.items() if o == "refused" and repr(f) not in msg]
+    assert not unnamed, f"refusals that do not name the family: {unnamed}"
     if Version(transformers.__version__) >= Version(LOCK_TRANSFORMERS):
         missing = {
             f: outcomes[f] for f in PARITY_AT_LOCK if f in outcomes and outcomes[f][0] != "parity"
@@ -111,3 +112,31 @@ def _register_and_check(family: str) -> tuple[str, str]:
     spec = ModelSpec(model_type=family)
     ParallelizersManager.register(type(f"{family}Spec", (Parallelizer,), {"spec": spec}))
     return R.check_family(family)  # a fresh rank process: the registration dies with it
+
+
+@pytest.mark.parametrize(("family", "vocab"), [("llama", 97), ("gemma2", 96)])
+def test_gather_output_gives_full_vocabulary_logits(family: str, vocab: int) -> None:
+    """``parallelize(gather_output=True)``: the logits are the whole vocabulary on every rank
+    (padding columns dropped: 97 is padded to 98 at TP=2) and equal the unsharded model's,
+    as the loss (the family's own, on those logits) does; Llama through the Llama-family
+    path, Gemma 2 (soft-capped logits) through its tensor-parallel plan."""
+    ranks = run_distributed(_gathered, 2, family, vocab)
+    for logits, loss, ref_logits, ref_loss in ranks:
+        assert logits.shape == ref_logits.shape == (R.BATCH, R.SEQ, vocab)
+        torch.testing.assert_close(logits, ref_logits, **R.OUT_TOL)
+        torch.testing.assert_close(loss, ref_loss, **R.OUT_TOL)
+
+
+def _gathered(family: str, vocab: int) -> tuple[torch.Tensor, ...]:
+    import nxd_state
+    from nxd_trainer.hf import ParallelizersManager
+
+    nxd_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    model = R.H.model("llama", vocab=vocab).eval() if family == "llama" else R.build(family)
+    ids = torch.randint(0, vocab, (R.BATCH, R.SEQ), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = model(input_ids=ids, labels=ids)
+        parallelizer = ParallelizersManager.parallelizer_for_model(model)
+        parallel = parallelizer.parallelize(model, device=torch.device("cpu"), gather_output=True)
+        out = parallel(input_ids=ids, labels=ids)
+    return out.logits, out.loss, ref.logits, ref.loss

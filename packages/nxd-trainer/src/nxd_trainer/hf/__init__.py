@@ -11,8 +11,11 @@ API on nxd): tensor, sequence and pipeline parallelism, lazy loading, sharded ch
     model = parallelizer.parallelize(model)  # each rank reads its slices of the folder
     loss = model(input_ids=ids, labels=ids).loss  # the logits stay vocabulary-sharded
 
-Families (``ParallelizersManager.get_supported_model_types()``): Llama, Mistral, Qwen2, Qwen3,
-each a :class:`ModelSpec` (module names) in :mod:`nxd_trainer.hf.families`.
+Registered families (``ParallelizersManager.get_supported_model_types()``, TP/SP/PP): Llama,
+Mistral, Qwen2, Qwen3, each a :class:`ModelSpec` (module names) in
+:mod:`nxd_trainer.hf.families`. Every other family with a tensor-parallel plan declared by
+transformers: TP by that plan (:mod:`nxd_trainer.hf.plan`). A model either parallelizer would
+not reproduce exactly is refused (:class:`UnsupportedModelError`, naming family and feature).
 """
 
 from nxd_trainer.hf._rules import UnsupportedModelError
@@ -46,8 +49,8 @@ __all__ = [
     "MistralParallelizer",
     "ModelSpec",
     "Parallelizer",
-    "PlanParallelizer",
     "ParallelizersManager",
+    "PlanParallelizer",
     "Qwen2Parallelizer",
     "Qwen3Parallelizer",
     "UnsupportedModelError",

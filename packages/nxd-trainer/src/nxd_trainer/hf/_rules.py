@@ -67,8 +67,8 @@ class UnsupportedModelError(NotImplementedError):
     def __init__(self, family: str, feature: str) -> None:
         self.family, self.feature = family, feature
         super().__init__(
-            f"{family}: not parallelised, it would not give the unsharded model's results: "
-            f"{feature}"
+            f"model type {family!r}: not parallelised, it would not give the unsharded "
+            f"model's results: {feature}"
         )
 
 
@@ -175,7 +175,9 @@ def resolve_plan(model: nn.Module, family: str, tp_plan: dict[str, str]) -> Mode
                 block.rows[child] = ROW[style]
             else:
                 block.grad_sum.append(child)
-    return ModelPlan(sorted(blocks.values(), key=lambda b: b.path), embed, lm_head, sorted(replicated))
+    return ModelPlan(
+        sorted(blocks.values(), key=lambda b: b.path), embed, lm_head, sorted(replicated)
+    )
 
 
 def _check_block(model: nn.Module, family: str, block: BlockPlan, tp: int) -> None:
@@ -223,8 +225,9 @@ def _check_block(model: nn.Module, family: str, block: BlockPlan, tp: int) -> No
         if any(p.dim() != 1 or p.shape[0] != head_dim for p in sub.parameters()):
             raise UnsupportedModelError(
                 family,
-                f"{block.path}.{name} ({type(sub).__name__}) holds weights of size {sorted(sizes)}, "
-                f"not one head's {head_dim}: a norm across heads, which each rank does not see",
+                f"{block.path}.{name} ({type(sub).__name__}) holds weights of size "
+                f"{sorted(sizes)}, not one head's {head_dim}: a norm across heads, which each "
+                f"rank does not see",
             )
 
 
@@ -298,7 +301,9 @@ def _fast_path_forwards() -> dict[str, bool]:
     from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
     from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
-    known = {forward_signature(c): False for c in (LlamaAttention, MistralAttention, Qwen2Attention)}
+    known = {
+        forward_signature(c): False for c in (LlamaAttention, MistralAttention, Qwen2Attention)
+    }
     known[forward_signature(Qwen3Attention)] = True
     return known
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from nxd_trainer.hf._rules import UnsupportedModelError
 from nxd_trainer.hf.families import (
     LlamaParallelizer,
     MistralParallelizer,
     Qwen2Parallelizer,
     Qwen3Parallelizer,
 )
-from nxd_trainer.hf._rules import UnsupportedModelError
 from nxd_trainer.hf.parallelizer import Parallelizer
 from nxd_trainer.hf.plan import plan_parallelizer
 

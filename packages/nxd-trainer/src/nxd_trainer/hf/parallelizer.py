@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 import nxd_state
-from nxd_trainer.hf._sources import HF_INDEX_NAME, HF_WEIGHTS_NAME, FolderStore
 from nxd_trainer.hf._rules import inspect_fast_path
+from nxd_trainer.hf._sources import HF_INDEX_NAME, HF_WEIGHTS_NAME, FolderStore
 from nxd_trainer.hf._swap import GQA_NAME, Layout, Plan, layout_for, make_meta, swap_layers
 from nxd_trainer.hf.spec import ModelSpec
 
@@ -113,9 +113,7 @@ class Parallelizer:
         del device  # the layers are built on meta; parallelize allocates them
         cls.check_model(model)
         gather_output = bool(parallel_layer_specific_kwargs.get("gather_output", False))
-        cls.inspect(
-            model, sequence_parallel=sequence_parallel_enabled, gather_output=gather_output
-        )
+        cls.inspect(model, sequence_parallel=sequence_parallel_enabled, gather_output=gather_output)
         fuse_qkv = parallel_layer_specific_kwargs.get("fuse_qkv")
         fuse_qkv = cls.fuse_qkv if fuse_qkv is None else fuse_qkv
         if not isinstance(fuse_qkv, bool):

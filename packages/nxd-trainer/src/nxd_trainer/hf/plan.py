@@ -38,7 +38,7 @@ def text_tp_plan(model_type: str, config: Any = None) -> dict[str, str]:
             raise UnsupportedModelError(model_type, "transformers has no config for it")
         try:
             config = CONFIG_MAPPING[model_type]()
-        except Exception as error:  # noqa: BLE001 - a default config that does not validate
+        except Exception as error:
             raise UnsupportedModelError(
                 model_type, f"its default config does not build ({type(error).__name__})"
             ) from None
