@@ -48,6 +48,11 @@ TINY = {
     "n_routed_experts": 4,
     "num_experts_per_tok": 2,
     "sliding_window": 4,
+    "qk_rope_head_dim": 4,
+    "qk_nope_head_dim": 4,
+    "v_head_dim": 8,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 16,
     "attn_implementation": "eager",
 }
 """Overrides applied where the default config has the attribute. A 4-token sliding window
@@ -133,6 +138,13 @@ def check_family(model_type: str) -> tuple[str, str]:
         )
     cfg = model.config
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    try:  # the refusal first (parallelize repeats it): no reference run for refused families
+        parallelizer = ParallelizersManager.parallelizer_for_model(model)
+        parallelizer.inspect(model)
+    except UnsupportedModelError as error:
+        return "refused", str(error)
+    except Exception:
+        return "error", traceback.format_exc(limit=6)
     try:
         reference = _run(model, ids)
     except Exception as error:
@@ -140,7 +152,6 @@ def check_family(model_type: str) -> tuple[str, str]:
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     try:
-        parallelizer = ParallelizersManager.parallelizer_for_model(model)
         parallel = parallelizer.parallelize(model, device=torch.device("cpu"))
     except UnsupportedModelError as error:
         return "refused", str(error)

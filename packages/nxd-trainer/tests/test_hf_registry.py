@@ -49,6 +49,13 @@ PARITY_AT_LOCK = (
 """Families the issue asked for (MoE ones with experts replicated over TP)."""
 
 
+def _skip_if_missing(family: str) -> None:
+    import transformers
+
+    if family not in R.families():
+        pytest.skip(f"{family} is not in transformers {transformers.__version__}'s registry")
+
+
 def _outcomes() -> dict[str, tuple[str, str]]:
     outcomes: dict[str, tuple[str, str]] = {}
     to_build = []
@@ -96,9 +103,12 @@ def test_registered_model_spec_is_exact_or_refused(family: str) -> None:
     family gives the unsharded model's logits, loss and gradients or is refused naming the
     family. Before the inspection these four gave wrong logits silently (embedding scale,
     soft-capping, Q/K norms dropped by the rebuilt modules)."""
+    _skip_if_missing(family)
     ranks = run_distributed(_register_and_check, 2, family)
     assert ranks[0] == ranks[1]
     outcome, detail = ranks[0]
+    if outcome == "skipped":  # transformers 5.4's Olmo2Config does not validate its default
+        pytest.skip(detail)
     assert outcome in ("parity", "refused"), f"{outcome}: {detail}"
     if outcome == "refused":
         assert family in detail
@@ -120,6 +130,7 @@ def test_gather_output_gives_full_vocabulary_logits(family: str, vocab: int) -> 
     (padding columns dropped: 97 is padded to 98 at TP=2) and equal the unsharded model's,
     as the loss (the family's own, on those logits) does; Llama through the Llama-family
     path, Gemma 2 (soft-capped logits) through its tensor-parallel plan."""
+    _skip_if_missing(family)
     ranks = run_distributed(_gathered, 2, family, vocab)
     for logits, loss, ref_logits, ref_loss in ranks:
         assert logits.shape == ref_logits.shape == (R.BATCH, R.SEQ, vocab)
