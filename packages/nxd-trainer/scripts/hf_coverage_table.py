@@ -11,8 +11,8 @@ markers of ``packages/nxd-trainer/README.md``. Columns:
   why the family does not build from a tiny config);
 - SP, PP: what the family's parallelizer accepts (others are refused with a clear error);
   the Llama-family path's are proven by test_hf_parity / test_hf_pipeline;
-- LoRA, export: the families test_hf_trainer / test_hf_checkpoint run (round trip through
-  ``export_hf`` and transformers); other families are untested there (``·``).
+- LoRA, export: the families a test runs (export: test_hf_checkpoint, and
+  test_hf_registry's round trip under ``-m slow``); other families are untested (``·``).
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ README = PACKAGE / "README.md"
 START, END = "<!-- hf-coverage:start -->", "<!-- hf-coverage:end -->"
 FAST = {"llama", "mistral", "qwen2", "qwen3"}
 """The Llama-family path: SP and PP (test_hf_parity, test_hf_pipeline)."""
-EXPORT_TESTED = {"llama", "mistral", "qwen2"}
-"""test_hf_checkpoint's FAMILIES (sharded save, load, export_hf, transformers loads it)."""
+EXPORT_TESTED = {"llama", "mistral", "qwen2", "gemma3_text", "phi3", "mixtral"}
+"""test_hf_checkpoint's FAMILIES and test_hf_registry's EXPORT_FAMILIES (-m slow): sharded
+save, export_hf, transformers loads the folder with the TP model's logits."""
 LORA_TESTED: set[str] = set()
 """No LoRA test runs on a parallelised Hugging Face model yet."""
 

@@ -102,6 +102,11 @@ class PlanParallelizer(Parallelizer):
         family = cls.spec.model_type
         if sequence_parallel_enabled:
             raise ValueError(f"{family} does not support sequence parallelism")
+        if should_parallelize_layer_predicate_func is not None:
+            raise ValueError(
+                f"{family}: should_parallelize_layer_predicate_func is the Llama-family "
+                f"path's (decoder layers); the tensor-parallel plan swaps every block it names"
+            )
         gather_output = bool(parallel_layer_specific_kwargs.get("gather_output", False))
         plan = resolve_plan(model, family, text_tp_plan(family, model.config))
         tp = nxd_state.get_tensor_model_parallel_size()
