@@ -58,6 +58,9 @@ TINY = {
 """Overrides applied where the default config has the attribute. A 4-token sliding window
 on 8 tokens makes sliding layers differ from full ones."""
 
+MAX_PARAMETERS = 2_000_000
+"""A family whose config names its sizes otherwise stays big: skipped, not built (memory)."""
+
 OUT_TOL = {"rtol": 1e-5, "atol": 1e-5}
 """fp32; TP=2 adds each row-parallel matmul's two partial sums in another order (round-off
 ~1e-7 relative on O(1) logits, a little more through soft-capping and 2 layers); a missing
@@ -106,6 +109,10 @@ def build(model_type: str, seed: int = 0) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     config = tiny_config(model_type)
+    with torch.device("meta"):  # a size left under another name must not build full size
+        size = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    if size > MAX_PARAMETERS:
+        raise ValueError(f"the tiny config still has {size:,} parameters (sizes under other names)")
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():

@@ -196,6 +196,12 @@ def _check_block(model: nn.Module, family: str, block: BlockPlan, tp: int) -> No
             f"inputs {sorted(block.rows)} do not pair up (colwise with rowwise)",
         )
     if not block.local:
+        if block.grad_sum:  # each rank would hold the whole gradient: summing multiplies it
+            raise UnsupportedModelError(
+                family,
+                f"{block.path}: {block.grad_sum} are replicated with gradients summed over TP, "
+                f"but the block's activations are gathered (every rank sees every head)",
+            )
         return  # full activations inside: the family's forward sees what it always sees
     for child, gather in block.columns.items():
         out = module.get_submodule(child).out_features
