@@ -216,6 +216,13 @@ def _check_block(model: nn.Module, family: str, block: BlockPlan, tp: int) -> No
             f"{type(module).__name__}.forward reads {found.group(0)} (the whole model's size), "
             f"while at TP={tp} it holds 1/{tp} of it",
         )
+    own = [name for name, p in module.named_parameters(recurse=False)]
+    if own:  # per-head parameters of the block itself (attention sinks): not split here
+        raise UnsupportedModelError(
+            family,
+            f"{block.path} ({type(module).__name__}) holds parameters {own} of its own inside a "
+            f"sharded block, which the mapping does not split with the heads",
+        )
     head_dim = _head_dim(model.config)
     placed = {*block.columns, *block.rows}
     for name, sub in module.named_children():
