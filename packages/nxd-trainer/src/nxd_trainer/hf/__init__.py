@@ -11,10 +11,14 @@ API on nxd): tensor, sequence and pipeline parallelism, lazy loading, sharded ch
     model = parallelizer.parallelize(model)  # each rank reads its slices of the folder
     loss = model(input_ids=ids, labels=ids).loss  # the logits stay vocabulary-sharded
 
-Families (``ParallelizersManager.get_supported_model_types()``): Llama, Mistral, Qwen2, Qwen3,
-each a :class:`ModelSpec` (module names) in :mod:`nxd_trainer.hf.families`.
+Registered families (``ParallelizersManager.get_supported_model_types()``, TP/SP/PP): Llama,
+Mistral, Qwen2, Qwen3, each a :class:`ModelSpec` (module names) in
+:mod:`nxd_trainer.hf.families`. Every other family with a tensor-parallel plan declared by
+transformers: TP by that plan (:mod:`nxd_trainer.hf.plan`). A model either parallelizer would
+not reproduce exactly is refused (:class:`UnsupportedModelError`, naming family and feature).
 """
 
+from nxd_trainer.hf._rules import UnsupportedModelError
 from nxd_trainer.hf.checkpoint import (
     export_hf,
     load_model_sharded_checkpoint,
@@ -36,6 +40,7 @@ from nxd_trainer.hf.optim import (
     parameter_mapping,
 )
 from nxd_trainer.hf.parallelizer import Parallelizer
+from nxd_trainer.hf.plan import PlanParallelizer, plan_parallelizer
 from nxd_trainer.hf.spec import ModelSpec
 
 __all__ = [
@@ -45,8 +50,10 @@ __all__ = [
     "ModelSpec",
     "Parallelizer",
     "ParallelizersManager",
+    "PlanParallelizer",
     "Qwen2Parallelizer",
     "Qwen3Parallelizer",
+    "UnsupportedModelError",
     "export_hf",
     "lazy_load_for_parallelism",
     "load_model_sharded_checkpoint",
@@ -54,5 +61,6 @@ __all__ = [
     "optimizer_for_mp",
     "original_parameter_ids",
     "parameter_mapping",
+    "plan_parallelizer",
     "save_model_sharded_checkpoint",
 ]

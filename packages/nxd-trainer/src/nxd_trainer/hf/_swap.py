@@ -28,8 +28,10 @@ import torch
 from torch import nn
 
 import nxd_state
+from nxd_layers import ParallelEmbedding
 from nxd_trainer.hf._attention import parallel_attention_class
 from nxd_trainer.hf._loss import ParallelCausalLMLoss
+from nxd_trainer.hf._rules import BlockPlan, is_scaled_embedding
 from nxd_trainer.hf._sources import FolderStore, MemoryStore, Source, Store
 from nxd_trainer.hf.spec import ModelSpec
 
@@ -240,7 +242,9 @@ class _Swapper:
     def shard(self, name: str, dim: int, padded: int | None = None) -> Source:
         return Source(name, "shard", dim=dim, rank=self.rank, size=self.layout.tp, padded=padded)
 
-    def column(self, path: str, *, pad: bool = False, name: str | None = None) -> nn.Module:
+    def column(
+        self, path: str, *, pad: bool = False, name: str | None = None, gather: bool = False
+    ) -> nn.Module:
         from nxd_layers import ColumnParallelLinear
 
         old = self.model.get_submodule(path)
@@ -248,7 +252,7 @@ class _Swapper:
             old.in_features,
             old.out_features,
             bias=old.bias is not None,
-            gather_output=False,
+            gather_output=gather,
             sequence_parallel_enabled=self.sp,
             dtype=old.weight.dtype,
             device="meta",
@@ -262,7 +266,7 @@ class _Swapper:
         self.model.set_submodule(path, layer)
         return layer
 
-    def row(self, path: str) -> nn.Module:
+    def row(self, path: str, *, parallel: bool = True) -> nn.Module:
         from nxd_layers import RowParallelLinear
 
         old = self.model.get_submodule(path)
@@ -270,7 +274,7 @@ class _Swapper:
             old.in_features,
             old.out_features,
             bias=old.bias is not None,
-            input_is_parallel=True,
+            input_is_parallel=parallel,
             sequence_parallel_enabled=self.sp,
             dtype=old.weight.dtype,
             device="meta",
@@ -357,15 +361,27 @@ class _Swapper:
                 for param in self.model.get_submodule(f"{layer_path}.{name}").parameters():
                     mark_sequence_parallel_parameter(param)
 
-    def embeddings(self) -> None:
-        """Vocabulary-parallel embedding and LM head (tied ones stay one parameter)."""
+    def block(self, block: BlockPlan) -> None:
+        """One block of a transformers tensor-parallel plan (:mod:`nxd_trainer.hf._rules`)."""
+        for child, gather in block.columns.items():
+            self.column(f"{block.path}.{child}", gather=gather)
+        for child, parallel in block.rows.items():
+            self.row(f"{block.path}.{child}", parallel=parallel)
+        for child in block.grad_sum:
+            module = self.model.get_submodule(f"{block.path}.{child}")
+            module.__class__ = grad_summed_class(type(module))
+
+    def embeddings(self, gather_output: bool = False) -> None:
+        """Vocabulary-parallel embedding and LM head (tied ones stay one parameter);
+        ``gather_output``: the LM head's logits gathered to the whole vocabulary."""
         from nxd_layers import ParallelEmbedding
 
         spec, layout = self.spec, self.layout
         old = self.model.get_submodule(spec.embed_tokens)
         head = self.model.get_submodule(spec.lm_head)
         tied = head.weight is old.weight
-        embedding = ParallelEmbedding(
+        embedding_cls = ScaledParallelEmbedding if is_scaled_embedding(old) else ParallelEmbedding
+        embedding = embedding_cls(
             old.num_embeddings,
             old.embedding_dim,
             padding_idx=old.padding_idx,
@@ -375,14 +391,65 @@ class _Swapper:
         )
         name = f"{spec.embed_tokens}.weight"
         self.plan.sources[name] = self.shard(name, 0, embedding.num_embeddings)
+        if isinstance(embedding, ScaledParallelEmbedding):
+            embedding.embed_scale = old.embed_scale.detach().clone()
         self.model.set_submodule(spec.embed_tokens, embedding)
-        lm_head = self.column(spec.lm_head, pad=True)
+        lm_head = self.column(spec.lm_head, pad=True, gather=gather_output)
         if tied:
             lm_head.weight = embedding.weight
             self.plan.sources[f"{spec.lm_head}.weight"] = self.plan.sources[name]
+        if gather_output:  # full logits: the family's own loss; padding columns dropped
+            lm_head.register_forward_hook(_drop_padding(layout.vocab))
+            return
         # What PreTrainedModel.loss_function returns when set (a submodule: it holds no
         # tensors, and the pipeline's capture sees a module call).
         self.model._loss_function = ParallelCausalLMLoss(layout.vocab)
+
+
+class ScaledParallelEmbedding(ParallelEmbedding):
+    """``ParallelEmbedding(ids) · embed_scale`` (Gemma 3's scaled word embedding: the scale
+    cast to the weight's dtype first, as there)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.register_buffer("embed_scale", torch.tensor(1.0), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(input_ids) * self.embed_scale.to(self.weight.dtype)
+
+
+def _drop_padding(vocab: int) -> Callable[..., torch.Tensor]:
+    def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        return out[..., :vocab]
+
+    return hook
+
+
+_GRAD_SUMMED: dict[type, type] = {}
+
+
+def grad_summed_class(cls: type[nn.Module]) -> type[nn.Module]:
+    """``cls`` whose parameters enter its forward through an identity whose backward sums
+    the gradient over TP: a per-head norm replicated on every rank, each rank applying it to
+    its own heads, holds the whole gradient (the heads' parts summed) everywhere."""
+    if cls not in _GRAD_SUMMED:
+
+        def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            from nxd_layers.mappings import copy_to_tensor_model_parallel_region
+
+            if self.__dict__.get("_nxd_inside"):
+                return cls.forward(self, *args, **kwargs)
+            weights = {
+                n: copy_to_tensor_model_parallel_region(p) for n, p in self.named_parameters()
+            }
+            self._nxd_inside = True
+            try:
+                return torch.func.functional_call(self, weights, args, kwargs)
+            finally:
+                self._nxd_inside = False
+
+        _GRAD_SUMMED[cls] = type(f"GradSummed{cls.__name__}", (cls,), {"forward": forward})
+    return _GRAD_SUMMED[cls]
 
 
 def _legacy_gqa_aliases(proj: str, part: str, bias: bool) -> dict[str, tuple[Any, ...]]:
@@ -422,13 +489,18 @@ def swap_layers(
     should_parallelize_layer: Callable[[nn.Module], bool] | None = None,
     swap_at_tp1: bool = False,
     fuse_qkv: bool = False,
+    blocks: list[BlockPlan] | None = None,
+    gather_output: bool = False,
 ) -> Plan:
     """Swap ``model``'s layers in place for parallel ones on ``meta``; returns their sources.
 
     The model's other tensors keep their values (in memory); their sources name themselves.
     At TP = 1 nothing is swapped (the plan still says where every tensor comes from), unless
     ``swap_at_tp1`` (benchmarks: the parallel layers' own cost). ``fuse_qkv``: the GQA
-    projection (when K/V heads are replicated) holds one fused ``weight_qkv``.
+    projection (when K/V heads are replicated) holds one fused ``weight_qkv``. ``blocks``:
+    swap these blocks of a transformers tensor-parallel plan instead of ``spec``'s decoder
+    layers (the family's own attention forward is kept). ``gather_output``: full-vocabulary
+    logits from the LM head (and the family's own loss on them).
     """
     from nxd_layers import mark_sequence_parallel_parameter
 
@@ -439,13 +511,17 @@ def swap_layers(
     }
     plan.memory = MemoryStore({n: t for n, t in originals.items() if not t.is_meta})
     swapper = _Swapper(model, spec, layout, sequence_parallel, plan, fuse_qkv)
-    layers = model.get_submodule(spec.layers)
+    layers = model.get_submodule(spec.layers) if blocks is None else [model]
     swap = layout.tp > 1 or swap_at_tp1
-    for index, layer in enumerate(layers):
-        if swap and (should_parallelize_layer is None or should_parallelize_layer(layer)):
-            swapper.decoder_layer(f"{spec.layers}.{index}")
+    if blocks is not None:
+        for block in blocks if swap else ():
+            swapper.block(block)
+    else:
+        for index, layer in enumerate(layers):
+            if swap and (should_parallelize_layer is None or should_parallelize_layer(layer)):
+                swapper.decoder_layer(f"{spec.layers}.{index}")
     if parallelize_embeddings and swap:
-        swapper.embeddings()
+        swapper.embeddings(gather_output)
     if sequence_parallel:
         for param in model.get_submodule(spec.final_norm).parameters():
             mark_sequence_parallel_parameter(param)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from nxd_trainer.hf._rules import UnsupportedModelError
 from nxd_trainer.hf.families import (
     LlamaParallelizer,
     MistralParallelizer,
@@ -11,6 +12,7 @@ from nxd_trainer.hf.families import (
     Qwen3Parallelizer,
 )
 from nxd_trainer.hf.parallelizer import Parallelizer
+from nxd_trainer.hf.plan import plan_parallelizer
 
 __all__ = ["ParallelizersManager"]
 
@@ -43,23 +45,31 @@ class ParallelizersManager:
     @classmethod
     def is_model_supported(cls, model_type_or_model: Any) -> tuple[bool, bool, bool]:
         """(tensor parallelism, sequence parallelism on top of it, pipeline parallelism)."""
-        parallelizer = cls._PARALLELIZERS.get(_model_type(model_type_or_model))
-        if parallelizer is None:
+        try:
+            parallelizer = cls.parallelizer_for_model(model_type_or_model)
+        except UnsupportedModelError:
             return (False, False, False)
         spec = parallelizer.spec
         return (True, spec.supports_sequence_parallel, spec.supports_pipeline_parallel)
 
     @classmethod
     def parallelizer_for_model(cls, model_type_or_model: Any) -> type[Parallelizer]:
-        """The parallelizer class of the model (type); an unsupported one is an error listing
-        the supported types."""
+        """The parallelizer class of the model (type): a registered one (the Llama-family
+        path), else one following the tensor-parallel plan transformers declares for it
+        (:mod:`nxd_trainer.hf.plan`); a family with neither is an
+        :class:`~nxd_trainer.hf.UnsupportedModelError` (a ``NotImplementedError``). Whether
+        a plan family's model is reproduced exactly is checked when it is parallelised."""
         model_type = _model_type(model_type_or_model)
-        if model_type not in cls._PARALLELIZERS:
-            raise NotImplementedError(
-                f"model type {model_type!r} is not supported for parallelization; supported "
-                f"model types: {cls.get_supported_model_types()}"
-            )
-        return cls._PARALLELIZERS[model_type]
+        if model_type in cls._PARALLELIZERS:
+            return cls._PARALLELIZERS[model_type]
+        config = getattr(model_type_or_model, "config", None)
+        try:
+            return plan_parallelizer(model_type, config)
+        except UnsupportedModelError as error:
+            raise UnsupportedModelError(
+                model_type,
+                f"{error.feature}; registered model types: {cls.get_supported_model_types()}",
+            ) from None
 
     @classmethod
     def register(cls, parallelizer: type[Parallelizer]) -> type[Parallelizer]:

@@ -26,8 +26,9 @@ import torch
 from torch import nn
 
 import nxd_state
+from nxd_trainer.hf._rules import inspect_fast_path
 from nxd_trainer.hf._sources import HF_INDEX_NAME, HF_WEIGHTS_NAME, FolderStore
-from nxd_trainer.hf._swap import GQA_NAME, Plan, layout_for, make_meta, swap_layers
+from nxd_trainer.hf._swap import GQA_NAME, Layout, Plan, layout_for, make_meta, swap_layers
 from nxd_trainer.hf.spec import ModelSpec
 
 __all__ = ["Parallelizer"]
@@ -76,6 +77,25 @@ class Parallelizer:
         if any(isinstance(m, (BaseParallelLinear, ParallelEmbedding)) for m in model.modules()):
             raise ValueError(f"{type(model).__name__} already holds parallel layers")
 
+    @classmethod
+    def inspect(
+        cls, model: nn.Module, *, sequence_parallel: bool = False, gather_output: bool = False
+    ) -> None:
+        """Refuse (:class:`~nxd_trainer.hf.UnsupportedModelError`, naming the family and the
+        feature) a model whose results this parallelizer would not reproduce exactly."""
+        inspect_fast_path(
+            model,
+            cls.spec,
+            nxd_state.get_tensor_model_parallel_size(),
+            sequence_parallel=sequence_parallel,
+            gather_output=gather_output,
+        )
+
+    @classmethod
+    def layout(cls, config: Any, tp: int, kv_size_multiplier: int | None) -> Layout:
+        """The head split (:func:`~nxd_trainer.hf._swap.layout_for`)."""
+        return layout_for(config, tp, kv_size_multiplier)
+
     # optimum-neuron's API ---------------------------------------------------------------------
     @classmethod
     def _parallelize(
@@ -92,11 +112,13 @@ class Parallelizer:
         (None: :attr:`fuse_qkv`)."""
         del device  # the layers are built on meta; parallelize allocates them
         cls.check_model(model)
+        gather_output = bool(parallel_layer_specific_kwargs.get("gather_output", False))
+        cls.inspect(model, sequence_parallel=sequence_parallel_enabled, gather_output=gather_output)
         fuse_qkv = parallel_layer_specific_kwargs.get("fuse_qkv")
         fuse_qkv = cls.fuse_qkv if fuse_qkv is None else fuse_qkv
         if not isinstance(fuse_qkv, bool):
             raise TypeError(f"fuse_qkv must be a bool or None, got {fuse_qkv!r}")
-        layout = layout_for(
+        layout = cls.layout(
             model.config,
             nxd_state.get_tensor_model_parallel_size(),
             parallel_layer_specific_kwargs.get("kv_size_multiplier"),
@@ -109,6 +131,7 @@ class Parallelizer:
             parallelize_embeddings=parallelize_embeddings,
             should_parallelize_layer=should_parallelize_layer_predicate_func,
             fuse_qkv=fuse_qkv,
+            gather_output=gather_output,
         )
         model._nxd_plan = plan  # parallelize reads it (and removes it)
         return model
@@ -128,10 +151,15 @@ class Parallelizer:
         checkpoint_dir: str | Path | None = None,
         num_local_ranks_per_step: int = 8,
         fuse_qkv: bool | None = None,
+        gather_output: bool = False,
     ) -> nn.Module:
         """The parallelised model (an ``nxd_pipeline.NxDPPModel`` when PP > 1) with every
         parameter holding its values (see the module docstring). Collective. ``fuse_qkv``:
-        see :attr:`fuse_qkv` (nxd's keyword)."""
+        see :attr:`fuse_qkv` (nxd's keyword). ``gather_output``: the LM head's logits are
+        gathered over TP to the whole vocabulary (generation, evaluation; the family's own
+        loss runs on them) instead of staying vocabulary-sharded for the parallel loss.
+        A model this parallelizer would not reproduce exactly is refused first
+        (:meth:`inspect`)."""
         from nxd_trainer._materialize import build_in_waves, materialize_meta_module
 
         if not nxd_state.model_parallel_is_initialized():
@@ -141,9 +169,12 @@ class Parallelizer:
             )
         state = nxd_state.get_parallel_state()
         cls.check_model(model)
+        if not isinstance(gather_output, bool):
+            raise TypeError(f"gather_output must be a bool, got {gather_output!r}")
+        cls.inspect(model, sequence_parallel=sequence_parallel_enabled, gather_output=gather_output)
         if fuse_qkv is not None and not isinstance(fuse_qkv, bool):
             raise TypeError(f"fuse_qkv must be a bool or None, got {fuse_qkv!r}")
-        layout_for(model.config, state.tensor_parallel_size, kv_size_multiplier)
+        cls.layout(model.config, state.tensor_parallel_size, kv_size_multiplier)
         if sequence_parallel_enabled and state.tensor_parallel_size == 1:
             raise ValueError("sequence_parallel_enabled=True needs tensor_parallel_size > 1")
         if sequence_parallel_enabled and not cls.spec.supports_sequence_parallel:
@@ -168,6 +199,7 @@ class Parallelizer:
                 sequence_parallel_enabled=sequence_parallel_enabled,
                 kv_size_multiplier=kv_size_multiplier,
                 fuse_qkv=fuse_qkv,
+                gather_output=gather_output,
             )
             plan: Plan = model._nxd_plan
             plan.folder = FolderStore(folder) if folder is not None else None

@@ -1,0 +1,144 @@
+"""Families by rule: any causal LM whose config declares transformers' tensor-parallel plan
+(``base_model_tp_plan``), parallelised by mapping the plan's styles onto nxd's layers
+(:mod:`nxd_trainer.hf._rules`), the family's own forwards kept.
+
+    parallelizer = ParallelizersManager.parallelizer_for_model(model)  # e.g. gemma2
+    model = parallelizer.parallelize(model)  # refuses what it would not reproduce exactly
+
+Tensor parallelism only (sequence and pipeline parallelism are the Llama-family path's); the
+K/V heads must split over TP (no replication); MoE experts are kept whole on every TP rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+import nxd_state
+from nxd_trainer.hf._rules import UnsupportedModelError, _head_dim, inspect_model, resolve_plan
+from nxd_trainer.hf._swap import Layout, swap_layers
+from nxd_trainer.hf.parallelizer import Parallelizer
+from nxd_trainer.hf.spec import ModelSpec
+
+__all__ = ["PlanParallelizer", "plan_parallelizer", "text_tp_plan"]
+
+_CLASSES: dict[str, type[PlanParallelizer]] = {}
+
+
+def text_tp_plan(model_type: str, config: Any = None) -> dict[str, str]:
+    """The tensor-parallel plan transformers declares for ``model_type`` (``config``'s when
+    given); :class:`UnsupportedModelError` when there is none, or when the family is a
+    multimodal wrapper (its text model is the one to parallelise)."""
+    if config is None:
+        from transformers import CONFIG_MAPPING  # imports this family's config module only
+
+        if model_type not in CONFIG_MAPPING:
+            raise UnsupportedModelError(model_type, "transformers has no config for it")
+        try:
+            config = CONFIG_MAPPING[model_type]()
+        except Exception as error:
+            raise UnsupportedModelError(
+                model_type, f"its default config does not build ({type(error).__name__})"
+            ) from None
+    try:
+        text = config.get_text_config()
+    except ValueError as error:
+        raise UnsupportedModelError(model_type, f"no single text config ({error})") from None
+    if text is not config and text.model_type != config.model_type:
+        raise UnsupportedModelError(
+            model_type,
+            f"a multimodal model: parallelise its text model ({text.model_type!r}) instead",
+        )
+    plan = getattr(config, "base_model_tp_plan", None)
+    if not plan:
+        raise UnsupportedModelError(
+            model_type,
+            "transformers declares no tensor-parallel plan (base_model_tp_plan) for it, and "
+            "it is not a registered family (ParallelizersManager.register)",
+        )
+    return dict(plan)
+
+
+class PlanParallelizer(Parallelizer):
+    """A family parallelised by its declared plan; subclasses (one per model type, from
+    :func:`plan_parallelizer`) set :attr:`spec` and :attr:`tp_plan`."""
+
+    tp_plan: ClassVar[dict[str, str]]
+
+    @classmethod
+    def inspect(
+        cls, model: nn.Module, *, sequence_parallel: bool = False, gather_output: bool = False
+    ) -> None:
+        family = cls.spec.model_type
+        plan = resolve_plan(model, family, text_tp_plan(family, model.config))
+        tp = nxd_state.get_tensor_model_parallel_size()
+        inspect_model(model, family, plan, tp, gather_output=gather_output)
+
+    @classmethod
+    def layout(cls, config: Any, tp: int, kv_size_multiplier: int | None) -> Layout:
+        if kv_size_multiplier not in (None, 1):
+            raise ValueError(
+                f"kv_size_multiplier={kv_size_multiplier}: replicated KV heads are the "
+                f"Llama-family path's only ({cls.spec.model_type} is parallelised by its plan)"
+            )
+        heads = int(getattr(config, "num_attention_heads", 1) or 1)
+        kv = int(getattr(config, "num_key_value_heads", None) or heads)
+        return Layout(tp, heads, kv, int(_head_dim(config) or 1), 1, int(config.vocab_size))
+
+    @classmethod
+    def _parallelize(
+        cls,
+        model: nn.Module,
+        device: torch.device | None = None,
+        parallelize_embeddings: bool = True,
+        sequence_parallel_enabled: bool = False,
+        should_parallelize_layer_predicate_func: Any = None,
+        **parallel_layer_specific_kwargs: Any,
+    ) -> nn.Module:
+        del device
+        cls.check_model(model)
+        family = cls.spec.model_type
+        if sequence_parallel_enabled:
+            raise ValueError(f"{family} does not support sequence parallelism")
+        if should_parallelize_layer_predicate_func is not None:
+            raise ValueError(
+                f"{family}: should_parallelize_layer_predicate_func is the Llama-family "
+                f"path's (decoder layers); the tensor-parallel plan swaps every block it names"
+            )
+        gather_output = bool(parallel_layer_specific_kwargs.get("gather_output", False))
+        plan = resolve_plan(model, family, text_tp_plan(family, model.config))
+        tp = nxd_state.get_tensor_model_parallel_size()
+        inspect_model(model, family, plan, tp, gather_output=gather_output)
+        layout = cls.layout(
+            model.config, tp, parallel_layer_specific_kwargs.get("kv_size_multiplier")
+        )
+        spec = ModelSpec(model_type=family, embed_tokens=plan.embed, lm_head=plan.lm_head)
+        model._nxd_plan = swap_layers(
+            model,
+            spec,
+            layout,
+            sequence_parallel=False,
+            parallelize_embeddings=parallelize_embeddings,
+            blocks=plan.blocks,
+            gather_output=gather_output,
+        )
+        return model
+
+
+def plan_parallelizer(model_type: str, config: Any = None) -> type[PlanParallelizer]:
+    """The :class:`PlanParallelizer` of ``model_type`` (its plan must exist: see
+    :func:`text_tp_plan`)."""
+    plan = text_tp_plan(model_type, config)
+    if model_type not in _CLASSES:
+        spec = ModelSpec(
+            model_type=model_type,
+            supports_sequence_parallel=False,
+            supports_pipeline_parallel=False,
+        )
+        name = "".join(p.capitalize() for p in model_type.replace("-", "_").split("_"))
+        _CLASSES[model_type] = type(
+            f"{name}PlanParallelizer", (PlanParallelizer,), {"spec": spec, "tp_plan": plan}
+        )
+    return _CLASSES[model_type]
