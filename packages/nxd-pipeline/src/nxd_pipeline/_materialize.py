@@ -6,8 +6,8 @@ rank stay tied; attributes such as ``tensor_model_parallel`` are kept). ``param_
 then called on each module owning such a parameter, as NxD does: it initialises that module's
 own parameters. For a meta buffer the stages read it is then called on the buffer's owner and
 its ancestors, parents first, while a meta buffer remains below (NxD's examples replace the
-rotary embedding when given its parent); a buffer still on ``meta`` afterwards is an error. The rest of the model stays on
-``meta``: the rank never holds it.
+rotary embedding when given its parent); a buffer still on ``meta`` afterwards is an error.
+The rest of the model stays on ``meta``: the rank never holds it.
 
 :func:`move_local_tensors` then moves what the local stages hold to the stages' device, one
 new tensor per old one, so weights tied inside the rank stay tied there too.
