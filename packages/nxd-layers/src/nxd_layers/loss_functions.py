@@ -25,20 +25,12 @@ import torch
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup, ReduceOp
 
+from nxd_layers import _ops
 from nxd_layers._attributes import resolve_tensor_parallel_group
+from nxd_layers._ops import smoothing_coefficient
 from nxd_state import collectives
 
 __all__ = ["from_parallel_logits_to_logprobs", "parallel_cross_entropy"]
-
-
-def smoothing_coefficient(label_smoothing: float, vocab: int) -> float:
-    """s = eps V / (V - 1): NxD's eps (spread over the V - 1 wrong classes) as the coefficient
-    of the uniform target over all V classes (``F.cross_entropy``'s ``label_smoothing``)."""
-    if label_smoothing == 0:
-        return 0.0
-    if vocab < 2:
-        raise ValueError(f"label_smoothing needs a vocabulary of at least 2 classes, got {vocab}")
-    return label_smoothing * vocab / (vocab - 1)
 
 
 class _ParallelCrossEntropy(torch.autograd.Function):
@@ -51,49 +43,22 @@ class _ParallelCrossEntropy(torch.autograd.Function):
         ignore_index: int,
         group: ProcessGroup,
     ) -> torch.Tensor:
-        rank, tp = collectives.group_rank(group), collectives.group_size(group)
-        local_vocab = logits.shape[-1]
-        vocab = local_vocab * tp
-        z = logits.float()
-        z_max = z.max(dim=-1).values
-        collectives.all_reduce(z_max, group=group, op=ReduceOp.MAX)
-        z = z - z_max.unsqueeze(-1)  # (..., V/p), <= 0: exp cannot overflow
-        exp = z.exp()
-        sum_exp = exp.sum(dim=-1)
-        collectives.all_reduce(sum_exp, group=group)
-
-        start = rank * local_vocab
-        ignored = labels == ignore_index
-        outside = (labels < start) | (labels >= start + local_vocab) | ignored
-        local_labels = (labels - start).masked_fill(outside, 0)
-        target = z.gather(-1, local_labels.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        collectives.all_reduce(target, group=group)
-
-        log_z = sum_exp.log()
-        loss = log_z - target
-        smoothing = smoothing_coefficient(label_smoothing, vocab)
-        if smoothing > 0:
-            z_sum = z.sum(dim=-1)
-            collectives.all_reduce(z_sum, group=group)
-            loss = (1.0 - smoothing) * loss + smoothing * (log_z - z_sum / vocab)
-        loss = loss.masked_fill(ignored, 0.0)
-
-        exp.div_(sum_exp.unsqueeze(-1))  # softmax, local columns
-        ctx.save_for_backward(exp, local_labels, outside, ignored)
-        ctx.smoothing, ctx.vocab, ctx.dtype = smoothing, vocab, logits.dtype
+        loss, softmax, local_labels, outside, ignored = _ops.ce_forward(
+            logits, labels, label_smoothing, ignore_index, group
+        )
+        ctx.save_for_backward(softmax, local_labels, outside, ignored)
+        vocab = logits.shape[-1] * collectives.group_size(group)
+        ctx.smoothing = smoothing_coefficient(label_smoothing, vocab)
+        ctx.vocab, ctx.dtype = vocab, logits.dtype
         return loss
 
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
         softmax, local_labels, outside, ignored = ctx.saved_tensors
-        grad = softmax
-        smoothing = ctx.smoothing
-        onehot_scale = (~outside).to(grad.dtype) * (1.0 - smoothing)
-        grad.scatter_add_(-1, local_labels.unsqueeze(-1), -onehot_scale.unsqueeze(-1))
-        if smoothing > 0:
-            grad.sub_(smoothing / ctx.vocab)
-        grad.mul_((grad_loss * (~ignored)).unsqueeze(-1))
-        return grad.to(ctx.dtype), None, None, None, None
+        grad = _ops.ce_backward(
+            softmax, local_labels, outside, ignored, grad_loss, ctx.smoothing, ctx.vocab, ctx.dtype
+        )
+        return grad, None, None, None, None
 
 
 def parallel_cross_entropy(
@@ -128,7 +93,15 @@ def parallel_cross_entropy(
     group = resolve_tensor_parallel_group(tensor_parallel_group)
     tp = collectives.group_size(group)
     smoothing = smoothing_coefficient(label_smoothing, parallel_logits.shape[-1] * tp)
-    if tp == 1 and smoothing <= 1.0:  # the whole vocabulary is here: torch's fused kernel
+    if _ops.use_operators():
+        # Captured: one operator node with its backward registered, at TP = 1 too (torch's
+        # meta kernel for F.cross_entropy(reduction="none") gives the wrong shape under
+        # dynamic shapes, which a pipeline's capture of a meta-device model uses).
+        key = _ops.group_key(group)
+        loss = _ops.parallel_cross_entropy(
+            parallel_logits, labels, float(label_smoothing), ignore_index, key
+        )[0]
+    elif tp == 1 and smoothing <= 1.0:  # the whole vocabulary is here: torch's fused kernel
         loss = F.cross_entropy(
             parallel_logits.float().reshape(-1, parallel_logits.shape[-1]),
             labels.reshape(-1),

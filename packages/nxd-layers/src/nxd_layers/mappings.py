@@ -24,6 +24,11 @@ Signatures are NxD's: ``(input_, [sequence_dimension,] ..., process_group=None)`
 ``process_group=None`` is the current nxd_state TP group. On a group of one rank every mapping
 is the identity (no autograd node). The sequence dimension defaults to 0 (NxD's
 sequence-first ``[S, B, H]`` layout). Every collective goes through ``nxd_state.collectives``.
+
+While ``torch.export`` or ``torch.compile`` captures a model, each mapping is instead one
+``torch.library`` operator (:mod:`nxd_layers._ops`) whose registered autograd formula is the
+Function's backward, so a captured graph keeps the collective and its dual; the kernels are
+the same.
 """
 
 from __future__ import annotations
@@ -33,7 +38,11 @@ from typing import Any
 import torch
 from torch.distributed import ProcessGroup
 
+from nxd_layers import _ops
 from nxd_layers._attributes import resolve_tensor_parallel_group
+from nxd_layers._ops import all_reduce_copy as _all_reduce_copy
+from nxd_layers._ops import in_dtype as _in_dtype
+from nxd_layers._ops import split_along_dim
 from nxd_state import collectives
 
 __all__ = [
@@ -49,35 +58,6 @@ __all__ = [
     "scatter_to_tensor_model_parallel_region",
     "split_along_dim",
 ]
-
-
-def split_along_dim(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
-    """X_r: chunk ``rank`` of ``x`` split into ``group size`` equal chunks along ``dim``."""
-    n = collectives.group_size(group)
-    if n == 1:
-        return x
-    if x.shape[dim] % n != 0:
-        raise ValueError(
-            f"cannot split dim {dim} of size {x.shape[dim]} (shape {tuple(x.shape)}) into "
-            f"{n} tensor parallel shards: {x.shape[dim]} is not divisible by {n}"
-        )
-    return x.chunk(n, dim=dim)[collectives.group_rank(group)].contiguous()
-
-
-def _all_reduce_copy(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """Sum over ``group`` into a new tensor (``x`` is left alone); ``x`` itself on one rank."""
-    if collectives.group_size(group) == 1:
-        return x.view_as(x)
-    return collectives.all_reduce(x.contiguous().clone(), group=group)
-
-
-def _in_dtype(
-    fn: Any, grad: torch.Tensor, dtype: torch.dtype | None, *args: Any, **kwargs: Any
-) -> torch.Tensor:
-    """``fn(grad, ...)`` computed on ``grad`` cast to ``dtype`` (None: as is), cast back."""
-    if dtype is None or dtype == grad.dtype:
-        return fn(grad, *args, **kwargs)
-    return fn(grad.to(dtype), *args, **kwargs).to(grad.dtype)
 
 
 class _CopyToTensorParallel(torch.autograd.Function):
@@ -152,12 +132,7 @@ class _GatherFromSequenceParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
-        if ctx.to_model_parallel:  # every rank holds a partial gradient: sum, keep my shard
-            out = _in_dtype(
-                collectives.reduce_scatter, grad.contiguous(), ctx.dtype, ctx.group, dim=ctx.dim
-            )
-        else:  # every rank holds the same full gradient: keep my shard
-            out = split_along_dim(grad, ctx.dim, ctx.group)
+        out = _ops.gather_backward(grad, ctx.dim, ctx.group, ctx.to_model_parallel, ctx.dtype)
         return out, None, None, None, None
 
 
@@ -205,7 +180,11 @@ def copy_to_tensor_model_parallel_region(
     """Y = X; dL/dX = sum over TP of dL/dY (the input of a column-parallel region), the sum
     taken in ``dtype`` when given (nxd's keyword; NxD's layers call it ``reduce_dtype``)."""
     resolved = _group_if_parallel(process_group)
-    return input_ if resolved is None else _CopyToTensorParallel.apply(input_, resolved, dtype)
+    if resolved is None:
+        return input_
+    if _ops.use_operators():
+        return _ops.copy_to_tp(input_, _ops.group_key(resolved), dtype)
+    return _CopyToTensorParallel.apply(input_, resolved, dtype)
 
 
 def reduce_from_tensor_model_parallel_region(
@@ -213,7 +192,11 @@ def reduce_from_tensor_model_parallel_region(
 ) -> torch.Tensor:
     """Y = sum over TP of X_r; dL/dX_r = dL/dY (the output of a row-parallel region)."""
     resolved = _group_if_parallel(process_group)
-    return input_ if resolved is None else _ReduceFromTensorParallel.apply(input_, resolved)
+    if resolved is None:
+        return input_
+    if _ops.use_operators():
+        return _ops.reduce_from_tp(input_, _ops.group_key(resolved))
+    return _ReduceFromTensorParallel.apply(input_, resolved)
 
 
 def scatter_to_tensor_model_parallel_region(
@@ -221,7 +204,11 @@ def scatter_to_tensor_model_parallel_region(
 ) -> torch.Tensor:
     """Y_r = X[..., r-th chunk of the last dim]; backward all-gathers the last dim."""
     resolved = _group_if_parallel(process_group)
-    return input_ if resolved is None else _ScatterToTensorParallel.apply(input_, resolved)
+    if resolved is None:
+        return input_
+    if _ops.use_operators():
+        return _ops.split(input_, -1, _ops.group_key(resolved))
+    return _ScatterToTensorParallel.apply(input_, resolved)
 
 
 def gather_from_tensor_model_parallel_region(
@@ -229,7 +216,11 @@ def gather_from_tensor_model_parallel_region(
 ) -> torch.Tensor:
     """Y = [X_0, ..., X_{n-1}] along the last dim; backward keeps this rank's chunk."""
     resolved = _group_if_parallel(process_group)
-    return input_ if resolved is None else _GatherFromTensorParallel.apply(input_, resolved)
+    if resolved is None:
+        return input_
+    if _ops.use_operators():
+        return _ops.gather(input_, -1, _ops.group_key(resolved), False, None)
+    return _GatherFromTensorParallel.apply(input_, resolved)
 
 
 def scatter_input_channels_to_tensor_model_parallel_region(
@@ -238,7 +229,11 @@ def scatter_input_channels_to_tensor_model_parallel_region(
     """Y_r = r-th chunk of X along dim 1 (the channels of [N, C, H, W]); backward all-gathers."""
     _check_dim(input_, 1, "scatter_input_channels_to_tensor_model_parallel_region", "dim")
     resolved = _group_if_parallel(process_group)
-    return input_ if resolved is None else _ScatterToSequenceParallel.apply(input_, 1, resolved)
+    if resolved is None:
+        return input_
+    if _ops.use_operators():
+        return _ops.split(input_, 1, _ops.group_key(resolved))
+    return _ScatterToSequenceParallel.apply(input_, 1, resolved)
 
 
 def scatter_to_sequence_parallel_region(
@@ -247,7 +242,11 @@ def scatter_to_sequence_parallel_region(
     """Y_r = r-th chunk of X along the sequence dim; backward all-gathers it."""
     dim = _check_dim(input_, sequence_dimension, "scatter_to_sequence_parallel_region")
     resolved = _group_if_parallel(process_group)
-    return input_ if resolved is None else _ScatterToSequenceParallel.apply(input_, dim, resolved)
+    if resolved is None:
+        return input_
+    if _ops.use_operators():
+        return _ops.split(input_, dim, _ops.group_key(resolved))
+    return _ScatterToSequenceParallel.apply(input_, dim, resolved)
 
 
 def gather_from_sequence_parallel_region(
@@ -268,6 +267,8 @@ def gather_from_sequence_parallel_region(
     resolved = _group_if_parallel(process_group)
     if resolved is None:
         return input_
+    if _ops.use_operators():
+        return _ops.gather(input_, dim, _ops.group_key(resolved), to_model_parallel, dtype)
     return _GatherFromSequenceParallel.apply(input_, dim, resolved, to_model_parallel, dtype)
 
 
@@ -283,6 +284,8 @@ def reduce_scatter_to_sequence_parallel_region(
     resolved = _group_if_parallel(process_group)
     if resolved is None:
         return input_
+    if _ops.use_operators():
+        return _ops.reduce_scatter(input_, dim, _ops.group_key(resolved), dtype)
     return _ReduceScatterToSequenceParallel.apply(input_, dim, resolved, dtype)
 
 
@@ -295,6 +298,8 @@ def gather_from_tensor_model_parallel_region_with_dim(
     resolved = _group_if_parallel(process_group)
     if resolved is None:
         return input_
+    if _ops.use_operators():
+        return _ops.gather(input_, dim, _ops.group_key(resolved), False, None)
     return _GatherFromSequenceParallel.apply(input_, dim, resolved, False)
 
 
@@ -307,4 +312,6 @@ def reduce_scatter_to_tensor_model_parallel_region_with_dim(
     resolved = _group_if_parallel(process_group)
     if resolved is None:
         return input_
+    if _ops.use_operators():
+        return _ops.reduce_scatter(input_, dim, _ops.group_key(resolved), None)
     return _ReduceScatterToSequenceParallel.apply(input_, dim, resolved, None)

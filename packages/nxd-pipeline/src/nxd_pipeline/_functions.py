@@ -18,6 +18,9 @@ the root's own ``forward``), with the Functions each applies:
   proxies without autograd; each recorded operation is checked for a Function's ``forward``
   frame on the Python stack.
 
+A ``torch.library`` operator with a registered autograd formula (nxd's TP mappings while
+captured, :mod:`nxd_layers._ops`) is not reported: the graph holds it, its backward included.
+
 Functions applied where no gradient flows (inputs without ``requires_grad``, ``no_grad``) leave
 no autograd node and are not reported by the export watch: their backward never runs.
 """
@@ -61,6 +64,14 @@ def _function_name(node: Any) -> str:
     return cls.__qualname__ if cls is not None else type(node).__name__
 
 
+def _is_operator(node: Any) -> bool:
+    """Whether ``node`` is the autograd node of a ``torch.library`` operator with a registered
+    backward (nxd's TP collectives while captured): the graph holds the operator, whose
+    backward runs with it, so nothing is lost."""
+    cls = getattr(type(node), "_forward_cls", None)
+    return getattr(cls, "__module__", None) == "torch._library.autograd"
+
+
 @contextmanager
 def watch_autograd_functions(model: nn.Module) -> Iterator[dict[str, set[str]]]:
     """While active, fills ``{module name: {Function name}}`` for the custom autograd Functions
@@ -77,7 +88,7 @@ def watch_autograd_functions(model: nn.Module) -> Iterator[dict[str, set[str]]]:
             if node in seen:
                 continue
             seen.add(node)
-            if isinstance(node, BackwardCFunction):
+            if isinstance(node, BackwardCFunction) and not _is_operator(node):
                 sites.setdefault(owner, set()).add(_function_name(node))
             pending.extend(n for n, _ in node.next_functions if n is not None and n not in seen)
 

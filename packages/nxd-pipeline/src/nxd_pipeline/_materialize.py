@@ -3,10 +3,11 @@
 Every parameter the local stages use that still lives on ``meta`` is replaced, in the model
 itself, by an uninitialised tensor on ``device`` (one per parameter, so weights tied inside the
 rank stay tied; attributes such as ``tensor_model_parallel`` are kept). ``param_init_fn`` is
-then called on each module owning such a parameter (or a meta buffer the stages read), as NxD
-does: it initialises that module's own parameters and must set its meta buffers (rotary
-tables...); a buffer still on ``meta`` afterwards is an error. The rest of the model stays on
-``meta``: the rank never holds it.
+then called on each module owning such a parameter, as NxD does: it initialises that module's
+own parameters. For a meta buffer the stages read it is then called on the buffer's owner and
+its ancestors, parents first, while a meta buffer remains below (NxD's examples replace the
+rotary embedding when given its parent); a buffer still on ``meta`` afterwards is an error.
+The rest of the model stays on ``meta``: the rank never holds it.
 
 :func:`move_local_tensors` then moves what the local stages hold to the stages' device, one
 new tensor per old one, so weights tied inside the rank stay tied there too.
@@ -65,13 +66,31 @@ def materialize_local_parameters(
             owns = True
         if owns:
             owners.append(module)
+    # A meta buffer's owner and its ancestors, parents first (NxD's rule: param_init_fn may
+    # replace a child, e.g. a rotary embedding, when given its parent); each is looked up by
+    # name when its turn comes, so a replaced child is the new one.
+    ancestry: list[str] = []
     for name in sorted(meta_buffers):
-        owner = model.get_submodule(name.rpartition(".")[0])
-        if all(owner is not known for known in owners):
-            owners.append(owner)
+        parts = name.split(".")[:-1]
+        for depth in range(len(parts) + 1):
+            path = ".".join(parts[:depth])
+            if path not in ancestry:
+                ancestry.append(path)
+    ancestry.sort(key=lambda path: path.count(".") + (path != ""))
     with torch.no_grad():
         for module in owners:
             param_init_fn(module)
+        done = {id(module) for module in owners}
+        for path in ancestry:
+            try:
+                module = model.get_submodule(path)
+            except AttributeError:  # under a module an ancestor replaced
+                continue
+            if id(module) not in done and any(
+                b is not None and b.is_meta for b in module.buffers()
+            ):
+                done.add(id(module))
+                param_init_fn(module)
     still_meta = [name for name in sorted(meta_buffers) if model.get_buffer(name).is_meta]
     if still_meta:
         raise ValueError(
