@@ -43,9 +43,12 @@ _LIB = "nxd_layers"
 
 
 def use_operators() -> bool:
-    """Whether a mapping is being captured into a graph (``torch.compile`` or
-    ``torch.export``, which sets the same flag), so it must be one operator node."""
-    return torch.compiler.is_compiling()
+    """Whether a mapping is being captured into a graph that will be differentiated
+    (``torch.compile`` or ``torch.export``, which sets the same flag, with gradients on), so it
+    must be one operator node carrying its backward. A capture without gradients (inference
+    tracing) records the forward's functional collectives instead: the portable form AOTInductor
+    and the Neuron compiler consume, and loadable without nxd_layers."""
+    return torch.compiler.is_compiling() and torch.is_grad_enabled()
 
 
 def group_key(group: ProcessGroup) -> str:
