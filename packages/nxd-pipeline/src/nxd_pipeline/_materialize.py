@@ -48,35 +48,8 @@ def materialize_local_parameters(
             f"device: pass param_init_fn "
             f"(called on each module to initialise its own parameters)"
         )
-    replaced: dict[int, nn.Parameter] = {}
-    owners: list[nn.Module] = []
-    for _, module in model.named_modules():
-        owns = False
-        for name, param in list(module._parameters.items()):
-            if param is None or id(param) not in wanted or not param.is_meta:
-                continue
-            if id(param) not in replaced:
-                new = nn.Parameter(
-                    torch.empty(param.shape, dtype=param.dtype, device=device),
-                    requires_grad=param.requires_grad,
-                )
-                new.__dict__.update(param.__dict__)  # sharding attributes set by nxd layers
-                replaced[id(param)] = new
-            module._parameters[name] = replaced[id(param)]
-            owns = True
-        if owns:
-            owners.append(module)
-    # A meta buffer's owner and its ancestors, parents first (NxD's rule: param_init_fn may
-    # replace a child, e.g. a rotary embedding, when given its parent); each is looked up by
-    # name when its turn comes, so a replaced child is the new one.
-    ancestry: list[str] = []
-    for name in sorted(meta_buffers):
-        parts = name.split(".")[:-1]
-        for depth in range(len(parts) + 1):
-            path = ".".join(parts[:depth])
-            if path not in ancestry:
-                ancestry.append(path)
-    ancestry.sort(key=lambda path: path.count(".") + (path != ""))
+    replaced, owners = _replace_meta_parameters(model, wanted, device)
+    ancestry = _buffer_ancestry(meta_buffers)
     with torch.no_grad():
         for module in owners:
             param_init_fn(module)
@@ -99,6 +72,48 @@ def materialize_local_parameters(
         )
     logger.info("materialised %d local parameters on %s", len(replaced), device)
     return True
+
+
+def _replace_meta_parameters(
+    model: nn.Module, wanted: set[int], device: torch.device
+) -> tuple[dict[int, nn.Parameter], list[nn.Module]]:
+    """Each wanted meta parameter replaced by an uninitialised one on ``device`` (one object
+    per parameter, even when shared), keeping its sharding attributes; and the modules that
+    own one, in ``named_modules`` order."""
+    replaced: dict[int, nn.Parameter] = {}
+    owners: list[nn.Module] = []
+    for _, module in model.named_modules():
+        owns = False
+        for name, param in list(module._parameters.items()):
+            if param is None or id(param) not in wanted or not param.is_meta:
+                continue
+            if id(param) not in replaced:
+                new = nn.Parameter(
+                    torch.empty(param.shape, dtype=param.dtype, device=device),
+                    requires_grad=param.requires_grad,
+                )
+                new.__dict__.update(param.__dict__)  # sharding attributes set by nxd layers
+                replaced[id(param)] = new
+            module._parameters[name] = replaced[id(param)]
+            owns = True
+        if owns:
+            owners.append(module)
+    return replaced, owners
+
+
+def _buffer_ancestry(meta_buffers: set[str]) -> list[str]:
+    """A meta buffer's owner and its ancestors, parents first (NxD's rule: param_init_fn may
+    replace a child, e.g. a rotary embedding, when given its parent); each is looked up by
+    name when its turn comes, so a replaced child is the new one."""
+    ancestry: list[str] = []
+    for name in sorted(meta_buffers):
+        parts = name.split(".")[:-1]
+        for depth in range(len(parts) + 1):
+            path = ".".join(parts[:depth])
+            if path not in ancestry:
+                ancestry.append(path)
+    ancestry.sort(key=lambda path: path.count(".") + (path != ""))
+    return ancestry
 
 
 def model_device(*modules: nn.Module) -> torch.device:
