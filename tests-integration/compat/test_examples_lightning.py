@@ -26,7 +26,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 
 from nxd_state.testing import load_sibling, run_distributed
@@ -43,7 +42,9 @@ def _data_module() -> Any:
     class DataModule(LightningDataModule):
         def train_dataloader(self) -> torch.utils.data.DataLoader:
             gen = torch.Generator().manual_seed(7)
-            ids = torch.randint(1, M.VOCAB, (STEPS * BATCH, M.SEQ), generator=gen)
+            # One batch, seen every step: its loss must fall (fresh random tokens each step
+            # may well score worse than the first batch after a few tiny steps).
+            ids = torch.randint(1, M.VOCAB, (BATCH, M.SEQ), generator=gen).repeat(STEPS, 1)
             rows = [
                 {"input_ids": row, "attention_mask": torch.ones_like(row), "labels": row}
                 for row in ids
@@ -175,13 +176,6 @@ def lightning_llama(tp: int, folder: str) -> dict[str, Any]:
     return {"losses": losses, "global_step": trainer.global_step}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="gap: NxD's Lightning Llama calls optimizer.step() then optimizer.zero_grad() through "
-    "Lightning's LightningOptimizer on the ZeRO-1 optimizer at TP=2; nxd-optim's wrapper "
-    "zero_grad asserts its gradient buffers are set (nxd_optim/wrapper.py:195) on rank 1",
-)
 def test_lightning_llama_example_matches_one_process(tmp_path: Path) -> None:
     parallel = run_distributed(lightning_llama, 2, 2, str(tmp_path / "tp2"))
     (reference,) = run_distributed(lightning_llama, 1, 1, str(tmp_path / "tp1"))
@@ -190,5 +184,7 @@ def test_lightning_llama_example_matches_one_process(tmp_path: Path) -> None:
     assert reference["losses"][-1] < reference["losses"][0]  # it trained
     for result in parallel:
         torch.testing.assert_close(result["losses"], reference["losses"], **TOL)
-    saved = [p for p in (tmp_path / "tp2").rglob("*") if p.is_file() and "step" in p.name]
-    assert saved, sorted(str(p) for p in (tmp_path / "tp2").rglob("*"))  # the checkpoint
+    # ModelCheckpoint's `epoch=0-step=3.ckpt` is an nxd checkpoint folder with a committed index.
+    saved = [p for p in (tmp_path / "tp2").rglob("*step=*") if p.is_dir()]
+    assert saved, sorted(str(p) for p in (tmp_path / "tp2").rglob("*"))
+    assert any((p / "index.json").is_file() or list(p.rglob("index.json")) for p in saved), saved

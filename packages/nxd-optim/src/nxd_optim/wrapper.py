@@ -69,9 +69,9 @@ class NxDOptimizer(Optimizer):
         )
         self._grad_norm: torch.Tensor | None = None
         self._masters: dict[torch.Tensor, torch.Tensor] = {}
-        self.optimizer: Optimizer
+        self._inner: Optimizer
         if self.config.zero_one_enabled:
-            self.optimizer = NeuronZero1Optimizer(
+            self._inner = NeuronZero1Optimizer(
                 groups,
                 optimizer_class,
                 grad_clipping=self.config.grad_clipping,
@@ -90,7 +90,7 @@ class NxDOptimizer(Optimizer):
             self._grads = GradientStore(
                 self._params, fp32_accumulation=self.config.use_fp32_grad_acc
             )
-            self.optimizer = optimizer_class([self._inner_group(g) for g in groups], **defaults)
+            self._inner = optimizer_class([self._inner_group(g) for g in groups], **defaults)
         logger.info(
             "NxDOptimizer(%s): zero1=%s clipping=%s max_norm=%s masters=%d fp32_grad_acc=%s",
             optimizer_class.__name__,
@@ -100,6 +100,17 @@ class NxDOptimizer(Optimizer):
             len(self._masters),
             self.config.use_fp32_grad_acc,
         )
+
+    @property
+    def optimizer(self) -> Optimizer:
+        """The wrapped optimizer (NeuronZero1Optimizer with ZeRO-1). The methods use it as
+        ``self._inner``: Lightning's ``LightningOptimizer`` takes this class as a base and
+        defines its own ``optimizer`` property, which would otherwise shadow this one."""
+        return self._inner
+
+    @optimizer.setter
+    def optimizer(self, value: Optimizer) -> None:
+        self._inner = value
 
     def _inner_group(self, group: Mapping[str, Any]) -> dict[str, Any]:
         """The group the wrapped optimizer steps: fp32 masters stand in for bf16/fp16 params."""
@@ -117,15 +128,15 @@ class NxDOptimizer(Optimizer):
     # torch.optim.Optimizer surface, delegated --------------------------------------------
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        return self.optimizer.param_groups
+        return self._inner.param_groups
 
     @property
     def state(self) -> Any:  # type: ignore[override]
-        return self.optimizer.state
+        return self._inner.state
 
     @property
     def defaults(self) -> dict[str, Any]:  # type: ignore[override]
-        return self.optimizer.defaults
+        return self._inner.defaults
 
     @property
     def grad_norm(self) -> torch.Tensor | None:
@@ -152,8 +163,8 @@ class NxDOptimizer(Optimizer):
         it in ``step()``. Frozen params are left alone. Local: no collective, no allocation.
         ``factor`` must be finite; 1.0 does nothing.
         """
-        if isinstance(self.optimizer, NeuronZero1Optimizer):
-            self.optimizer.scale_gradients(factor)
+        if isinstance(self._inner, NeuronZero1Optimizer):
+            self._inner.scale_gradients(factor)
             return
         trainable = [p for p in self._params if p.requires_grad]
         self._store().scale(trainable, factor, "NxDOptimizer.scale_gradients")
@@ -174,7 +185,7 @@ class NxDOptimizer(Optimizer):
         return dict(self._masters)
 
     def __repr__(self) -> str:
-        return f"NxDOptimizer({self.optimizer!r}, config={self.config})"
+        return f"NxDOptimizer({self._inner!r}, config={self.config})"
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         group = as_param_groups([param_group], "NxDOptimizer.add_param_group")[0]
@@ -182,16 +193,16 @@ class NxDOptimizer(Optimizer):
             group["params"], self.parallel_state.data_parallel_group, "NxDOptimizer"
         )
         self._params.extend(group["params"])
-        if isinstance(self.optimizer, NeuronZero1Optimizer):
-            self.optimizer.add_param_group(group)
+        if isinstance(self._inner, NeuronZero1Optimizer):
+            self._inner.add_param_group(group)
         else:
             assert self._grads is not None
             self._grads.add_params(group["params"])
-            self.optimizer.add_param_group(self._inner_group(group))
+            self._inner.add_param_group(self._inner_group(group))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if isinstance(self.optimizer, NeuronZero1Optimizer):
-            self.optimizer.zero_grad(set_to_none=set_to_none)
+        if isinstance(self._inner, NeuronZero1Optimizer):
+            self._inner.zero_grad(set_to_none=set_to_none)
             return
         assert self._grads is not None
         self._grads.zero(self._params, set_to_none=set_to_none)
@@ -206,7 +217,7 @@ class NxDOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         state = self.parallel_state
-        zero = self.optimizer if isinstance(self.optimizer, NeuronZero1Optimizer) else None
+        zero = self._inner if isinstance(self._inner, NeuronZero1Optimizer) else None
         # Frozen params (requires_grad=False) are left alone: no gradient, no update. ZeRO-1
         # refuses them at construction, so both lists below are in the same order.
         params = [p for p in self._params if p.requires_grad]
@@ -247,7 +258,7 @@ class NxDOptimizer(Optimizer):
                 )
             else:  # max_grad_norm = inf: measure only (clipping would multiply g by 1)
                 self._grad_norm = get_grad_norm(stepped, self.config.norm_type, **groups)
-        self.optimizer.step()
+        self._inner.step()
         for param, master in self._masters.items():
             param.copy_(master)
         return loss
@@ -260,18 +271,18 @@ class NxDOptimizer(Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state dict (this rank's shard with ZeRO-1); with
         ``use_master_weights_in_ckpt`` also ``master_weights`` (in param order)."""
-        out = self.optimizer.state_dict()
+        out = self._inner.state_dict()
         if self._masters and self.config.use_master_weights_in_ckpt:
             out["master_weights"] = [m.detach().clone() for m in self._masters.values()]
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if isinstance(self.optimizer, NeuronZero1Optimizer):  # it restores its own masters
-            self.optimizer.load_state_dict(state_dict)
+        if isinstance(self._inner, NeuronZero1Optimizer):  # it restores its own masters
+            self._inner.load_state_dict(state_dict)
             return
         state_dict = dict(state_dict)
         masters = state_dict.pop("master_weights", None)
-        self.optimizer.load_state_dict(state_dict)
+        self._inner.load_state_dict(state_dict)
         with torch.no_grad():
             if masters is not None:
                 for master, saved in zip(self._masters.values(), masters, strict=True):
@@ -289,8 +300,8 @@ class NxDOptimizer(Optimizer):
     def save_sharded_state_dict(self, output_dir: str | Path, save_serially: bool = True) -> None:
         """ZeRO-1: every rank writes its shard. Otherwise DP rank 0 of each TP/PP coordinate
         writes the (DP x CP-replicated) state. safetensors + JSON either way."""
-        if isinstance(self.optimizer, NeuronZero1Optimizer):
-            self.optimizer.save_sharded_state_dict(output_dir, save_serially=save_serially)
+        if isinstance(self._inner, NeuronZero1Optimizer):
+            self._inner.save_sharded_state_dict(output_dir, save_serially=save_serially)
             return
         state = self.parallel_state
         if state.rank == state.data_context_parallel_ranks[0]:
@@ -300,8 +311,8 @@ class NxDOptimizer(Optimizer):
     def load_sharded_state_dict(
         self, output_dir: str | Path, num_workers_per_step: int = 8
     ) -> None:
-        if isinstance(self.optimizer, NeuronZero1Optimizer):
-            self.optimizer.load_sharded_state_dict(output_dir, num_workers_per_step)
+        if isinstance(self._inner, NeuronZero1Optimizer):
+            self._inner.load_sharded_state_dict(output_dir, num_workers_per_step)
             return
         state, _ = read_state(self._unsharded_prefix(Path(output_dir)))
         self.load_state_dict(state)
