@@ -29,7 +29,8 @@ def main() -> None:
         world_size=8, tensor_parallel_size=2, pipeline_parallel_size=2
     )
     assert layout.tensor_parallel_groups() == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert layout.coordinates(5) == (1, 0, 1), layout.coordinates(5)  # (pp, dp, tp)
+    coords = layout.coordinates(5)
+    assert (coords.pp, coords.dp, coords.cp, coords.tp) == (1, 0, 0, 1), coords
     nxd_state.destroy_model_parallel()
     dist.destroy_process_group()
 
