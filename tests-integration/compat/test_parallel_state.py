@@ -2,8 +2,9 @@
 
 One spawn, several NxD-style scripts in sequence:
 
-* context / expert parallel sizes above 1 are refused on every rank with the value named,
-  before any group exists;
+* NxD's ``context_parallel_size=2`` (with TP=2) builds CP groups its getters report, and an
+  expert parallel size above 1 is refused on every rank with the value named, before any group
+  exists;
 * TP=4: NxD's KV-shared groups (``initialize_kv_group``: interleaved by default, sequential on
   request), their getters and ``destroy_kv_group``; then ``destroy_model_parallel``;
 * TP=2 x PP=2 with NxD's keyword ``context_parallel_size=1, expert_model_parallel_size=1``: the
@@ -25,11 +26,17 @@ from nxd_state.testing import run_distributed, run_named_checks
 WORLD = 4
 
 
-def check_unsupported_degrees() -> None:
+def check_context_parallel_and_unsupported_ep() -> None:
     from neuronx_distributed.parallel_layers import parallel_state as ps
 
-    with pytest.raises(NotImplementedError, match=r"context_parallel_size.*2"):
-        ps.initialize_model_parallel(tensor_model_parallel_size=2, context_parallel_size=2)
+    ps.initialize_model_parallel(tensor_model_parallel_size=2, context_parallel_size=2)
+    rank = torch.distributed.get_rank()
+    # [PP, DP, CP, TP] at world 4: TP pairs {0,1}, {2,3}; CP pairs {0,2}, {1,3}.
+    assert ps.get_context_model_parallel_size() == 2
+    assert ps.get_context_model_parallel_rank() == rank // 2
+    cp_ranks = torch.distributed.get_process_group_ranks(ps.get_context_model_parallel_group())
+    assert cp_ranks == [rank % 2, rank % 2 + 2], cp_ranks
+    ps.destroy_model_parallel()
     with pytest.raises(NotImplementedError, match=r"expert_model_parallel_size.*4"):
         ps.initialize_model_parallel(expert_model_parallel_size=4)
     assert not ps.model_parallel_is_initialized()
@@ -134,7 +141,7 @@ def check_logger() -> None:
 def parallel_state_suite() -> list[str]:
     return run_named_checks(
         {
-            "CP/EP > 1 refused": check_unsupported_degrees,
+            "CP=2 groups, EP > 1 refused": check_context_parallel_and_unsupported_ep,
             "KV-shared groups at TP=4": check_kv_groups,
             "replica groups and getters at TP=2 x PP=2": check_replica_groups_and_getters,
             "pipeline.comm send/recv_from": check_pipeline_comm,
