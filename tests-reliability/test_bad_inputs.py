@@ -82,7 +82,12 @@ CASES: list[tuple[str, Callable[[str], Any], type[BaseException], tuple[str, ...
     ("tp-not-dividing-world", lambda d: _layout(8, 3, 1), ValueError, ("3", "world_size(8)")),
     ("pp-not-dividing", lambda d: _layout(8, 2, 3), ValueError, ("3", "divide")),
     ("tp-zero", lambda d: _layout(8, 0, 1), ValueError, ("0",)),
-    ("cp-degree", lambda d: _init_mp(context_parallel_size=2), NotImplementedError, ("2",)),
+    (
+        "cp-not-dividing-world",
+        lambda d: _init_mp(context_parallel_size=3),
+        ValueError,
+        ("context_parallel_size(3)", "does not divide"),
+    ),
     ("ep-degree", lambda d: _init_mp(expert_model_parallel_size=2), NotImplementedError, ("2",)),
     ("lnc-size", lambda d: _init_mp(lnc_size=0), ValueError, ("lnc_size", "0")),
     ("cfg-tp-world", lambda d: _cfg(tensor_parallel_size=3), ValueError, ("3", "world")),
