@@ -49,6 +49,13 @@ def tensor_parallel_parameters(module: nn.Module) -> list[str]:
 def check_plain_module(module: nn.Module, tensor_parallel: int, pipeline_parallel: int) -> None:
     """Refuse the degrees a plain LightningModule cannot honour (module docstring)."""
     name = type(module).__qualname__
+    state = nxd_state.get_parallel_state() if nxd_state.model_parallel_is_initialized() else None
+    if state is not None and state.context_parallel_size > 1:
+        raise ValueError(
+            f"context_parallel_size={state.context_parallel_size} with {name}, a plain "
+            f"LightningModule: its batches are not split over the sequence and its gradients are "
+            f"averaged over data parallelism only. Expected context_parallel_size=1"
+        )
     if pipeline_parallel > 1:
         raise ValueError(
             f"pipeline_parallel_size={pipeline_parallel} with {name}, a plain LightningModule: "
