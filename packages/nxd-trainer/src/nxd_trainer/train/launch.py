@@ -19,7 +19,7 @@ import uuid
 
 from nxd_trainer.train.config import TrainConfig
 
-__all__ = ["launch", "torchrun_args", "under_torchrun"]
+__all__ = ["WORKER_BOOT", "launch", "torchrun_args", "under_torchrun", "worker_command"]
 
 EXIT_INTERRUPTED = 130
 EXIT_BAD_INPUT = 2
@@ -50,6 +50,29 @@ def torchrun_args(cfg: TrainConfig, argv: list[str]) -> list[str]:
     return [*args, "--module", "nxd_trainer.train", *argv]
 
 
+# What each worker runs: ``python -u -c WORKER_BOOT <arguments>``. Before anything is
+# imported, Ctrl-C or SIGTERM ends the worker quietly with 130 (its launcher says it in one
+# line); ``python -m nxd_trainer.train`` would import the ``nxd_trainer`` package (torch) with
+# Python's default handler, whose KeyboardInterrupt prints a traceback. ``cli.main`` installs
+# the real handlers once it runs.
+WORKER_BOOT = (
+    "import os, runpy, signal\n"
+    "def _quiet(signum, frame):\n"
+    f"    os._exit({EXIT_INTERRUPTED})\n"
+    "signal.signal(signal.SIGINT, _quiet)\n"
+    "signal.signal(signal.SIGTERM, _quiet)\n"
+    "runpy.run_module('nxd_trainer.train', run_name='__main__', alter_sys=True)\n"
+)
+
+
+def worker_command(cmd_args: list[str]) -> list[str]:
+    """torchrun's ``-u -m nxd_trainer.train ARGS`` as ``-u -c WORKER_BOOT ARGS``."""
+    head = ["-u", "-m", "nxd_trainer.train"]
+    if cmd_args[: len(head)] != head:
+        raise AssertionError(f"unexpected worker command from torchrun: {cmd_args}")
+    return ["-u", "-c", WORKER_BOOT, *cmd_args[len(head) :]]
+
+
 def _quiet_elastic() -> None:
     """The agent logs every worker exit as a warning and failures with a report; the launcher
     says what happened in one line instead."""
@@ -72,7 +95,7 @@ def launch(cfg: TrainConfig, argv: list[str]) -> int:
     config, cmd, cmd_args = config_from_args(parsed)
     _quiet_elastic()
     try:
-        elastic_launch(config, cmd)(*cmd_args)
+        elastic_launch(config, cmd)(*worker_command(cmd_args))
     except ChildFailedError as error:
         codes = sorted({f.exitcode for f in error.failures.values()})
         if EXIT_INTERRUPTED in codes:  # the others stopped because of it
