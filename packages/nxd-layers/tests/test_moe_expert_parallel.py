@@ -1,0 +1,124 @@
+"""Expert parallelism: the tiny MoE block at EP=2 and EP=4 (gloo) equals the one-process block.
+
+Each rank routes its own slice of the batch (batch-first, split over the batch dimension, so
+the ranks' tokens concatenated in EP-rank order are the one-process batch). Compared on every
+rank: outputs, the load-balancing and z losses (over the EP group), the input gradient, every
+expert weight's gradient (gathered over EP) and the router's gradient (summed over EP: each
+rank's loss holds its own tokens, the one-process loss all of them).
+
+Tolerance: float64 everywhere; the parallel run computes the same products, only summed in
+another order (the loss statistics summed per rank then all-reduced; bmm over a different
+number of padded rows), so results agree to a few ulps of float64: 1e-10 is far above that
+and far below any real mistake (a wrong or dropped token moves values by ~1e-1).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import nxd_state as ps
+from nxd_layers.moe import load_balancing_loss_func, router_z_loss_func
+from nxd_state import collectives
+from nxd_state.testing import load_sibling, run_distributed
+
+M = load_sibling(__file__, "_moe")
+TOL = {"rtol": 1e-10, "atol": 1e-10}  # float64, reordered sums only: see the module docstring
+BATCH_PER_RANK, SEQ = 2, 3
+
+
+def _losses(moe, x, g, group):  # type: ignore[no-untyped-def]
+    out, logits = moe(x)
+    aux = load_balancing_loss_func(logits, M.EXPERTS, M.TOP_K, group=group)
+    z = router_z_loss_func(logits, group=group)
+    return out, aux, z
+
+
+def ep_parity(ep: int, capacity_factor: float | None, act_fn: str, normalize: bool) -> int:
+    """Runs on each of ``ep`` ranks; asserts parity, returns this rank's dropped count."""
+    gen = torch.Generator().manual_seed(7)
+    x_full = torch.randn(ep * BATCH_PER_RANK, SEQ, M.HIDDEN, dtype=torch.float64, generator=gen)
+    g_full = torch.randn(x_full.shape, dtype=torch.float64, generator=gen)
+
+    # One process, the whole batch (built before any parallel state: no EP group).
+    ref = M.tiny_moe(capacity_factor, act_fn=act_fn, normalize=normalize)
+    x_ref = x_full.clone().requires_grad_()
+    out_ref, aux_ref, z_ref = _losses(ref, x_ref, g_full, None)
+    ((out_ref * g_full).sum() + aux_ref + 0.1 * z_ref).backward()
+
+    ps.initialize_model_parallel(expert_model_parallel_size=ep)
+    group = ps.get_expert_model_parallel_group()
+    rank = ps.get_expert_model_parallel_rank()
+    moe = M.tiny_moe(capacity_factor, act_fn=act_fn, normalize=normalize)
+    experts = moe.expert_mlps
+    local = M.EXPERTS // ep
+    mine = slice(rank * local, (rank + 1) * local)
+    # Weights drawn full from the seed and sliced: EP builds the EP=1 layer.
+    torch.testing.assert_close(
+        experts.gate_up_proj.weight, ref.expert_mlps.gate_up_proj.weight[mine]
+    )
+    rows = slice(rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK)
+    x = x_full[rows].clone().requires_grad_()
+    out, aux, z = _losses(moe, x, g_full[rows], group)
+    # Every rank's loss holds its tokens and 1/ep of the (global, identical) auxiliary losses.
+    ((out * g_full[rows]).sum() + (aux + 0.1 * z) / ep).backward()
+
+    torch.testing.assert_close(out, out_ref[rows], **TOL)
+    torch.testing.assert_close(aux, aux_ref, **TOL)
+    torch.testing.assert_close(z, z_ref, **TOL)
+    torch.testing.assert_close(x.grad, x_ref.grad[rows], **TOL)
+    for name in ("gate_up_proj", "down_proj"):
+        grad = getattr(experts, name).weight.grad
+        full = collectives.all_gather(grad, group, dim=0)
+        torch.testing.assert_close(full, getattr(ref.expert_mlps, name).weight.grad, **TOL)
+    router_grad = collectives.all_reduce(moe.router.linear_router.weight.grad.clone(), group)
+    torch.testing.assert_close(router_grad, ref.router.linear_router.weight.grad, **TOL)
+    dropped = torch.tensor([experts.last_dropped])
+    collectives.all_reduce(dropped, group)
+    assert int(dropped) == ref.expert_mlps.last_dropped
+    ps.destroy_model_parallel()
+    return experts.last_dropped
+
+
+@pytest.mark.parametrize(
+    ("ep", "capacity_factor", "act_fn", "normalize"),
+    [
+        (2, None, "softmax", False),
+        (2, 1.0, "softmax", False),
+        (2, 0.75, "sigmoid", True),
+        (4, None, "softmax", False),
+        (4, 1.0, "softmax", False),
+    ],
+)
+def test_expert_parallel_equals_one_process(
+    ep: int, capacity_factor: float | None, act_fn: str, normalize: bool
+) -> None:
+    dropped = run_distributed(ep_parity, ep, ep, capacity_factor, act_fn, normalize)
+    if capacity_factor is None:
+        assert dropped == [0] * ep
+    else:  # the capacity really binds, so the global tie order is exercised
+        assert sum(dropped) > 0
+
+
+def ep_ties(ep: int) -> tuple[list[list[int]], int, bool]:
+    """All logits equal: every token picks experts 0 and 1; capacity keeps the first tokens of
+    the EP group's batch (rank 0's), whatever rank computes them."""
+    ps.initialize_model_parallel(expert_model_parallel_size=ep)
+    moe = M.tiny_moe(1.0)
+    moe.is_test = True
+    torch.nn.init.zeros_(moe.router.linear_router.weight)
+    x = torch.randn(4, M.HIDDEN, dtype=torch.float64)
+    out, _, index = moe(x)
+    kept_rows = bool(torch.all(out.abs().sum(1) > 0))
+    ps.destroy_model_parallel()
+    return index.tolist(), moe.expert_mlps.last_dropped, kept_rows
+
+
+def test_ties_are_broken_by_global_token_order() -> None:
+    # 8 tokens over 2 ranks, capacity ceil(8 * 2 * 1.0 / 4) = 4 per expert: experts 0 and 1
+    # each take the 4 tokens of rank 0; rank 1's 8 assignments are all dropped.
+    (index0, dropped0, kept0), (index1, dropped1, kept1) = run_distributed(ep_ties, 2, 2)
+    assert index0 == index1 == [[0, 1]] * 4
+    assert (dropped0, kept0) == (0, True)
+    assert dropped1 == 8
+    assert not kept1
