@@ -34,8 +34,10 @@ def _losses(moe, x, g, group):  # type: ignore[no-untyped-def]
     return out, aux, z
 
 
-def ep_parity(ep: int, capacity_factor: float | None, act_fn: str, normalize: bool) -> int:
-    """Runs on each of ``ep`` ranks; asserts parity, returns this rank's dropped count."""
+def ep_parity(
+    ep: int, capacity_factor: float | None, act_fn: str, normalize: bool, tp: int = 1
+) -> int:
+    """Runs on each of ``ep * tp`` ranks; asserts parity, returns this rank's dropped count."""
     gen = torch.Generator().manual_seed(7)
     x_full = torch.randn(ep * BATCH_PER_RANK, SEQ, M.HIDDEN, dtype=torch.float64, generator=gen)
     g_full = torch.randn(x_full.shape, dtype=torch.float64, generator=gen)
@@ -46,16 +48,25 @@ def ep_parity(ep: int, capacity_factor: float | None, act_fn: str, normalize: bo
     out_ref, aux_ref, z_ref = _losses(ref, x_ref, g_full, None)
     ((out_ref * g_full).sum() + aux_ref + 0.1 * z_ref).backward()
 
-    ps.initialize_model_parallel(expert_model_parallel_size=ep)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
     group = ps.get_expert_model_parallel_group()
     rank = ps.get_expert_model_parallel_rank()
     moe = M.tiny_moe(capacity_factor, act_fn=act_fn, normalize=normalize)
     experts = moe.expert_mlps
     local = M.EXPERTS // ep
     mine = slice(rank * local, (rank + 1) * local)
-    # Weights drawn full from the seed and sliced: EP builds the EP=1 layer.
+    # TP rank t holds intermediate columns t of the gate and of the up projection, rows t of
+    # the down projection.
+    t, width = ps.get_tensor_model_parallel_rank(), M.INTERMEDIATE // tp
+    inner = torch.arange(t * width, (t + 1) * width)
+    tp_slices = {
+        "gate_up_proj": (2, torch.cat([inner, inner + M.INTERMEDIATE])),
+        "down_proj": (1, inner),
+    }
+    # Weights drawn full from the seed and sliced: EP and TP build the one-process layer.
     torch.testing.assert_close(
-        experts.gate_up_proj.weight, ref.expert_mlps.gate_up_proj.weight[mine]
+        experts.gate_up_proj.weight,
+        ref.expert_mlps.gate_up_proj.weight[mine].index_select(2, tp_slices["gate_up_proj"][1]),
     )
     rows = slice(rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK)
     x = x_full[rows].clone().requires_grad_()
@@ -67,10 +78,11 @@ def ep_parity(ep: int, capacity_factor: float | None, act_fn: str, normalize: bo
     torch.testing.assert_close(aux, aux_ref, **TOL)
     torch.testing.assert_close(z, z_ref, **TOL)
     torch.testing.assert_close(x.grad, x_ref.grad[rows], **TOL)
-    for name in ("gate_up_proj", "down_proj"):
+    for name, (dim, index) in tp_slices.items():
         grad = getattr(experts, name).weight.grad
-        full = collectives.all_gather(grad, group, dim=0)
-        torch.testing.assert_close(full, getattr(ref.expert_mlps, name).weight.grad, **TOL)
+        every_expert = collectives.all_gather(grad, group, dim=0)  # this TP rank's shard of each
+        expected = getattr(ref.expert_mlps, name).weight.grad.index_select(dim, index)
+        torch.testing.assert_close(every_expert, expected, **TOL)
     router_grad = collectives.all_reduce(moe.router.linear_router.weight.grad.clone(), group)
     torch.testing.assert_close(router_grad, ref.router.linear_router.weight.grad, **TOL)
     dropped = torch.tensor([experts.last_dropped])
@@ -98,6 +110,14 @@ def test_expert_parallel_equals_one_process(
         assert dropped == [0] * ep
     else:  # the capacity really binds, so the global tie order is exercised
         assert sum(dropped) > 0
+
+
+def test_tensor_parallel_inside_experts_with_ep() -> None:
+    """TP2 x EP2 on 4 ranks (EP groups [0, 2], [1, 3]): each TP rank a partial sum of every
+    expert, capacity mode."""
+    dropped = run_distributed(ep_parity, 4, 2, 1.0, "softmax", False, 2)
+    assert dropped[0] == dropped[1]  # the two TP ranks of one DP rank route alike
+    assert sum(dropped) > 0
 
 
 def ep_ties(ep: int) -> tuple[list[list[int]], int, bool]:

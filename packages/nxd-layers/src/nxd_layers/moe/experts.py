@@ -11,7 +11,14 @@ and sliced, so any EP degree builds the EP=1 layer. A forward pass plans the dis
 (:mod:`~nxd_layers.moe.dispatch`), sends each kept assignment's row to the rank of its expert
 (all-to-all), runs the local experts as one ``torch.bmm`` over ``(E/ep, M, H)`` (rows padded
 to the busiest local expert's ``M``), sends the results back (all-to-all) and combines them.
-Experts are replicated over tensor parallelism (not split).
+Tensor parallelism inside each expert (Megatron's MLP split): TP rank ``t`` holds columns
+``t`` of ``G_e`` and ``U_e`` (``I / tp`` each, ``gate_up_proj.weight`` ``(E/ep, H, 2I/tp)``,
+``partition_dim=2``, ``partition_stride=2``) and the matching rows of ``D_e`` (``(E/ep, I/tp,
+H)``, ``partition_dim=1``), so each TP rank computes a partial sum of every expert's output:
+the tokens and affinities enter through ``copy_to_tensor_model_parallel_region`` (gradients
+summed over TP) and the combined output leaves through
+``reduce_from_tensor_model_parallel_region`` (one all-reduce per layer, after the combine).
+Every TP rank routes the same tokens the same way.
 """
 
 from __future__ import annotations
@@ -21,10 +28,20 @@ from collections.abc import Callable
 import torch
 from torch.distributed import ProcessGroup
 
+from nxd_layers._attributes import set_tensor_model_parallel_attributes
+from nxd_layers.mappings import (
+    copy_to_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+)
 from nxd_layers.moe._comm import all_to_all_rows, group_size
 from nxd_layers.moe.dispatch import DispatchPlan, plan_dispatch
 from nxd_layers.moe.model_utils import ACT2FN, MoESequenceParallelMode
-from nxd_state import collectives, get_expert_model_parallel_group, model_parallel_is_initialized
+from nxd_state import (
+    collectives,
+    get_expert_model_parallel_group,
+    get_tensor_model_parallel_group,
+    model_parallel_is_initialized,
+)
 
 __all__ = ["ExpertMLPs", "ExpertMLPsCapacityFactor", "resolve_expert_parallel_group"]
 
@@ -37,6 +54,17 @@ def resolve_expert_parallel_group(group: ProcessGroup | None) -> ProcessGroup | 
         return group
     if model_parallel_is_initialized():
         found = get_expert_model_parallel_group()
+        assert isinstance(found, ProcessGroup)
+        return found
+    return None
+
+
+def resolve_tensor_parallel_group(group: ProcessGroup | None) -> ProcessGroup | None:
+    """``group``, else the current state's TP group, else ``None`` (no tensor parallelism)."""
+    if group is not None:
+        return group
+    if model_parallel_is_initialized():
+        found = get_tensor_model_parallel_group()
         assert isinstance(found, ProcessGroup)
         return found
     return None
@@ -71,6 +99,7 @@ class ExpertMLPs(torch.nn.Module):
         sequence_parallel_mode: str | MoESequenceParallelMode = MoESequenceParallelMode.NO_SP,
         permute_strategy: str = "matmul",
         expert_model_parallel_group: ProcessGroup | None = None,
+        tensor_model_parallel_group: ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         if not 0 < top_k <= num_experts:
@@ -109,26 +138,43 @@ class ExpertMLPs(torch.nn.Module):
         self.expert_model_parallel_rank = 0 if ep == 1 else collectives.group_rank(self.group)
         self.last_dropped = 0
         """Assignments this rank dropped for capacity in the last forward pass."""
-        up = (2 if glu_mlp else 1) * intermediate_size
+        self.tp_group = resolve_tensor_parallel_group(tensor_model_parallel_group)
+        tp = group_size(self.tp_group)
+        if intermediate_size % tp != 0:
+            raise ValueError(
+                f"intermediate_size({intermediate_size}) is not divisible by "
+                f"tensor_parallel_size({tp})"
+            )
+        tp_rank = 0 if tp == 1 else collectives.group_rank(self.tp_group)
+        width = intermediate_size // tp
+        columns = torch.arange(tp_rank * width, (tp_rank + 1) * width, device=device)
+        if glu_mlp:  # this rank's gate columns, then its up columns (stride 2)
+            columns = torch.cat([columns, columns + intermediate_size])
         mine = slice(
             self.expert_model_parallel_rank * self.num_local_experts,
             (self.expert_model_parallel_rank + 1) * self.num_local_experts,
         )
+        up = (2 if glu_mlp else 1) * intermediate_size
+        full = torch.empty((num_experts, hidden_size, up), dtype=dtype, device=device)
+        init_method(full)
         self.gate_up_proj = torch.nn.Module()
+        self.gate_up_proj.weight = torch.nn.Parameter(full[mine][:, :, columns].clone())
+        full = torch.empty(
+            (num_experts, intermediate_size, hidden_size), dtype=dtype, device=device
+        )
+        output_layer_init_method(full)
         self.down_proj = torch.nn.Module()
-        for owner, shape, init in (
-            (self.gate_up_proj, (num_experts, hidden_size, up), init_method),
-            (
-                self.down_proj,
-                (num_experts, intermediate_size, hidden_size),
-                output_layer_init_method,
-            ),
+        self.down_proj.weight = torch.nn.Parameter(
+            full[mine][:, tp_rank * width : (tp_rank + 1) * width].clone()
+        )
+        for param, dim, stride in (
+            (self.gate_up_proj.weight, 2, 2 if glu_mlp else 1),
+            (self.down_proj.weight, 1, 1),
         ):
-            full = torch.empty(shape, dtype=dtype, device=device)
-            init(full)
-            param = torch.nn.Parameter(full[mine].clone())
             _mark_expert_parallel(param, ep)
-            owner.weight = param
+            set_tensor_model_parallel_attributes(
+                param, tp > 1, dim if tp > 1 else -1, stride if tp > 1 else 1
+            )
 
     # Compute -------------------------------------------------------------------------------
     def mlp_op(self, x: torch.Tensor) -> torch.Tensor:
@@ -182,6 +228,12 @@ class ExpertMLPs(torch.nn.Module):
         del seq_len
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])  # (T, H)
+        tp = group_size(self.tp_group)
+        if tp > 1:  # each TP rank computes a partial sum: their gradients add up over TP
+            x = copy_to_tensor_model_parallel_region(x, self.tp_group)
+            expert_affinities = copy_to_tensor_model_parallel_region(
+                expert_affinities, self.tp_group
+            )
         plan = plan_dispatch(expert_index, self.num_experts, self.capacity_factor, self.group)
         self.last_dropped = plan.dropped
         token = plan.order // self.top_k  # (N,) token of each kept assignment
@@ -190,6 +242,8 @@ class ExpertMLPs(torch.nn.Module):
         back = all_to_all_rows(done, self.group, plan.recv_counts, plan.send_counts)  # (N, H)
         weight = self.combine_weights(expert_affinities, expert_index, plan)  # (N,)
         out = x.new_zeros(x.shape).index_add(0, token, back * weight.unsqueeze(1).to(back.dtype))
+        if tp > 1:
+            out = reduce_from_tensor_model_parallel_region(out, self.tp_group)
         return out.view(shape)
 
 
@@ -216,6 +270,7 @@ class ExpertMLPsCapacityFactor(ExpertMLPs):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         expert_model_parallel_group: ProcessGroup | None = None,
+        tensor_model_parallel_group: ProcessGroup | None = None,
     ) -> None:
         super().__init__(
             num_experts=num_experts,
@@ -234,4 +289,5 @@ class ExpertMLPsCapacityFactor(ExpertMLPs):
             sequence_parallel_mode=sequence_parallel_mode,
             permute_strategy=permute_strategy,
             expert_model_parallel_group=expert_model_parallel_group,
+            tensor_model_parallel_group=tensor_model_parallel_group,
         )
