@@ -139,13 +139,10 @@ def test_out_of_range_rank_and_coordinates() -> None:
         layout.rank_of(pp=0, dp=0, tp=2)
 
 
-# CP and EP: degree 1 only --------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["expert_model_parallel_size"])
-def test_expert_degree_above_one_is_not_implemented(name: str) -> None:
-    with pytest.raises(NotImplementedError, match=rf"{name}=2: nxd does not support"):
-        ParallelLayout(world_size=4, **{name: 2})
-    with pytest.raises(ValueError, match=rf"{name} must be a positive integer, got 0"):
-        ParallelLayout(world_size=4, **{name: 0})
+# CP and EP at degree 1 (EP above 1: tests/test_expert_parallel_layout.py) --------------------
+def test_expert_degree_must_be_positive() -> None:
+    with pytest.raises(ValueError, match=r"expert_model_parallel_size must be a positive integer"):
+        ParallelLayout(world_size=4, expert_model_parallel_size=0)
 
 
 def test_context_and_expert_groups_at_degree_one() -> None:

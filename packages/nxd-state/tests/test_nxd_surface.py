@@ -1,5 +1,6 @@
 """NxD's wider parallel_state surface on 4 and 8 gloo ranks: replica groups, the CP and EP
-getters at degree 1, initialize_model_parallel's NxD arguments, and the refusal of CP/EP > 1."""
+getters at degree 1, initialize_model_parallel's NxD arguments, and the refusal of bad
+CP/EP degrees."""
 
 import pytest
 import torch
@@ -103,8 +104,8 @@ def initialize_and_capture(**kwargs: object) -> tuple[str, str, bool]:
         ),
         (
             {"expert_model_parallel_size": 4},
-            "NotImplementedError",
-            "expert_model_parallel_size=4: nxd does not support expert parallelism",
+            "ValueError",
+            "expert_model_parallel_size(4) does not divide data_parallel_size(2)",
         ),
         ({"lnc_size": 0}, "ValueError", "lnc_size must be a positive integer, got 0"),
         (

@@ -1,1 +1,1 @@
-"""NxD's ``neuronx_distributed.modules``: ``qkv_linear`` and ``lora``."""
+"""NxD's ``neuronx_distributed.modules``: ``qkv_linear``, ``lora`` and ``moe``."""

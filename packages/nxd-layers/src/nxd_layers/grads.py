@@ -16,6 +16,12 @@ Which groups are reduced over (NxD's rules, with nxd's explicit groups on top):
   NxD's replica groups (``get_data_parallel_group(as_list=True)``) or a ProcessGroup;
 * any of ``tensor_parallel_group`` / ``pipeline_parallel_group`` / ``data_parallel_group``:
   exactly the groups passed (TP still defaults to the current state's).
+
+Expert parallelism: parameters marked ``expert_model_parallel`` (the experts of
+:mod:`nxd_layers.moe`) hold disjoint experts on the ranks of the EP group, so when the current
+state has EP > 1 their share of ``||g||_p^p`` is first summed (max for inf) over the EP group,
+then added to the rest. Under ZeRO-1 arguments such parameters are refused (no EP-aware
+ZeRO-1 yet).
 """
 
 from __future__ import annotations
@@ -274,11 +280,35 @@ def get_grad_norm(
     tp_rank = collectives.group_rank(tp_group) if tp_group is not None else 0
     tp_size = collectives.group_size(tp_group) if tp_group is not None else 1
     device = params[0].grad.device if params else torch.device("cpu")
-    total = _local_norm_power(params, p, tp_rank, tp_size, force_spmd, device)
     op = ReduceOp.MAX if p == math.inf else ReduceOp.SUM
+    ep_group = _expert_parallel_group(zero1_optimizer or zero1_optimizer_groups is not None)
+    if ep_group is None:
+        total = _local_norm_power(params, p, tp_rank, tp_size, force_spmd, device)
+    else:
+        experts = [q for q in params if getattr(q, "expert_model_parallel", False)]
+        others = [q for q in params if not getattr(q, "expert_model_parallel", False)]
+        total = _local_norm_power(others, p, tp_rank, tp_size, force_spmd, device)
+        expert_total = _local_norm_power(experts, p, tp_rank, tp_size, force_spmd, device)
+        collectives.all_reduce(expert_total, group=ep_group, op=op)
+        total = torch.maximum(total, expert_total) if p == math.inf else total + expert_total
     for group in plan.groups:
         collectives.all_reduce(total, group=group, op=op)
     return total if p == math.inf else total.pow(1.0 / p)
+
+
+def _expert_parallel_group(zero1: bool) -> ProcessGroup | None:
+    """The current state's EP group when EP > 1, else None; ZeRO-1 with EP > 1 is refused."""
+    if not model_parallel_is_initialized():
+        return None
+    state = get_parallel_state()
+    if state.expert_model_parallel_size == 1:
+        return None
+    if zero1:
+        raise NotImplementedError(
+            f"gradient norm under ZeRO-1 with expert_model_parallel_size="
+            f"{state.expert_model_parallel_size}: nxd has no EP-aware ZeRO-1 yet"
+        )
+    return state.expert_model_parallel_group
 
 
 def clip_grads_with_norm(
@@ -383,13 +413,19 @@ def bucket_allreduce_gradients(
     """g <- mean over the data-parallel group of g, in buckets (NxD's DP gradient sync).
 
     Buckets hold at most ``ALLREDUCE_BUCKET_CAP_MB`` (env, default 512) MB of one dtype, in
-    reverse order (last layers first). ``reduce_over_ep_group`` is the expert-parallel pass of
-    NxD; expert parallelism is 1 here, so that pass has nothing to reduce.
+    reverse order (last layers first). As in NxD, the caller passes the non-expert gradients
+    (averaged over DP x CP) and, separately with ``reduce_over_ep_group=True``, the expert
+    gradients, averaged over the expert-DP group (the ranks holding the same experts; DP x CP
+    when EP = 1).
     """
-    if reduce_over_ep_group:
-        return
     cap = int(os.environ.get("ALLREDUCE_BUCKET_CAP_MB", _BUCKET_CAP_MB)) * 2**20
-    group = get_parallel_state().data_context_parallel_group  # DP x CP: CP ranks are replicas
+    state = get_parallel_state()
+    # DP x CP: CP ranks are replicas; experts: the ranks holding the same experts.
+    group = (
+        state.expert_data_parallel_group
+        if reduce_over_ep_group
+        else state.data_context_parallel_group
+    )
     collectives.all_reduce_bucketed(
         list(reversed(list(grads_list))), group, average=True, bucket_cap_bytes=cap
     )

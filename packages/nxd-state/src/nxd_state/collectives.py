@@ -70,6 +70,7 @@ __all__ = [
     "all_reduce",
     "all_reduce_bucketed",
     "all_to_all",
+    "all_to_all_uneven",
     "barrier",
     "batch_send_recv",
     "broadcast",
@@ -327,6 +328,87 @@ def all_to_all(
     with _staged(group, rows, inplace=False) as (send,):
         received = _all_to_all_rows(send, group, payload)
     return _concat_rows(received.to(tensor.device), gather_dim)
+
+
+@checked("all_to_all", 1)
+def all_to_all_uneven(
+    tensor: torch.Tensor,
+    group: Group = None,
+    *,
+    send_counts: Sequence[int],
+    recv_counts: Sequence[int],
+) -> torch.Tensor:
+    """All-to-all of uneven row blocks along dim 0 (``all_to_all_v``).
+
+    ``tensor`` is ``cat(X_0, ..., X_{n-1})`` with ``X_j`` (``send_counts[j]`` rows) for group
+    rank ``j``; the result is ``cat(Y_0, ..., Y_{n-1})`` with ``Y_j`` (``recv_counts[j]``
+    rows) the block rank ``j`` sent here. Counts must agree between ranks (rank ``i``'s
+    ``send_counts[j]`` is rank ``j``'s ``recv_counts[i]``), as the MoE dispatch ensures by
+    exchanging them first. Counted as ``all_to_all``: payload ``B``, wire bytes what leaves
+    this rank (the rows sent to other ranks).
+    """
+    n = group_size(group)
+    send_counts, recv_counts = [int(c) for c in send_counts], [int(c) for c in recv_counts]
+    if len(send_counts) != n or len(recv_counts) != n:
+        raise ValueError(
+            f"all_to_all_uneven: {len(send_counts)} send counts and {len(recv_counts)} receive "
+            f"counts for a group of {n} ranks (one count per rank expected)"
+        )
+    if sum(send_counts) != tensor.shape[0]:
+        raise ValueError(
+            f"all_to_all_uneven: send counts sum to {sum(send_counts)} but the tensor has "
+            f"{tensor.shape[0]} rows"
+        )
+    if n == 1:
+        return tensor
+    row = nbytes(tensor) // max(tensor.shape[0], 1)
+    me = group_rank(group)
+    record("all_to_all", group, nbytes(tensor), row * (sum(send_counts) - send_counts[me]))
+    with _staged(group, tensor.contiguous(), inplace=False) as (send,):
+        received = send.new_empty((sum(recv_counts), *send.shape[1:]))
+        backend = _backend_name(group)
+        if backend not in _NO_NATIVE_ALL_TO_ALL:
+            try:
+                dist.all_to_all_single(
+                    received,
+                    send,
+                    output_split_sizes=recv_counts,
+                    input_split_sizes=send_counts,
+                    group=group,
+                )
+            except RuntimeError as error:  # raised by the backend before any traffic
+                if not _is_unsupported(error):
+                    raise
+                _NO_NATIVE_ALL_TO_ALL.add(backend)
+            else:
+                return received.to(tensor.device)
+        _all_to_all_uneven_pairwise(received, send, group, send_counts, recv_counts)
+    return received.to(tensor.device)
+
+
+def _all_to_all_uneven_pairwise(
+    received: torch.Tensor,
+    send: torch.Tensor,
+    group: Group,
+    send_counts: list[int],
+    recv_counts: list[int],
+) -> None:
+    """:func:`all_to_all_uneven` as one send and one receive per peer (empty blocks skipped)."""
+    me = group_rank(group)
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.GroupMember.WORLD)
+    sends, recvs = send.split(send_counts), received.split(recv_counts)
+    recvs[me].copy_(sends[me])
+    ops = []
+    for peer, peer_rank in enumerate(ranks):
+        if peer == me:
+            continue
+        if send_counts[peer]:
+            ops.append(dist.P2POp(dist.isend, sends[peer].contiguous(), peer_rank, group))
+        if recv_counts[peer]:
+            ops.append(dist.P2POp(dist.irecv, recvs[peer], peer_rank, group))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
 
 
 def _all_to_all_rows(send: torch.Tensor, group: Group, payload: int) -> torch.Tensor:

@@ -15,10 +15,13 @@ sequence; their gradients are partial sums over the sequence, so gradients are r
 ZeRO-1 shards state) over the *DP x CP* group (:meth:`ParallelLayout.data_context_parallel_
 groups`), while data loaders shard batches over DP alone.
 
-Expert parallelism (EP) is fixed at 1: every rank is its own EP group and the expert
-data-parallel groups are the DP x CP groups (NxD's ``[PP, DP_exp, EP, TP]`` view with
-``EP = 1``); an EP degree above 1 is refused when the layout is made. An EP dimension would
-split the DP x CP ranks of one TP/PP position (see :meth:`ParallelLayout._groups`).
+Expert parallelism (EP) is carved out of data parallelism, as in NxD and Megatron: the DP
+coordinate splits as ``dp = dp_exp * EP + ep_rank``, so an EP group is ``EP`` consecutive DP
+ranks (same ``pp``, ``cp``, ``tp``), each holding ``E / EP`` of a MoE layer's experts. The
+ranks holding the *same* experts (same ``pp``, ``tp``, ``ep_rank``; any ``dp_exp`` and ``cp``)
+form the expert data-parallel group of size ``DP / EP * CP``: expert gradients are averaged
+there, every other gradient over DP x CP. With ``EP = 1`` each rank is its own EP group and
+the expert DP groups are the DP x CP groups. ``EP`` must divide ``DP``.
 """
 
 from __future__ import annotations
@@ -28,29 +31,12 @@ from typing import NamedTuple
 
 __all__ = ["ParallelLayout", "RankCoordinates"]
 
-_UNSUPPORTED = {
-    "expert_model_parallel_size": (
-        "expert parallelism (EP > 1: MoE experts split over ranks)",
-        "experts of a MoE layer can be tensor-parallel like any other linear layer",
-    ),
-}
-
 
 def check_positive_int(name: str, value: object) -> int:
     """``value`` if it is an int >= 1 (bools refused), else a ValueError naming ``name``."""
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return value
-
-
-def check_unsupported_degree(name: str, value: object) -> None:
-    """Refuse an EP degree other than 1 (``name`` is NxD's keyword)."""
-    check_positive_int(name, value)
-    if value != 1:
-        what, instead = _UNSUPPORTED[name]
-        raise NotImplementedError(
-            f"{name}={value}: nxd does not support {what}; use {name}=1 ({instead})"
-        )
 
 
 class RankCoordinates(NamedTuple):
@@ -76,13 +62,13 @@ class ParallelLayout:
     context_parallel_size: int = 1
     """Ranks that split each sequence (CP), between DP and TP in the rank order."""
     expert_model_parallel_size: int = 1
-    """Ranks that split the experts of MoE layers (EP); only 1 is supported."""
+    """Ranks that split the experts of MoE layers (EP): consecutive DP ranks; divides DP."""
 
     def __post_init__(self) -> None:
         for name in ("world_size", "tensor_parallel_size", "pipeline_parallel_size"):
             check_positive_int(name, getattr(self, name))
         check_positive_int("context_parallel_size", self.context_parallel_size)
-        check_unsupported_degree("expert_model_parallel_size", self.expert_model_parallel_size)
+        check_positive_int("expert_model_parallel_size", self.expert_model_parallel_size)
         product = self.tensor_parallel_size * self.pipeline_parallel_size
         if self.world_size % (product * self.context_parallel_size) != 0:
             cp = ""
@@ -94,6 +80,14 @@ class ParallelLayout:
                 f"pipeline_parallel_size({self.pipeline_parallel_size}){cp} = {product} "
                 f"does not divide world_size({self.world_size}); choose degrees whose product "
                 f"divides the number of processes"
+            )
+        ep, dp = self.expert_model_parallel_size, self.data_parallel_size
+        if dp % ep != 0:
+            raise ValueError(
+                f"expert_model_parallel_size({ep}) does not divide data_parallel_size({dp}) "
+                f"(world_size({self.world_size}) / (tensor_parallel_size x "
+                f"pipeline_parallel_size x context_parallel_size)): EP groups are carved out "
+                f"of data parallelism"
             )
 
     @property
@@ -191,14 +185,43 @@ class ParallelLayout:
             for i in range(len(group))
         ]
 
+    @property
+    def expert_data_parallel_size(self) -> int:
+        """DP / EP * CP: the ranks holding the same experts (they average expert gradients)."""
+        return self.data_context_parallel_size // self.expert_model_parallel_size
+
+    def expert_model_parallel_rank(self, rank: int) -> int:
+        """Position of ``rank`` in its EP group: ``dp mod EP`` (which slice of experts)."""
+        return self.coordinates(rank).dp % self.expert_model_parallel_size
+
+    def expert_data_parallel_rank(self, rank: int) -> int:
+        """Position of ``rank`` in its expert DP group: ``(dp // EP) * CP + cp``."""
+        c = self.coordinates(rank)
+        return (c.dp // self.expert_model_parallel_size) * self.context_parallel_size + c.cp
+
+    def _expert_groups(self, key_of: str) -> list[list[int]]:
+        """Group ranks by ``(pp, tp, cp, dp // EP)`` (``key_of="ep"``: the EP groups) or by
+        ``(pp, tp, dp mod EP)`` (``key_of="edp"``: the expert DP groups), in rank order."""
+        ep = self.expert_model_parallel_size
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for rank in range(self.world_size):
+            c = self.coordinates(rank)
+            if key_of == "ep":
+                key: tuple[int, ...] = (c.pp, c.tp, c.cp, c.dp // ep)
+            else:
+                key = (c.pp, c.tp, c.dp % ep)
+            groups.setdefault(key, []).append(rank)
+        return sorted(groups.values())
+
     def expert_model_parallel_groups(self) -> list[list[int]]:
-        """Every EP group: with EP = 1, each rank alone."""
-        return [[rank] for rank in range(self.world_size)]
+        """Every EP group: ``EP`` consecutive DP ranks of one ``(pp, cp, tp)`` position, in EP-rank
+        order (the ranks a MoE layer's all-to-all spans); with EP = 1, each rank alone."""
+        return self._expert_groups("ep")
 
     def expert_data_parallel_groups(self) -> list[list[int]]:
-        """Every expert DP group (ranks holding the same expert shard): with EP = 1, the
-        DP x CP groups (the ranks that average an expert's gradients)."""
-        return self.data_context_parallel_groups()
+        """Every expert DP group: the ranks holding the same experts (same ``pp``, ``tp`` and EP
+        rank), which average those experts' gradients; with EP = 1, the DP x CP groups."""
+        return self._expert_groups("edp")
 
     def kv_shared_groups(
         self, kv_shared_group_size: int, *, sequential_ranks_in_group: bool = False

@@ -13,7 +13,7 @@ import logging
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from nxd_state.layout import check_positive_int, check_unsupported_degree
+from nxd_state.layout import check_positive_int
 from nxd_state.state import KVSharedGroups, ParallelState
 
 __all__ = [
@@ -97,9 +97,10 @@ def initialize_model_parallel(
     As in NxD, a TP or PP degree above the world size is clamped to it. ``context_parallel_size``
     splits each sequence over that many ranks (the CP groups sit between DP and TP in the rank
     order: see :mod:`nxd_state.layout`); TP x PP x CP must divide the world size, and
-    DP = world / (TP x PP x CP). ``expert_model_parallel_size`` must be 1: nxd has no expert
-    parallelism, and a larger value raises :class:`NotImplementedError` on every rank before
-    any group is made. ``skip_collective_init`` (NxD: skip the warm-up all-reduce that
+    DP = world / (TP x PP x CP). ``expert_model_parallel_size`` (EP) splits the experts of MoE
+    layers over ``EP`` consecutive DP ranks; it must divide DP (a ValueError naming both on
+    every rank, before any group is made), and the expert DP degree is DP / EP x CP.
+    ``skip_collective_init`` (NxD: skip the warm-up all-reduce that
     initialises Neuron's collectives runtime) is accepted and changes nothing: no backend nxd
     drives needs a warm-up.
     ``lnc_size`` (NxD: logical NeuronCores per rank, which picks a replica-group order on trn2)
@@ -109,7 +110,7 @@ def initialize_model_parallel(
     (call :func:`destroy_model_parallel` first).
     """
     global _CURRENT
-    check_unsupported_degree("expert_model_parallel_size", expert_model_parallel_size)
+    check_positive_int("expert_model_parallel_size", expert_model_parallel_size)
     check_positive_int("context_parallel_size", context_parallel_size)
     if not isinstance(skip_collective_init, bool):
         raise ValueError(f"skip_collective_init must be a bool, got {skip_collective_init!r}")
@@ -127,21 +128,29 @@ def initialize_model_parallel(
             _CURRENT.tensor_parallel_size,
             _CURRENT.pipeline_parallel_size,
             _CURRENT.context_parallel_size,
+            _CURRENT.expert_model_parallel_size,
         )
-        wanted = (tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size)
+        wanted = (
+            tensor_model_parallel_size,
+            pipeline_model_parallel_size,
+            context_parallel_size,
+            expert_model_parallel_size,
+        )
         if current == wanted:
             return _CURRENT
         raise RuntimeError(
             f"model parallel is already initialized with tensor_model_parallel_size={current[0]}, "
-            f"pipeline_model_parallel_size={current[1]}, context_parallel_size={current[2]}; "
+            f"pipeline_model_parallel_size={current[1]}, context_parallel_size={current[2]}, "
+            f"expert_model_parallel_size={current[3]}; "
             f"cannot re-initialize with tensor_model_parallel_size={wanted[0]}, "
-            f"pipeline_model_parallel_size={wanted[1]}, context_parallel_size={wanted[2]} "
-            f"without destroy_model_parallel() first"
+            f"pipeline_model_parallel_size={wanted[1]}, context_parallel_size={wanted[2]}, "
+            f"expert_model_parallel_size={wanted[3]} without destroy_model_parallel() first"
         )
     _CURRENT = ParallelState.build(
         tensor_model_parallel_size,
         pipeline_model_parallel_size,
         context_parallel_size=context_parallel_size,
+        expert_model_parallel_size=expert_model_parallel_size,
     )
     return _CURRENT
 
@@ -216,23 +225,23 @@ def get_data_context_parallel_size() -> int:
 
 
 def get_expert_model_parallel_size() -> int:
-    """EP degree: always 1 in nxd."""
+    """EP degree: the ranks a MoE layer's experts are split over."""
     return get_parallel_state().expert_model_parallel_size
 
 
 def get_expert_model_parallel_rank() -> int:
-    """Rank in the EP group: always 0 in nxd."""
+    """Rank in the EP group (``dp mod EP``): which slice of the experts this rank holds."""
     return get_parallel_state().expert_model_parallel_rank
 
 
 def get_expert_data_parallel_size() -> int:
-    """Expert DP degree = world / (TP * PP * EP): DP x CP, as EP = 1."""
-    return get_parallel_state().data_context_parallel_size
+    """Expert DP degree = DP / EP x CP: the ranks holding the same experts."""
+    return get_parallel_state().expert_data_parallel_size
 
 
 def get_expert_data_parallel_rank() -> int:
-    state = get_parallel_state()
-    return state.data_context_parallel_ranks.index(state.rank)
+    """Rank in the expert DP group."""
+    return get_parallel_state().expert_data_parallel_rank
 
 
 # Megatron spellings, which NxD code also uses.
@@ -324,18 +333,20 @@ def get_context_model_parallel_group(as_list: bool = False) -> ProcessGroup | Gr
 
 
 def get_expert_model_parallel_group(as_list: bool = False) -> ProcessGroup | Groups:
-    """This rank's EP group (this rank alone), or with ``as_list=True`` every one."""
+    """This rank's EP group (``EP`` consecutive DP ranks), or with ``as_list=True`` every one."""
     if as_list:
         return get_expert_model_parallel_replica_groups()
     return get_parallel_state().expert_model_parallel_group
 
 
 def get_expert_data_parallel_group(as_list: bool = False) -> ProcessGroup | Groups:
-    """This rank's expert DP group (its DP x CP group, as EP = 1), or with ``as_list=True``
-    every one."""
+    """This rank's expert DP group (the ranks holding its experts; DP x CP when EP = 1), or
+    with ``as_list=True`` every one."""
     if as_list:
         return get_expert_data_parallel_replica_groups()
-    return get_data_context_parallel_group()
+    group = get_parallel_state().expert_data_parallel_group
+    assert group is not None  # built by ParallelState.build
+    return group
 
 
 def get_model_parallel_group(as_list: bool = False) -> ProcessGroup | Groups:

@@ -82,8 +82,10 @@ class ParallelState:
     are plain attributes; ``*_groups`` of the layout hold every group of a family as lists of
     global ranks, which is NxD's ``as_list=True`` form and what XLA collectives call replica
     groups. ``data_context_parallel_group`` (DP x CP) is the group that averages gradients and
-    shards ZeRO-1 state; with CP = 1 it is the data-parallel group itself. Expert parallelism
-    has degree 1: its groups hold one rank each.
+    shards ZeRO-1 state; with CP = 1 it is the data-parallel group itself. The EP group is
+    ``EP`` consecutive DP ranks (a MoE layer's all-to-all); the expert DP group holds the
+    ranks with the same experts (expert gradients are averaged there). With EP = 1 the EP
+    group is this rank alone and the expert DP group is the DP x CP group.
     """
 
     layout: ParallelLayout
@@ -104,6 +106,11 @@ class ParallelState:
     data_context_parallel_group: ProcessGroup | None = None
     """DP x CP: the replicas of this rank's TP/PP slice (gradient averaging, ZeRO-1)."""
     data_context_parallel_ranks: list[int] = field(default_factory=list)
+    expert_model_parallel_ranks: list[int] = field(default_factory=list)
+    """Global ranks of this rank's EP group, in EP-rank order."""
+    expert_data_parallel_group: ProcessGroup | None = None
+    """The ranks holding this rank's experts (expert gradient averaging)."""
+    expert_data_parallel_ranks: list[int] = field(default_factory=list)
     kv_shared: KVSharedGroups | None = None
     """The KV-shared groups, once :meth:`initialize_kv_groups` has built them."""
 
@@ -119,7 +126,8 @@ class ParallelState:
         """Create the TP, DP, PP, model-parallel, CP, DP x CP and EP groups of the default process
         group.
 
-        Bad degrees (including EP above 1) raise on every rank before any group exists.
+        Bad degrees (an EP that does not divide DP included) raise on every rank before any
+        group exists.
         """
         if not dist.is_initialized():
             raise RuntimeError(
@@ -144,14 +152,19 @@ class ParallelState:
             dcp, dcp_ranks = dp, dp_ranks
         else:
             dcp, dcp_ranks = _build_family("dp_cp", layout.data_context_parallel_groups(), rank)
-        ep, _ = _build_family("ep", layout.expert_model_parallel_groups(), rank)
+        ep, ep_ranks = _build_family("ep", layout.expert_model_parallel_groups(), rank)
+        if layout.expert_model_parallel_size == 1:
+            edp, edp_ranks = dcp, dcp_ranks
+        else:
+            edp, edp_ranks = _build_family("edp", layout.expert_data_parallel_groups(), rank)
         logger.info(
-            "rank %d: tp=%d pp=%d dp=%d cp=%d at %s",
+            "rank %d: tp=%d pp=%d dp=%d cp=%d ep=%d at %s",
             rank,
             layout.tensor_parallel_size,
             layout.pipeline_parallel_size,
             layout.data_parallel_size,
             layout.context_parallel_size,
+            layout.expert_model_parallel_size,
             layout.coordinates(rank),
         )
         return cls(
@@ -171,6 +184,9 @@ class ParallelState:
             context_parallel_ranks=cp_ranks,
             data_context_parallel_group=dcp,
             data_context_parallel_ranks=dcp_ranks,
+            expert_model_parallel_ranks=ep_ranks,
+            expert_data_parallel_group=edp,
+            expert_data_parallel_ranks=edp_ranks,
         )
 
     # Sizes and ranks ------------------------------------------------------------------
@@ -215,8 +231,16 @@ class ParallelState:
         return self.coordinates.cp
 
     @property
+    def expert_data_parallel_size(self) -> int:
+        return self.layout.expert_data_parallel_size
+
+    @property
     def expert_model_parallel_rank(self) -> int:
-        return 0  # EP = 1
+        return self.layout.expert_model_parallel_rank(self.rank)
+
+    @property
+    def expert_data_parallel_rank(self) -> int:
+        return self.layout.expert_data_parallel_rank(self.rank)
 
     @property
     def is_pipeline_first_stage(self) -> bool:
@@ -294,6 +318,7 @@ class ParallelState:
             self.context_parallel_group,
             self.data_context_parallel_group,
             self.expert_model_parallel_group,
+            self.expert_data_parallel_group,
         }:
             if group is not None and group is not dist.GroupMember.WORLD:
                 _release(group)
