@@ -88,7 +88,12 @@ CASES: list[tuple[str, Callable[[str], Any], type[BaseException], tuple[str, ...
         ValueError,
         ("context_parallel_size(3)", "does not divide"),
     ),
-    ("ep-degree", lambda d: _init_mp(expert_model_parallel_size=2), NotImplementedError, ("2",)),
+    (
+        "ep-not-dividing-dp",
+        lambda d: _init_mp(expert_model_parallel_size=3),
+        ValueError,
+        ("expert_model_parallel_size(3)", "data_parallel_size(2)"),
+    ),
     ("lnc-size", lambda d: _init_mp(lnc_size=0), ValueError, ("lnc_size", "0")),
     ("cfg-tp-world", lambda d: _cfg(tensor_parallel_size=3), ValueError, ("3", "world")),
     (

@@ -2,9 +2,10 @@
 
 One spawn, several NxD-style scripts in sequence:
 
-* NxD's ``context_parallel_size=2`` (with TP=2) builds CP groups its getters report, and an
-  expert parallel size above 1 is refused on every rank with the value named, before any group
-  exists;
+* NxD's ``context_parallel_size=2`` (with TP=2) builds CP groups its getters report;
+  ``expert_model_parallel_size=4`` carves one EP group out of DP=4 (NxD's EP getters report it,
+  the expert-DP group is each rank alone), and an EP that does not divide DP is refused on every
+  rank with both values named, before any group exists; NxD's MoE module runs at EP=4;
 * TP=4: NxD's KV-shared groups (``initialize_kv_group``: interleaved by default, sequential on
   request), their getters and ``destroy_kv_group``; then ``destroy_model_parallel``;
 * TP=2 x PP=2 with NxD's keyword ``context_parallel_size=1, expert_model_parallel_size=1``: the
@@ -37,9 +38,44 @@ def check_context_parallel_and_unsupported_ep() -> None:
     cp_ranks = torch.distributed.get_process_group_ranks(ps.get_context_model_parallel_group())
     assert cp_ranks == [rank % 2, rank % 2 + 2], cp_ranks
     ps.destroy_model_parallel()
-    with pytest.raises(NotImplementedError, match=r"expert_model_parallel_size.*4"):
-        ps.initialize_model_parallel(expert_model_parallel_size=4)
+    ps.initialize_model_parallel(expert_model_parallel_size=4)
+    assert ps.get_expert_model_parallel_size() == 4
+    assert ps.get_expert_model_parallel_rank() == rank
+    assert ps.get_expert_model_parallel_group(as_list=True) == [[0, 1, 2, 3]]
+    assert ps.get_expert_data_parallel_size() == 1
+    _moe_runs_at_ep4()
+    ps.destroy_model_parallel()
+    with pytest.raises(
+        ValueError, match=r"expert_model_parallel_size\(3\).*data_parallel_size\(4\)"
+    ):
+        ps.initialize_model_parallel(expert_model_parallel_size=3)
     assert not ps.model_parallel_is_initialized()
+
+
+def _moe_runs_at_ep4() -> None:
+    """NxD's MoE names import from NxD's paths and route, dispatch and combine at EP=4."""
+    from neuronx_distributed.modules.moe import (
+        MoE,
+        RouterTopK,
+        load_balancing_loss_func,
+    )
+    from neuronx_distributed.modules.moe.expert_mlps import ExpertMLPs
+
+    torch.manual_seed(0)
+    router = RouterTopK(num_experts=4, top_k=2, hidden_size=8)
+    experts = ExpertMLPs(
+        num_experts=4, top_k=2, hidden_size=8, intermediate_size=16,
+        hidden_act="silu", glu_mlp=True, capacity_factor=None,
+    )  # fmt: skip
+    moe = MoE(router=router, expert_mlps=experts, return_router_logits=True)
+    x = torch.randn(3, 2, 8, requires_grad=True)
+    out, logits = moe(x)[:2]
+    assert out.shape == x.shape
+    assert torch.isfinite(out).all()
+    out.sum().backward()
+    assert x.grad is not None
+    assert torch.isfinite(x.grad).all()
+    assert torch.isfinite(load_balancing_loss_func(logits, 4, 2))
 
 
 def check_kv_groups() -> None:
