@@ -9,11 +9,14 @@ import pytest
 from nxd_pipeline import (
     Action,
     ActionKind,
+    ActionTiming,
     PipelineSchedule,
     ScheduleError,
+    Timeline,
     build_schedule,
     dry_run,
     format_grid,
+    format_timeline,
     stage_to_rank,
     validate_schedule,
 )
@@ -234,3 +237,29 @@ def test_bad_schedule_arguments_fail_early() -> None:
     with pytest.raises(ValueError, match=r"num_microbatches must be a positive int, got 0"):
         build_schedule("1f1b", 2, 0)
     assert build_schedule("Interleaved", 2, 4, 2).name == "interleaved_1f1b"
+
+
+def test_timeline_grid_prints_real_times_per_slot() -> None:
+    # Slot = half the median compute (1 s here): a cell names the compute filling most of
+    # the slot; communication, waiting and a compute covering under half a slot show as idle.
+    rank0 = Timeline(
+        entries=[
+            ActionTiming("0F0", True, 10.0, 12.0),
+            ActionTiming("0SEND_F0", False, 12.0, 12.2),
+            ActionTiming("0I0", True, 13.0, 15.0),
+        ],
+        start=10.0,
+        end=15.0,
+    )
+    rank1 = Timeline(
+        entries=[ActionTiming("1F0", True, 22.4, 24.4), ActionTiming("1I0", True, 24.4, 24.8)],
+        start=20.0,
+        end=25.0,
+    )
+    assert format_timeline([rank0, rank1], title="zb_h1").splitlines() == [
+        "zb_h1 slot=1000.0 ms",
+        "rank 0: 0F0 0F0   . 0I0 0I0 | compute 4000 ms of 5000 ms, idle 0.200",
+        "rank 1:   .   . 1F0 1F0   . | compute 2400 ms of 5000 ms, idle 0.520",
+    ]
+    with pytest.raises(ValueError, match="slot_s must be positive, got 0"):
+        format_timeline([rank0], slot_s=0)
