@@ -74,7 +74,7 @@ class WeightGradState:
     branch nodes (a linear layer's weight and bias) are differentiated together."""
 
 
-def backward_input(  # noqa: C901 - to split (#26)
+def backward_input(
     roots: list[torch.Tensor],
     grads: list[torch.Tensor | None],
     inputs: list[torch.Tensor],
@@ -86,8 +86,45 @@ def backward_input(  # noqa: C901 - to split (#26)
     state = WeightGradState()
     if not roots:
         return [None for _ in inputs], state
-    # Autograd graph from the roots: parents (towards the outputs) of every node, and the
-    # input slots of each node that receive a gradient.
+    parents, slots, seen = _graph_towards_outputs(roots)
+    param_nodes = {id(p): _grad_node(p) for p in params}
+    x_path = (
+        _ancestors_of_any([_grad_node(x) for x in inputs], parents)
+        if inputs
+        else _ancestors_of_two([param_nodes[id(p)] for p in params], parents, seen)
+    )
+    root_nodes = {_grad_node(r) for r in roots}
+    in_i_pass: list[torch.Tensor] = []
+    per_param: list[tuple[torch.Tensor, set[Node]]] = []
+    for param in params:
+        node = param_nodes[id(param)]
+        if node not in seen:
+            continue  # unused by this microbatch
+        branch = _branch_point(node, parents, x_path, root_nodes)
+        if branch is None:
+            in_i_pass.append(param)
+        else:
+            per_param.append((param, branch))
+    points = {n for _, branch in per_param for n in branch}
+    if inputs:  # branch points lie on the input path: record what flows into them
+        recorded = _input_pass(roots, grads, [*inputs, *in_i_pass], points)
+        input_grads: list[torch.Tensor | None] = [x.grad for x in inputs]
+    else:  # first stage: the branch points' incoming gradients are the outputs of I
+        recorded = _first_stage_pass(roots, grads, in_i_pass, points, slots)
+        input_grads = []
+    groups: dict[frozenset[Node], list[torch.Tensor]] = {}
+    for param, branch in per_param:
+        groups.setdefault(frozenset(branch), []).append(param)
+    for branch, group in groups.items():
+        state.branches.append((group, [(n, recorded.get(n, [])) for n in branch]))
+    return input_grads, state
+
+
+def _graph_towards_outputs(
+    roots: list[torch.Tensor],
+) -> tuple[dict[Node, list[Node]], dict[Node, set[int]], set[Node]]:
+    """The autograd graph from the roots: the parents (towards the outputs) of every node,
+    the input slots of each node that receive a gradient, and every node reached."""
     parents: dict[Node, list[Node]] = {}
     slots: dict[Node, set[int]] = {}
     queue = deque({_grad_node(r) for r in roots})
@@ -102,80 +139,84 @@ def backward_input(  # noqa: C901 - to split (#26)
             if child not in seen:
                 seen.add(child)
                 queue.append(child)
-    param_nodes = {id(p): _grad_node(p) for p in params}
-    x_path = (
-        _ancestors_of_any([_grad_node(x) for x in inputs], parents)
-        if inputs
-        else _ancestors_of_two([param_nodes[id(p)] for p in params], parents, seen)
-    )
-    in_i_pass: list[torch.Tensor] = []
-    per_param: list[tuple[torch.Tensor, set[Node]]] = []
-    root_nodes = {_grad_node(r) for r in roots}
-    for param in params:
-        node = param_nodes[id(param)]
-        if node not in seen:
-            continue  # unused by this microbatch
-        if len(parents.get(node, [])) > 1:
-            in_i_pass.append(param)  # used more than once: one pass sums every use exactly once
-            continue
-        branch_points, off_path = set(), False
-        queue, visited = deque([node]), {node}
-        while queue:
-            current = queue.popleft()
-            if current in root_nodes and current not in x_path:
-                off_path = True
-            for parent in parents.get(current, []):
-                if parent in visited:
-                    continue
-                visited.add(parent)
-                if parent in x_path:
-                    branch_points.add(parent)
-                else:
-                    queue.append(parent)
-        if off_path or len(branch_points) != 1:
-            # Reaches an output without crossing the X-path, or joins it at several nodes (one
-            # may lie below another, so replaying both in W would count a path twice).
-            in_i_pass.append(param)
-        else:
-            per_param.append((param, branch_points))
+    return parents, slots, seen
+
+
+def _branch_point(
+    node: Node, parents: dict[Node, list[Node]], x_path: set[Node], root_nodes: set[Node]
+) -> set[Node] | None:
+    """Where a parameter's branch (from its ``node`` up) joins the X-path, as a one-node set;
+    None when its gradient belongs in I: it is used more than once (one pass sums every use
+    exactly once), reaches an output without crossing the X-path, or joins the X-path at
+    several nodes (one may lie below another, so replaying both in W would count a path
+    twice)."""
+    if len(parents.get(node, [])) > 1:
+        return None
+    branch_points: set[Node] = set()
+    queue, visited = deque([node]), {node}
+    while queue:
+        current = queue.popleft()
+        if current in root_nodes and current not in x_path:
+            return None
+        for parent in parents.get(current, []):
+            if parent in visited:
+                continue
+            visited.add(parent)
+            if parent in x_path:
+                branch_points.add(parent)
+            else:
+                queue.append(parent)
+    return branch_points if len(branch_points) == 1 else None
+
+
+def _input_pass(
+    roots: list[torch.Tensor],
+    grads: list[Any],
+    wanted: list[torch.Tensor],
+    points: set[Node],
+) -> dict[Node, list[torch.Tensor | None]]:
+    """One backward to ``wanted`` (the stage inputs and the parameters done in I; their
+    ``.grad`` accumulates, the parameters' through AccumulateGrad), recording the gradient
+    flowing into each branch point on the way."""
     recorded: dict[Node, list[torch.Tensor | None]] = {}
-    points = {n for _, branch in per_param for n in branch}
-    if inputs:  # branch points lie on the input path: record what flows into them
-        handles = []
-        for node in points:
+    handles = []
+    for node in points:
 
-            def hook(grad_outputs: tuple[torch.Tensor | None, ...], node: Node = node) -> None:
-                recorded[node] = list(grad_outputs)
+        def hook(grad_outputs: tuple[torch.Tensor | None, ...], node: Node = node) -> None:
+            recorded[node] = list(grad_outputs)
 
-            handles.append(node.register_prehook(hook))
-        try:  # accumulates into the inputs' .grad and, via AccumulateGrad, the params'
-            torch.autograd.backward(
-                roots, grads, retain_graph=True, inputs=[*inputs, *in_i_pass] or None
-            )
-        finally:
-            for handle in handles:
-                handle.remove()
-        input_grads: list[torch.Tensor | None] = [x.grad for x in inputs]
-    else:  # first stage: the branch points' incoming gradients are the outputs of I
-        edges = [(n, slot) for n in points for slot in sorted(slots.get(n, ()))]
-        wanted = in_i_pass + [GradientEdge(n, slot) for n, slot in edges]
-        result = (
-            torch.autograd.grad(roots, wanted, grads, retain_graph=True, allow_unused=True)
-            if wanted
-            else ()
-        )
-        for (node, slot), grad in zip(edges, result[len(in_i_pass) :]):
-            node_grads = recorded.setdefault(node, [])
-            node_grads += [None] * (slot + 1 - len(node_grads))
-            node_grads[slot] = grad
-        _deliver(in_i_pass, result[: len(in_i_pass)])
-        input_grads = []
-    groups: dict[frozenset[Node], list[torch.Tensor]] = {}
-    for param, points in per_param:
-        groups.setdefault(frozenset(points), []).append(param)
-    for points, group in groups.items():
-        state.branches.append((group, [(n, recorded.get(n, [])) for n in points]))
-    return input_grads, state
+        handles.append(node.register_prehook(hook))
+    try:
+        torch.autograd.backward(roots, grads, retain_graph=True, inputs=wanted or None)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return recorded
+
+
+def _first_stage_pass(
+    roots: list[torch.Tensor],
+    grads: list[Any],
+    in_i_pass: list[torch.Tensor],
+    points: set[Node],
+    slots: dict[Node, set[int]],
+) -> dict[Node, list[torch.Tensor | None]]:
+    """The first stage's I: the gradients into the branch points' slots are its outputs
+    (there is no X to differentiate towards); the parameters done in I get theirs too."""
+    recorded: dict[Node, list[torch.Tensor | None]] = {}
+    edges = [(n, slot) for n in points for slot in sorted(slots.get(n, ()))]
+    wanted = in_i_pass + [GradientEdge(n, slot) for n, slot in edges]
+    result = (
+        torch.autograd.grad(roots, wanted, grads, retain_graph=True, allow_unused=True)
+        if wanted
+        else ()
+    )
+    for (node, slot), grad in zip(edges, result[len(in_i_pass) :]):
+        node_grads = recorded.setdefault(node, [])
+        node_grads += [None] * (slot + 1 - len(node_grads))
+        node_grads[slot] = grad
+    _deliver(in_i_pass, result[: len(in_i_pass)])
+    return recorded
 
 
 def _ancestors_of_any(nodes: list[Node], parents: dict[Node, list[Node]]) -> set[Node]:
