@@ -44,7 +44,16 @@ import torch.nn.functional as F
 from torch import nn
 
 import nxd_state
-from nxd_pipeline import ActionKind, NxDPPModel, PipelineSchedule, dry_run, format_timeline
+from nxd_pipeline import (
+    ActionKind,
+    NxDPPModel,
+    PipelineSchedule,
+    backward_full,
+    backward_input,
+    backward_weight,
+    dry_run,
+    format_timeline,
+)
 from nxd_pipeline.testing import Block, TinyGPT
 from nxd_state.testing import run_distributed
 
@@ -151,6 +160,55 @@ def replay(schedule: PipelineSchedule, seconds: dict[tuple[int, str], float]) ->
     return 1.0 - busy / (p * max(free))
 
 
+def split_backward_cost(hidden: int, layers: int, pairs: int) -> dict[str, float]:
+    """What splitting the backward costs on its own: B against I + W, one thread, no pipeline.
+
+    The second half of the blocks (one p = 2 stage, with an input X), the same microbatch, B
+    and I + W alternating so load hits both alike. ZB-H1 can beat 1F1B by at most
+    ``(1 - bubble_1f1b) / (1 - bubble_zb)`` (25/27 = 0.926 at p = 2, m = 8) times this ratio.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = TinyGPT(layers=layers, hidden=hidden, **MODEL)
+    blocks = nn.Sequential(*(model.h[i] for i in range(layers // 2, layers)))
+    params = list(blocks.parameters())
+    x0, dy = torch.randn(MICRO_BATCH, SEQ, hidden), torch.randn(MICRO_BATCH, SEQ, hidden)
+
+    def forward() -> tuple[torch.Tensor, torch.Tensor]:
+        x = x0.clone().requires_grad_(True)
+        return x, blocks(x)
+
+    seconds: dict[str, list[float]] = {"F": [], "B": [], "I": [], "W": [], "I+W over B": []}
+    for index in range(pairs + 2):
+        start = time.perf_counter()
+        x, y = forward()
+        forward_s = time.perf_counter() - start
+        start = time.perf_counter()
+        backward_full([y], [dy], [x])
+        full_s = time.perf_counter() - start
+        for param in params:  # both start from no gradient (no accumulation into .grad)
+            param.grad = None
+        x, y = forward()
+        start = time.perf_counter()
+        _, state = backward_input([y], [dy], [x], params)
+        input_s = time.perf_counter() - start
+        start = time.perf_counter()
+        backward_weight(state)
+        weight_s = time.perf_counter() - start
+        for param in params:
+            param.grad = None
+        if index >= 2:  # warm-up
+            for key, value in zip(seconds, [forward_s, full_s, input_s, weight_s]):
+                seconds[key].append(value)
+            seconds["I+W over B"].append((input_s + weight_s) / full_s)
+    torch.set_num_threads(threads)
+    return {
+        f"{key} median" + ("" if key == "I+W over B" else " (s)"): statistics.median(v)
+        for key, v in seconds.items()
+    }
+
+
 def bench_rank(
     hidden: int, layers: int, microbatches: int, repeats: int, only: list[str] | None = None
 ) -> dict[str, Any]:
@@ -168,11 +226,11 @@ def bench_rank(
     theory: dict[str, float] = {}
     scheduled: dict[str, float] = {}
     m = microbatches
-    # (schedule, v, non-blocking p2p, key for --only); zb_h1_list_order: W strictly at their
-    # place in the list, not pulled forward into waits for a receive (the runtime's default)
+    # (schedule, v, non-blocking p2p, key for --only); zb_h1_fill_waits: the runtime pulls the
+    # next W into a wait for a receive (StepRunner.fill_waits) instead of keeping list order
     configs = [("gpipe", 1, True, "gpipe"), ("1f1b", 1, True, "1f1b")]
     configs += [("1f1b", 1, False, "1f1b_sync"), ("interleaved_1f1b", 2, True, "interleaved_1f1b")]
-    configs += [("zb_h1", 1, True, "zb_h1"), ("zb_h1", 1, True, "zb_h1_list_order")]
+    configs += [("zb_h1", 1, True, "zb_h1"), ("zb_h1", 1, True, "zb_h1_fill_waits")]
     if only:
         configs = [c for c in configs if c[3] in only]
     grids: dict[str, list[str]] = {}
@@ -188,9 +246,9 @@ def bench_rank(
             async_sends=async_sends,
         )
         label = f"nxd {name}" + (f" v={v}" if v > 1 else "") + ("" if async_sends else " sync p2p")
-        if key == "zb_h1_list_order":
-            model._step_runner().fill_waits = False
-            label += " list order"
+        if key == "zb_h1_fill_waits":
+            model._step_runner().fill_waits = True
+            label += " fill waits"
         bubbles[label], replays[label] = [], []
 
         def step(model: NxDPPModel = model) -> None:
@@ -308,7 +366,7 @@ def main() -> None:
     parser.add_argument(
         "--only",
         nargs="+",
-        choices=["gpipe", "1f1b", "1f1b_sync", "interleaved_1f1b", "zb_h1", "zb_h1_list_order"],
+        choices=["gpipe", "1f1b", "1f1b_sync", "interleaved_1f1b", "zb_h1", "zb_h1_fill_waits"],
         help="run only these nxd schedules (and their torch counterparts)",
     )
     args = parser.parse_args()
@@ -364,6 +422,7 @@ def main() -> None:
                     "bubble_within_0.05_of_theory": gap <= 0.05,
                     "step_time_at_or_below_torch": ratio <= 1.0,
                 }
+        results["split_backward_cost"] = split_backward_cost(hidden, args.layers, 15)
         by_size[f"hidden_{hidden}"] = results
     report = {
         "config": {
