@@ -44,7 +44,16 @@ import torch.nn.functional as F
 from torch import nn
 
 import nxd_state
-from nxd_pipeline import ActionKind, NxDPPModel, PipelineSchedule, dry_run
+from nxd_pipeline import (
+    ActionKind,
+    NxDPPModel,
+    PipelineSchedule,
+    backward_full,
+    backward_input,
+    backward_weight,
+    dry_run,
+    format_timeline,
+)
 from nxd_pipeline.testing import Block, TinyGPT
 from nxd_state.testing import run_distributed
 
@@ -151,7 +160,58 @@ def replay(schedule: PipelineSchedule, seconds: dict[tuple[int, str], float]) ->
     return 1.0 - busy / (p * max(free))
 
 
-def bench_rank(hidden: int, layers: int, microbatches: int, repeats: int) -> dict[str, Any]:
+def split_backward_cost(hidden: int, layers: int, pairs: int) -> dict[str, float]:
+    """What splitting the backward costs on its own: B against I + W, one thread, no pipeline.
+
+    The second half of the blocks (one p = 2 stage, with an input X), the same microbatch, B
+    and I + W alternating so load hits both alike. ZB-H1 can beat 1F1B by at most
+    ``(1 - bubble_1f1b) / (1 - bubble_zb)`` (25/27 = 0.926 at p = 2, m = 8) times this ratio.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = TinyGPT(layers=layers, hidden=hidden, **MODEL)
+    blocks = nn.Sequential(*(model.h[i] for i in range(layers // 2, layers)))
+    params = list(blocks.parameters())
+    x0, dy = torch.randn(MICRO_BATCH, SEQ, hidden), torch.randn(MICRO_BATCH, SEQ, hidden)
+
+    def forward() -> tuple[torch.Tensor, torch.Tensor]:
+        x = x0.clone().requires_grad_(True)
+        return x, blocks(x)
+
+    seconds: dict[str, list[float]] = {"F": [], "B": [], "I": [], "W": [], "I+W over B": []}
+    for index in range(pairs + 2):
+        start = time.perf_counter()
+        x, y = forward()
+        forward_s = time.perf_counter() - start
+        start = time.perf_counter()
+        backward_full([y], [dy], [x])
+        full_s = time.perf_counter() - start
+        for param in params:  # both start from no gradient (no accumulation into .grad)
+            param.grad = None
+        x, y = forward()
+        start = time.perf_counter()
+        _, state = backward_input([y], [dy], [x], params)
+        input_s = time.perf_counter() - start
+        start = time.perf_counter()
+        backward_weight(state)
+        weight_s = time.perf_counter() - start
+        for param in params:
+            param.grad = None
+        if index >= 2:  # warm-up
+            for key, value in zip(seconds, [forward_s, full_s, input_s, weight_s]):
+                seconds[key].append(value)
+            seconds["I+W over B"].append((input_s + weight_s) / full_s)
+    torch.set_num_threads(threads)
+    return {
+        f"{key} median" + ("" if key == "I+W over B" else " (s)"): statistics.median(v)
+        for key, v in seconds.items()
+    }
+
+
+def bench_rank(
+    hidden: int, layers: int, microbatches: int, repeats: int, only: list[str] | None = None
+) -> dict[str, Any]:
     state = nxd_state.initialize_model_parallel(
         pipeline_model_parallel_size=torch.distributed.get_world_size()
     )
@@ -166,9 +226,15 @@ def bench_rank(hidden: int, layers: int, microbatches: int, repeats: int) -> dic
     theory: dict[str, float] = {}
     scheduled: dict[str, float] = {}
     m = microbatches
-    configs = [("gpipe", 1, True), ("1f1b", 1, True), ("1f1b", 1, False)]
-    configs += [("interleaved_1f1b", 2, True), ("zb_h1", 1, True)]
-    for name, v, async_sends in configs:
+    # (schedule, v, non-blocking p2p, key for --only); zb_h1_fill_waits: the runtime pulls the
+    # next W into a wait for a receive (StepRunner.fill_waits) instead of keeping list order
+    configs = [("gpipe", 1, True, "gpipe"), ("1f1b", 1, True, "1f1b")]
+    configs += [("1f1b", 1, False, "1f1b_sync"), ("interleaved_1f1b", 2, True, "interleaved_1f1b")]
+    configs += [("zb_h1", 1, True, "zb_h1"), ("zb_h1", 1, True, "zb_h1_fill_waits")]
+    if only:
+        configs = [c for c in configs if c[3] in only]
+    grids: dict[str, list[str]] = {}
+    for name, v, async_sends, key in configs:
         per = layers // (p * v)
         model = NxDPPModel(
             copy.deepcopy(reference),
@@ -180,6 +246,9 @@ def bench_rank(hidden: int, layers: int, microbatches: int, repeats: int) -> dic
             async_sends=async_sends,
         )
         label = f"nxd {name}" + (f" v={v}" if v > 1 else "") + ("" if async_sends else " sync p2p")
+        if key == "zb_h1_fill_waits":
+            model._step_runner().fill_waits = True
+            label += " fill waits"
         bubbles[label], replays[label] = [], []
 
         def step(model: NxDPPModel = model) -> None:
@@ -191,18 +260,24 @@ def bench_rank(hidden: int, layers: int, microbatches: int, repeats: int) -> dic
             model: NxDPPModel = model,
             bubbles: list[float] = bubbles[label],
             replays: list[float] = replays[label],
+            label: str = label,
         ) -> None:
             timeline = model.timeline
             assert timeline is not None
-            computes = [(e.action, e.end - e.start) for e in timeline.entries if e.compute]
-            mine = (timeline.compute_s, timeline.wall_s, computes)
             gathered: list[Any] = [None] * p
-            torch.distributed.all_gather_object(gathered, mine)
-            total_compute = sum(g[0] for g in gathered)
-            wall = max(g[1] for g in gathered)
+            torch.distributed.all_gather_object(gathered, timeline)
+            total_compute = sum(t.compute_s for t in gathered)
+            wall = max(t.wall_s for t in gathered)
             bubbles.append(1.0 - total_compute / (p * wall))
-            seconds = {(r, a): t for r, g in enumerate(gathered) for a, t in g[2]}
+            seconds = {
+                (r, e.action): e.end - e.start
+                for r, t in enumerate(gathered)
+                for e in t.entries
+                if e.compute
+            }
             replays.append(replay(model.schedule, seconds))
+            # the measured timeline of the latest round, as the schedule grid with real times
+            grids[label] = format_timeline(gathered, title=label).splitlines()
 
         steps[label], after[label] = step, bubble
         scheduled[label] = dry_run(model.schedule).bubble_fraction()
@@ -212,7 +287,8 @@ def bench_rank(hidden: int, layers: int, microbatches: int, repeats: int) -> dic
             "interleaved_1f1b": (p - 1) / (v * m + p - 1),
             "zb_h1": (p - 1) / (3 * m + p - 1),
         }[name]
-    steps.update(_torch_peer(reference, ids, layers, microbatches, p, rank))
+    wanted = {_TORCH_COUNTERPART[c[0]] for c in configs} if only else None
+    steps.update(_torch_peer(reference, ids, layers, microbatches, p, rank, wanted))
     times = _time_round_robin(steps, after, repeats)
     results: dict[str, Any] = {}
     for label, seconds in times.items():
@@ -222,11 +298,18 @@ def bench_rank(hidden: int, layers: int, microbatches: int, repeats: int) -> dic
             results[label]["bubble_replay_measured_costs"] = statistics.median(replays[label][1:])
             results[label]["bubble_theory"] = theory[label]
             results[label]["bubble_of_schedule_unit_costs"] = scheduled[label]
+            results[label]["timeline_last_round"] = grids[label]
     return results
 
 
 def _torch_peer(
-    reference: TinyGPT, ids: torch.Tensor, layers: int, m: int, p: int, rank: int
+    reference: TinyGPT,
+    ids: torch.Tensor,
+    layers: int,
+    m: int,
+    p: int,
+    rank: int,
+    wanted: set[str] | None = None,
 ) -> dict[str, Any]:
     """torch.distributed.pipelining on the same model and split: one step of each schedule.
 
@@ -244,6 +327,8 @@ def _torch_peer(
     peers = [("torch ScheduleGPipe", ScheduleGPipe, 1), ("torch Schedule1F1B", Schedule1F1B, 1)]
     peers.append(("torch ScheduleInterleaved1F1B", ScheduleInterleaved1F1B, 2))
     for name, cls, v in peers:
+        if wanted is not None and name.removeprefix("torch ") not in wanted:
+            continue
         model = copy.deepcopy(reference)
         n_stages, per = p * v, layers // (p * v)
         stages, modules = [], []
@@ -278,6 +363,12 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--steps", type=int, default=9)
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=["gpipe", "1f1b", "1f1b_sync", "interleaved_1f1b", "zb_h1", "zb_h1_fill_waits"],
+        help="run only these nxd schedules (and their torch counterparts)",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     by_size: dict[str, Any] = {}
@@ -290,7 +381,14 @@ def main() -> None:
             args.microbatches,
         )
         per_rank = run_distributed(
-            bench_rank, args.ranks, hidden, args.layers, args.microbatches, args.steps, timeout=900
+            bench_rank,
+            args.ranks,
+            hidden,
+            args.layers,
+            args.microbatches,
+            args.steps,
+            args.only,
+            timeout=900,
         )
         results = per_rank[0]  # step times and bubbles are global (barriers, gathered timelines)
         for label, entry in results.items():
@@ -313,10 +411,18 @@ def main() -> None:
                 "rounds_at_or_below_1": sum(r <= 1.0 for r in ratios) / len(ratios),
             }
             gap = entry["bubble_measured_median"] - entry["bubble_theory"]
-            entry["goals"] = {
-                "bubble_within_0.05_of_theory": gap <= 0.05,
-                "step_time_at_or_below_torch": entry["step_ratio_vs_torch"]["median"] <= 1.0,
-            }
+            ratio = entry["step_ratio_vs_torch"]["median"]
+            if name == "zb_h1":  # issue #28: the zero-bubble schedule has to earn its theory
+                entry["goals"] = {
+                    "bubble_within_0.02_of_theory": abs(gap) <= 0.02,
+                    "step_at_or_below_0.95x_Schedule1F1B": ratio <= 0.95,
+                }
+            else:
+                entry["goals"] = {
+                    "bubble_within_0.05_of_theory": gap <= 0.05,
+                    "step_time_at_or_below_torch": ratio <= 1.0,
+                }
+        results["split_backward_cost"] = split_backward_cost(hidden, args.layers, 15)
         by_size[f"hidden_{hidden}"] = results
     report = {
         "config": {
@@ -337,6 +443,10 @@ def main() -> None:
     path.parent.mkdir(exist_ok=True)
     path.write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
+    for size, results in by_size.items():  # the measured timelines, readable
+        for entry in results.values():
+            if "timeline_last_round" in entry:
+                print(f"{size}: " + "\n".join(entry["timeline_last_round"]))
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from nxd_pipeline._schedules import (
     stage_to_rank,
 )
 from nxd_pipeline._shared import mark_weight_sharing
-from nxd_pipeline._timeline import ActionTiming, Timeline
+from nxd_pipeline._timeline import ActionTiming, Timeline, format_timeline
 from nxd_pipeline._trace import CapturedGraph, PipelineTraceError, capture_graph
 from nxd_pipeline._validate import DryRun, ScheduleError, dry_run, format_grid, validate_schedule
 
@@ -54,6 +54,7 @@ __all__ = [
     "capture_graph",
     "dry_run",
     "format_grid",
+    "format_timeline",
     "mark_weight_sharing",
     "partition_graph",
     "recv_from",

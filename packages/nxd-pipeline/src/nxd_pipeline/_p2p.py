@@ -170,6 +170,10 @@ class PendingReceive:
     metas: list[TensorMeta] | None
     """Set ``requires_grad`` from these once the data is in (activations); None for grads."""
 
+    def arrived(self) -> bool:
+        """True once every receive has completed (never blocks)."""
+        return all(work.is_completed() for work in self.works)
+
     def wait(self) -> list[torch.Tensor]:
         for work in self.works:
             work.wait()

@@ -125,10 +125,29 @@ def _is_parameter(captured: CapturedGraph, root: nn.Module, node: fx.Node) -> bo
     return False
 
 
-def partition_graph(  # noqa: C901 - to split (#26)
+def partition_graph(
     captured: CapturedGraph, root: nn.Module, cuts: Sequence[str], num_stages: int
 ) -> PartitionPlan:
     """Assign every node of ``captured`` to one of ``len(cuts) + 1`` stages."""
+    positions = _checked_cut_positions(captured, cuts, num_stages)
+    plan = PartitionPlan(captured=captured, num_stages=num_stages)
+    nodes = list(captured.graph_module.graph.nodes)
+    _mark_replicated(plan, root, nodes)
+    _assign_stages(plan, nodes, positions)
+    _find_crossing(plan, nodes)
+    _collect_stage_state(plan, root)
+    logger.info(
+        "partitioned into %d stages; crossing values per boundary: %s",
+        num_stages,
+        [len(values) for values in plan.crossing],
+    )
+    return plan
+
+
+def _checked_cut_positions(
+    captured: CapturedGraph, cuts: Sequence[str], num_stages: int
+) -> list[int]:
+    """Graph positions of the cuts' last nodes: ``num_stages - 1`` of them, increasing."""
     if len(cuts) != num_stages - 1:
         raise ValueError(
             f"pipeline_cuts has {len(cuts)} names {list(cuts)}, but {num_stages} stages need "
@@ -140,30 +159,36 @@ def partition_graph(  # noqa: C901 - to split (#26)
             f"pipeline_cuts {list(cuts)} are not in execution order (their last nodes are at "
             f"graph positions {positions})"
         )
-    graph = captured.graph_module.graph
-    plan = PartitionPlan(captured=captured, num_stages=num_stages)
-    nodes = list(graph.nodes)
-    # 1. Values computed from inputs only: replicated where used.
+    return positions
+
+
+def _mark_replicated(plan: PartitionPlan, root: nn.Module, nodes: list[fx.Node]) -> None:
+    """1. Values computed from inputs only (no parameter, no random op): replicated where
+    used."""
+    captured = plan.captured
     for node in nodes:
-        if node.op in ("call_function", "call_method", "call_module"):
-            inputs = node.all_input_nodes
-            if node.op == "call_module" and _is_parameter(captured, root, node):
-                continue
-            if any(op in str(node.target) for op in _RANDOM_OPS):
-                continue
-            if all(
-                n.op == "placeholder"
-                or (n.op == "get_attr" and not _is_parameter(captured, root, n))
-                or n in plan.replicated
-                for n in inputs
-            ):
-                plan.replicated.add(node)
-    # 2. Everything else by position; getitem of an earlier tuple joins its producer.
+        if node.op not in ("call_function", "call_method", "call_module"):
+            continue
+        if node.op == "call_module" and _is_parameter(captured, root, node):
+            continue
+        if any(op in str(node.target) for op in _RANDOM_OPS):
+            continue
+        if all(
+            n.op == "placeholder"
+            or (n.op == "get_attr" and not _is_parameter(captured, root, n))
+            or n in plan.replicated
+            for n in node.all_input_nodes
+        ):
+            plan.replicated.add(node)
+
+
+def _assign_stages(plan: PartitionPlan, nodes: list[fx.Node], positions: list[int]) -> None:
+    """2. Everything else by position; getitem of an earlier tuple joins its producer."""
     for index, node in enumerate(nodes):
         if node.op in ("placeholder", "get_attr") or node in plan.replicated:
             continue
         if node.op == "output":
-            plan.stage_of[node] = num_stages - 1
+            plan.stage_of[node] = plan.num_stages - 1
             continue
         stage = sum(1 for position in positions if position < index)
         if node.target is operator.getitem and node.args[0] in plan.stage_of:
@@ -174,19 +199,26 @@ def partition_graph(  # noqa: C901 - to split (#26)
         if not node.users:
             plan.replicated.discard(node)
             plan.stage_of[node] = 0
-    # 3. What crosses each boundary.
-    plan.crossing = [[] for _ in range(num_stages - 1)]
+
+
+def _find_crossing(plan: PartitionPlan, nodes: list[fx.Node]) -> None:
+    """3. What crosses each boundary: a value from its stage up to its last user's."""
+    plan.crossing = [[] for _ in range(plan.num_stages - 1)]
     for node in nodes:
         if node not in plan.stage_of or node.op == "output":
             continue
         last_user = max((plan.stage_of.get(u, -1) for u in node.users), default=-1)
         for boundary in range(plan.stage_of[node], last_user):
             plan.crossing[boundary].append(node)
-    # 4. Parameters and buffers per stage, under their original names.
-    plan.stage_parameters = [{} for _ in range(num_stages)]
-    plan.stage_buffers = [{} for _ in range(num_stages)]
+
+
+def _collect_stage_state(plan: PartitionPlan, root: nn.Module) -> None:
+    """4. Parameters and buffers per stage, under their original names."""
+    captured = plan.captured
+    plan.stage_parameters = [{} for _ in range(plan.num_stages)]
+    plan.stage_buffers = [{} for _ in range(plan.num_stages)]
     model_buffers = {id(b) for b in root.buffers()}
-    for stage in range(num_stages):
+    for stage in range(plan.num_stages):
         for node in _stage_attribute_nodes(plan, stage):
             obj = _resolve(root, captured.graph_module, str(node.target))
             if isinstance(obj, nn.Parameter):
@@ -198,12 +230,6 @@ def partition_graph(  # noqa: C901 - to split (#26)
                     plan.stage_parameters[stage][f"{node.target}.{name}"] = param
                 for name, buffer in obj.named_buffers():
                     plan.stage_buffers[stage][f"{node.target}.{name}"] = buffer
-    logger.info(
-        "partitioned into %d stages; crossing values per boundary: %s",
-        num_stages,
-        [len(values) for values in plan.crossing],
-    )
-    return plan
 
 
 def _needed_replicated(plan: PartitionPlan, stage: int) -> set[fx.Node]:

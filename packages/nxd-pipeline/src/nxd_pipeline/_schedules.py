@@ -10,13 +10,13 @@ when its inputs are ready:
   turn, then the remaining backwards;
 * ``interleaved_1f1b``: Megatron's order (rounds of p microbatches, chunk by chunk) with
   ``(v-1)·p + 2(p-r-1)`` warm-up forwards, then the same alternation;
-* ``zb_h1``: the backward is split into I (input gradient, on the critical path, run first when
-  ready) and W (weight gradient, deferred into what would be bubbles). At most ``p - r``
-  forwards await their I on rank r, as in 1F1B; a microbatch keeps its activations until its
-  W, and at most ``p`` microbatches are in flight (F done, W not) on any rank: 1F1B's peak
-  activation memory (that of rank 0), so W also runs in the steady state instead of piling
-  up at the end. With unit costs the bubble is (p-1)/(3m+p-1) for p = 2 and lies between
-  that and 1F1B's for larger p (p = 4, m = 8: 0.17; ideal 0.11, 1F1B 0.27).
+* ``zb_h1``: the backward is split into I (input gradient, on the critical path) and W
+  (weight gradient). Rank r runs 1F1B's order with I in place of B, and ``W_k`` right after
+  ``I_{k+r}``: the lag of r weight passes fills the cool-down bubble, which in 1F1B grows
+  with r. At most ``p - r`` forwards await their I on rank r and at most ``p`` microbatches
+  hold activations (F done, W not) on any rank: 1F1B's peak activation memory. With unit
+  costs the makespan is ``max(3m + p - 1, 2p + 2m - 1)``, a lower bound for any schedule, so
+  the bubble is the ZB-H1 theory (p-1)/(3m+p-1) for m >= p.
 
 Because the generator is itself an execution, the per-rank orders it returns respect every data
 dependency; :func:`nxd_pipeline.validate_schedule` and :func:`nxd_pipeline.dry_run` re-check
@@ -131,11 +131,33 @@ def _warmup(name: str, rank: int, p: int, m: int, v: int) -> int:
 
 def _fixed_sequence(name: str, rank: int, p: int, m: int, v: int) -> list[Action]:
     """Warm-up forwards, then one forward and one backward in turn, then the rest."""
+    if name == "zb_h1":
+        return _zero_bubble_sequence(rank, p, m)
     fwd = [Action(s, F, mb) for s, mb in _forward_order(name, rank, p, m, v)]
     bwd = [Action(s, B, mb) for s, mb in _backward_order(name, rank, p, m, v)]
     warm = _warmup(name, rank, p, m, v)
     steady = [a for pair in zip(fwd[warm:], bwd) for a in pair]
     return fwd[:warm] + steady + bwd[len(fwd) - warm :]
+
+
+def _zero_bubble_sequence(rank: int, p: int, m: int) -> list[Action]:
+    """ZB-H1 on rank r: 1F1B's order with B split into I, and ``W_k`` right after ``I_{k+r}``.
+
+    The lag of r weight passes is what fills the bubbles: with F = I = W = 1, rank r starts at
+    time r and, after its warm-up, never waits again; the last rank, whose 1F1B cool-down is
+    the longest, ends with p deferred W, rank 0 with one. The makespan is then 3m + p - 1
+    (m >= p), the bubble (p-1)/(3m+p-1). A rank holds at most p microbatches' activations (F
+    done, W not): p - r + k forwards done against k - r weight passes before ``I_k``.
+    """
+    warm = min(m, p - rank - 1)
+    order = [Action(rank, F, mb) for mb in range(warm)]
+    for k in range(m):
+        if warm + k < m:
+            order.append(Action(rank, F, warm + k))
+        order.append(Action(rank, BI, k))
+        if k >= rank:
+            order.append(Action(rank, W, k - rank))
+    return order + [Action(rank, W, k) for k in range(max(0, m - rank), m)]
 
 
 def build_schedule(
@@ -178,80 +200,46 @@ Span = tuple[int, int, Action]
 
 
 def _simulate(name: str, p: int, m: int, v: int) -> list[list[Span]]:
-    """List-schedule every rank with unit costs; returns (start, end, action) per rank."""
-    num_stages = p * v
+    """Run every rank's fixed order with unit costs; returns (start, end, action) per rank.
+
+    Each rank, when free, starts its next action as soon as that action's inputs exist.
+    """
     split = name == "zb_h1"
-    last = num_stages - 1
+    last = p * v - 1
     done_at: dict[tuple[ActionKind, int, int], int] = {}
-    fwd = [_forward_order(name, r, p, m, v) for r in range(p)]
-    bwd = [_backward_order(name, r, p, m, v) for r in range(p)]
     sequence = [_fixed_sequence(name, r, p, m, v) for r in range(p)]
-    cap = [_warmup(name, r, p, m, v) + 1 for r in range(p)]  # zb_h1: forwards awaiting their I
-    pending_w: list[list[tuple[int, int]]] = [[] for _ in range(p)]
     busy_until = [0] * p
-    out: list[list[Action]] = [[] for _ in range(p)]
     spans: list[list[Span]] = [[] for _ in range(p)]
-    total = p * len(fwd[0]) * (3 if split else 2)
-    count, time = 0, 0
+    time = 0
 
     def finished(kind: ActionKind, stage: int, mb: int) -> bool:
         return done_at.get((kind, stage, mb), time + 1) <= time
 
-    def forward_ready(stage: int, mb: int) -> bool:
-        return stage == 0 or finished(F, stage - 1, mb)
-
-    def backward_ready(stage: int, mb: int) -> bool:
+    def ready(action: Action) -> bool:
+        stage, mb = action.stage, action.microbatch
+        if action.kind is F:
+            return stage == 0 or finished(F, stage - 1, mb)
+        if action.kind is W:
+            return finished(BI, stage, mb)
         grad_kind = BI if split else B
         return finished(F, stage, mb) and (stage == last or finished(grad_kind, stage + 1, mb))
 
-    while count < total:
+    while any(len(spans[r]) < len(sequence[r]) for r in range(p)):
         progressed = False
         for r in range(p):
-            if busy_until[r] > time:
+            if busy_until[r] > time or len(spans[r]) == len(sequence[r]):
                 continue
-            n_f = len(fwd[r])
-            f_done = sum(1 for a in out[r] if a.kind is F)
-            b_done = sum(1 for a in out[r] if a.kind in (B, BI))
-            w_done = sum(1 for a in out[r] if a.kind is W)
-            choice: Action | None = None
-            if not split:  # a fixed order: run the next action once its inputs are there
-                nxt = sequence[r][len(out[r])] if len(out[r]) < len(sequence[r]) else None
-                ready = nxt is not None and (
-                    forward_ready(nxt.stage, nxt.microbatch)
-                    if nxt.kind is F
-                    else backward_ready(nxt.stage, nxt.microbatch)
-                )
-                can_b = ready and nxt is not None and nxt.kind is B
-                can_f = ready and nxt is not None and nxt.kind is F
-            else:  # zero bubble: input gradients first, forwards up to the cap, W fills gaps
-                can_b = b_done < n_f and backward_ready(*bwd[r][b_done])
-                can_f = (
-                    f_done < n_f
-                    and f_done - b_done < cap[r]
-                    and f_done - w_done < p * v  # activations live until W: 1F1B's peak
-                    and forward_ready(*fwd[r][f_done])
-                )
-            if can_b:
-                choice = Action(bwd[r][b_done][0], BI if split else B, bwd[r][b_done][1])
-            elif can_f:
-                choice = Action(fwd[r][f_done][0], F, fwd[r][f_done][1])
-            elif pending_w[r]:
-                stage, mb = pending_w[r].pop(0)
-                choice = Action(stage, W, mb)
-            if choice is None:
+            action = sequence[r][len(spans[r])]
+            if not ready(action):
                 continue
-            if choice.kind is BI:
-                pending_w[r].append((choice.stage, choice.microbatch))
-            out[r].append(choice)
-            spans[r].append((time, time + _COST[choice.kind], choice))
-            busy_until[r] = time + _COST[choice.kind]
-            done_at[(choice.kind, choice.stage, choice.microbatch)] = busy_until[r]
-            count += 1
+            busy_until[r] = time + _COST[action.kind]
+            spans[r].append((time, busy_until[r], action))
+            done_at[(action.kind, action.stage, action.microbatch)] = busy_until[r]
             progressed = True
-        if not progressed and all(b <= time for b in busy_until) and count < total:
+        if not progressed and all(b <= time for b in busy_until):
             raise RuntimeError(  # a generator bug, not a user error: say where it stopped
                 f"schedule {name} p={p} m={m} v={v} cannot progress at t={time}: "
-                + "; ".join(f"rank {r} did {[str(a) for a in out[r]]}" for r in range(p))
+                + "; ".join(f"rank {r} did {[str(a) for *_, a in spans[r]]}" for r in range(p))
             )
         time += 1
     return spans

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["ActionTiming", "Timeline"]
+__all__ = ["ActionTiming", "Timeline", "format_timeline"]
 
 
 @dataclass(frozen=True)
@@ -53,3 +55,44 @@ class Timeline:
                 for e in self.entries
             ],
         }
+
+
+def format_timeline(
+    timelines: Sequence[Timeline], *, slot_s: float | None = None, title: str = ""
+) -> str:
+    """:func:`nxd_pipeline.format_grid` with real times: one row per rank, one column per slot.
+
+    Column ``j`` of rank r covers ``[j·slot, (j+1)·slot)`` seconds after that rank's own
+    ``start`` (ranks start a step together, so the rows line up to within the step's launch
+    skew). The cell names the compute action that fills most of the slot, ``.`` where the
+    rank spent most of it not computing (waiting on a peer, communicating, bookkeeping).
+    ``slot_s`` defaults to half the median compute action, so every action of at least
+    that length shows. Each row ends with the rank's compute and wall time and idle share.
+    """
+    durations = sorted(e.end - e.start for t in timelines for e in t.entries if e.compute)
+    if slot_s is None:
+        slot_s = durations[len(durations) // 2] / 2 if durations else 1.0
+    if slot_s <= 0:
+        raise ValueError(f"slot_s must be positive, got {slot_s!r}")
+    slots = max((math.ceil(t.wall_s / slot_s - 1e-9) for t in timelines), default=0)
+    width = max((len(e.action) for t in timelines for e in t.entries if e.compute), default=3)
+    lines = [f"{title} slot={slot_s * 1e3:.1f} ms".strip()]
+    for rank, timeline in enumerate(timelines):
+        cells = []
+        for j in range(slots):
+            low = timeline.start + j * slot_s
+            high = low + slot_s
+            overlap = {
+                e.action: min(e.end, high) - max(e.start, low)
+                for e in timeline.entries
+                if e.compute and e.start < high and e.end > low
+            }
+            best = max(overlap, key=overlap.__getitem__, default=None)
+            hit = best if best is not None and overlap[best] * 2 >= slot_s else "."
+            cells.append(hit.rjust(width))
+        summary = (
+            f"| compute {timeline.compute_s * 1e3:.0f} ms of {timeline.wall_s * 1e3:.0f} ms, "
+            f"idle {timeline.bubble_fraction():.3f}"
+        )
+        lines.append(f"rank {rank}: {' '.join(cells)} {summary}")
+    return "\n".join(lines)

@@ -170,9 +170,7 @@ def _check_pairing(schedule: PipelineSchedule) -> None:
             )
 
 
-def dry_run(  # noqa: C901 - to split (#26)
-    schedule: PipelineSchedule, *, asynchronous_sends: bool | None = None
-) -> DryRun:
+def dry_run(schedule: PipelineSchedule, *, asynchronous_sends: bool | None = None) -> DryRun:
     """Execute the schedule without processes; ``stuck`` is non-empty if it deadlocks.
 
     ``asynchronous_sends`` (default: the schedule's own setting) models a runtime whose sends
@@ -181,116 +179,139 @@ def dry_run(  # noqa: C901 - to split (#26)
     """
     if asynchronous_sends is None:
         asynchronous_sends = schedule.asynchronous_sends
-    p, n_stages = schedule.num_ranks, schedule.num_stages
-    actions = schedule.actions
-    pointer = [0] * p
-    busy_until = [0] * p
-    done: set[tuple[int, Action]] = set()  # (rank, action) completed, comm included
-    sent: set[tuple[int, Action]] = set()  # asynchronous sends posted
-    finish: dict[tuple[int, Action], int] = {}
-    result = DryRun(schedule=schedule, spans=[[] for _ in range(p)])
-    time = 0
+    return _Simulation(schedule, asynchronous_sends).run()
 
-    def batch(rank: int) -> list[Action]:
-        out, i = [], pointer[rank]
-        while i < len(actions[rank]) and actions[rank][i].kind.is_comm:
-            out.append(actions[rank][i])
+
+class _Simulation:
+    """One dry run's state: each rank's position and busy time, and what completed when."""
+
+    def __init__(self, schedule: PipelineSchedule, asynchronous_sends: bool) -> None:
+        self.asynchronous_sends = asynchronous_sends
+        self.p, self.n_stages = schedule.num_ranks, schedule.num_stages
+        self.actions = schedule.actions
+        self.pointer = [0] * self.p
+        self.busy_until = [0] * self.p
+        self.done: set[tuple[int, Action]] = set()  # (rank, action) completed, comm included
+        self.sent: set[tuple[int, Action]] = set()  # asynchronous sends posted
+        self.finish: dict[tuple[int, Action], int] = {}
+        self.result = DryRun(schedule=schedule, spans=[[] for _ in range(self.p)])
+        self.time = 0
+
+    def run(self) -> DryRun:
+        while any(self.pointer[r] < len(self.actions[r]) for r in range(self.p)):
+            self._settle_communication()
+            self._start_computes()
+            if self._deadlocked():
+                self.result.stuck = {
+                    r: self.actions[r][self.pointer[r]]
+                    for r in range(self.p)
+                    if self.pointer[r] < len(self.actions[r])
+                }
+                self.result.makespan = self.time
+                return self.result
+            self.time += 1
+        self.result.makespan = max(self.busy_until, default=0)
+        return self.result
+
+    def _have(self, rank: int, action: Action) -> bool:
+        """``action`` finished on ``rank`` by now."""
+        return self.finish.get((rank, action), self.time + 1) <= self.time
+
+    def _batch(self, rank: int) -> list[Action]:
+        """The consecutive communication actions at the rank's position (one batch)."""
+        out, i = [], self.pointer[rank]
+        while i < len(self.actions[rank]) and self.actions[rank][i].kind.is_comm:
+            out.append(self.actions[rank][i])
             i += 1
         return out
 
-    def inputs_ready(rank: int, action: Action) -> bool:
-        s, mb, kind = action.stage, action.microbatch, action.kind
-
-        def have(r: int, a: Action) -> bool:
-            return finish.get((r, a), time + 1) <= time
-
+    def _inputs_ready(self, rank: int, action: Action) -> bool:
+        s, mb, kind, p = action.stage, action.microbatch, action.kind, self.p
         if kind is F:
             if s == 0:
                 return True
             if stage_to_rank(s - 1, p) != rank:
-                return (rank, Action(s, ActionKind.RECV_F, mb)) in done
-            return have(rank, Action(s - 1, F, mb))
+                return (rank, Action(s, ActionKind.RECV_F, mb)) in self.done
+            return self._have(rank, Action(s - 1, F, mb))
         if kind is W:
-            return have(rank, Action(s, BI, mb))
-        if not have(rank, Action(s, F, mb)):
+            return self._have(rank, Action(s, BI, mb))
+        if not self._have(rank, Action(s, F, mb)):
             return False
-        if s == n_stages - 1:
+        if s == self.n_stages - 1:
             return True
         if stage_to_rank(s + 1, p) != rank:
-            return (rank, Action(s, ActionKind.RECV_B, mb)) in done
-        return have(rank, Action(s + 1, kind, mb))
+            return (rank, Action(s, ActionKind.RECV_B, mb)) in self.done
+        return self._have(rank, Action(s + 1, kind, mb))
 
-    def has_data(rank: int, op: Action) -> bool:
+    def _has_data(self, rank: int, op: Action) -> bool:
         """A send can only be posted once the compute producing its data has finished."""
         if op.kind is ActionKind.SEND_F:
-            return finish.get((rank, Action(op.stage, F, op.microbatch)), time + 1) <= time
+            return self._have(rank, Action(op.stage, F, op.microbatch))
         if op.kind is ActionKind.SEND_B:
-            return any(
-                finish.get((rank, Action(op.stage, kind, op.microbatch)), time + 1) <= time
-                for kind in (B, BI)
-            )
+            return any(self._have(rank, Action(op.stage, kind, op.microbatch)) for kind in (B, BI))
         return True
 
-    while any(pointer[r] < len(actions[r]) for r in range(p)):
+    def _completes(self, rank: int, op: Action, posted: dict[int, list[Action]]) -> bool:
+        """Whether ``op`` (posted by ``rank``) completes now; records asynchronous sends."""
+        peer, match = _peer_action(op, self.p)
+        if op.kind in (ActionKind.SEND_F, ActionKind.SEND_B) and self.asynchronous_sends:
+            if self._has_data(rank, op):  # posted and done: the receiver picks it up
+                self.sent.add((rank, op))
+                return True
+            return False
+        if self.asynchronous_sends:
+            return (peer, match) in self.sent
+        return (
+            match in posted.get(peer, [])
+            and self._has_data(rank, op)
+            and self._has_data(peer, match)
+        )
+
+    def _settle_communication(self) -> None:
+        """Communication is instantaneous: complete every batch that can at this time step."""
         changed = True
-        while changed:  # communication is instantaneous: settle it at this time step
+        while changed:
             changed = False
-            posted = {r: batch(r) for r in range(p) if busy_until[r] <= time}
+            posted = {r: self._batch(r) for r in range(self.p) if self.busy_until[r] <= self.time}
             for rank, ops in posted.items():
                 if not ops:
                     continue
-                before = len(done)
+                before = len(self.done)
                 for op in ops:
-                    peer, match = _peer_action(op, p)
-                    if op.kind in (ActionKind.SEND_F, ActionKind.SEND_B) and asynchronous_sends:
-                        if has_data(rank, op):  # posted and done: the receiver picks it up
-                            sent.add((rank, op))
-                            done.add((rank, op))
-                    elif asynchronous_sends:
-                        if (peer, match) in sent:
-                            done.add((rank, op))
-                    elif (
-                        match in posted.get(peer, [])
-                        and has_data(rank, op)
-                        and has_data(peer, match)
-                    ):
-                        done.add((rank, op))
-                if all((rank, op) in done for op in ops):
-                    pointer[rank] += len(ops)
+                    if self._completes(rank, op, posted):
+                        self.done.add((rank, op))
+                if all((rank, op) in self.done for op in ops):
+                    self.pointer[rank] += len(ops)
                     changed = True
-                elif len(done) > before:  # a send went out: peers may now complete
+                elif len(self.done) > before:  # a send went out: peers may now complete
                     changed = True
-        for rank in range(p):
-            if busy_until[rank] > time or pointer[rank] >= len(actions[rank]):
+
+    def _next_compute_ready(self, rank: int) -> Action | None:
+        """The rank's next action if it is a compute whose inputs are there."""
+        if self.busy_until[rank] > self.time or self.pointer[rank] >= len(self.actions[rank]):
+            return None
+        action = self.actions[rank][self.pointer[rank]]
+        return action if action.kind.is_compute and self._inputs_ready(rank, action) else None
+
+    def _start_computes(self) -> None:
+        for rank in range(self.p):
+            action = self._next_compute_ready(rank)
+            if action is None:
                 continue
-            action = actions[rank][pointer[rank]]
-            if action.kind.is_compute and inputs_ready(rank, action):
-                end = time + _COST[action.kind]
-                result.spans[rank].append((time, end, action))
-                finish[(rank, action)] = end
-                done.add((rank, action))
-                busy_until[rank] = end
-                pointer[rank] += 1
-        if all(busy_until[r] <= time for r in range(p)) and not any(
-            busy_until[r] > time for r in range(p)
-        ):
-            # nobody is computing: if nobody can start anything either, it is a deadlock
-            can_move = False
-            for rank in range(p):
-                if pointer[rank] >= len(actions[rank]):
-                    continue
-                action = actions[rank][pointer[rank]]
-                if action.kind.is_compute and inputs_ready(rank, action):
-                    can_move = True
-            if not can_move and any(pointer[r] < len(actions[r]) for r in range(p)):
-                result.stuck = {
-                    r: actions[r][pointer[r]] for r in range(p) if pointer[r] < len(actions[r])
-                }
-                result.makespan = time
-                return result
-        time += 1
-    result.makespan = max((busy for busy in busy_until), default=0)
-    return result
+            end = self.time + _COST[action.kind]
+            self.result.spans[rank].append((self.time, end, action))
+            self.finish[(rank, action)] = end
+            self.done.add((rank, action))
+            self.busy_until[rank] = end
+            self.pointer[rank] += 1
+
+    def _deadlocked(self) -> bool:
+        """Nobody is computing, nobody can start anything, and work is left."""
+        if any(busy > self.time for busy in self.busy_until):
+            return False
+        if any(self._next_compute_ready(r) is not None for r in range(self.p)):
+            return False
+        return any(self.pointer[r] < len(self.actions[r]) for r in range(self.p))
 
 
 def format_grid(schedule: PipelineSchedule, run: DryRun | None = None) -> str:

@@ -1,0 +1,56 @@
+"""The split backward (I then W) gives the gradients of one full backward (B), one process."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from nxd_pipeline import _backward as split
+from nxd_pipeline import backward_full, backward_input, backward_weight
+from nxd_pipeline.testing import TinyGPT
+
+# fp32, same ops in another grouping: W's linear GEMM dYᵀX is the engine's, so round-off only.
+TOL = {"rtol": 1e-5, "atol": 1e-6}
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("first_stage", [False, True])
+def test_input_then_weight_pass_equals_full_backward(bias: bool, first_stage: bool) -> None:
+    torch.manual_seed(0)
+    model = TinyGPT(layers=2, hidden=32)
+    if not bias:  # mm(X, Wᵀ) instead of addmm(b, X, Wᵀ)
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.bias = None
+    ids = torch.randint(0, 64, (2, 8))
+    hidden = torch.randn(2, 8, 32)
+    dy = torch.randn(2, 8, 32)
+
+    def run(stage: torch.nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Stage output and its input X (none on the first stage, which embeds ids)."""
+        if first_stage:
+            x = stage.wte(ids) + stage.wpe(torch.arange(8))
+            return [stage.h[1](stage.h[0](x))], []
+        x = hidden.clone().requires_grad_(True)
+        return [stage.h[1](stage.h[0](x))], [x]
+
+    full, parts = copy.deepcopy(model), copy.deepcopy(model)
+    outputs, inputs = run(full)
+    full_dx = backward_full(outputs, [dy], inputs)
+    outputs, inputs = run(parts)
+    params = [p for p in parts.parameters() if p.requires_grad]
+    dx, state = backward_input(outputs, [dy], inputs, params)
+    linear = [g for g, b in state.branches if split._is_linear_branch(g, b)]
+    assert len(linear) == 12  # 6 linear layers per block, all through the direct GEMM
+    for x_grad, expected in zip(dx, full_dx):
+        torch.testing.assert_close(x_grad, expected, **TOL)
+    assert all(p.grad is None for group in linear for p in group)  # deferred to W
+    backward_weight(state)
+    expected = dict(full.named_parameters())
+    for name, param in parts.named_parameters():
+        if expected[name].grad is None:
+            assert param.grad is None, name
+            continue
+        torch.testing.assert_close(param.grad, expected[name].grad, **TOL, msg=name)
