@@ -75,6 +75,11 @@ FIGURES: dict[str, list[Figure]] = {
         Figure("load_speed_vs_dcp.median", None, lower_is_better=False),
         Figure("async_peak_extra_memory_over_state.median", 1.1),
     ],
+    "pipeline": [  # issue 28: ZB-H1 within 0.02 of its bubble (theory 0.04 at p=2, m=8)
+        Figure("results.hidden_512.nxd zb_h1.step_ratio_vs_torch.median", 0.95),
+        Figure("results.hidden_512.nxd zb_h1.bubble_measured_median", 0.06),
+        Figure("results.hidden_512.split_backward_cost.I+W over B median", None),
+    ],
 }
 
 
