@@ -69,9 +69,7 @@ def test_worker_boot_runs_the_module(tmp_path: Path) -> None:
     (package / "train").mkdir(parents=True)
     (package / "__init__.py").write_text("")
     (package / "train" / "__init__.py").write_text("")
-    (package / "train" / "__main__.py").write_text(
-        "import sys\nprint(__name__, sys.argv[1:])\n"
-    )
+    (package / "train" / "__main__.py").write_text("import sys\nprint(__name__, sys.argv[1:])\n")
     done = subprocess.run(
         [sys.executable, "-u", "-c", WORKER_BOOT, "--steps", "3"],
         env={**os.environ, "PYTHONPATH": str(tmp_path)}, capture_output=True, text=True,
