@@ -68,10 +68,15 @@ def _config_cases() -> dict[str, tuple[dict[str, Any], type, str]]:
             TypeError,
             "'tensor_parallel' (did you mean 'tensor_parallel_size'?)",
         ),
-        "context parallelism": (
-            {"context_parallel_size": 2},
-            NotImplementedError,
-            "context_parallel_size=2",
+        "context parallelism with pp": (
+            {"context_parallel_size": 2, "pipeline_parallel_size": 2},
+            ValueError,
+            "context_parallel_size=2 with pipeline_parallel_size=2 is not supported yet",
+        ),
+        "context-parallel algorithm": (
+            {"context_parallel_size": 2, "context_parallel_algorithm": "all-to-al"},
+            ValueError,
+            "context_parallel_algorithm must be one of ('ring', 'all_to_all'), got 'all-to-al'",
         ),
         "two move factors": (
             {"sequential_move_factor": 4, "model_init_config": {"sequential_move_factor": 8}},
@@ -119,6 +124,12 @@ def _model_cases() -> dict[str, tuple[dict[str, Any], Callable[[], Any], type, s
             lambda: torch.nn.Linear(4, 4),
             ValueError,
             "config.num_attention_heads",
+        ),
+        "cp, plain model": (
+            {"context_parallel_size": 2},
+            TinyLM,
+            ValueError,
+            "context_parallel_size=2 needs a Hugging Face causal LM",
         ),
         "one rank fails": ({}, _fails_on_rank_one, Exception, ""),
     }

@@ -237,8 +237,15 @@ def test_nxds_newer_keywords() -> None:
     d = NxDConfig(context_parallel_size=1, lnc_size=2).to_nxd()
     assert (d["context_parallel_size"], d["lnc_size"]) == (1, 2)
     assert NxDConfig.from_nxd(d).lnc_size == 2
-    with pytest.raises(NotImplementedError, match=r"context_parallel_size=4"):
-        NxDConfig(context_parallel_size=4)
+    cp = NxDConfig(context_parallel_size=4, context_parallel_algorithm="all_to_all")
+    assert cp.to_nxd()["context_parallel_algorithm"] == "all_to_all"
+    assert NxDConfig.from_nxd(cp.to_nxd()).context_parallel_size == 4
+    with pytest.raises(ValueError, match=r"context_parallel_size=4 with pipeline_parallel"):
+        NxDConfig(
+            context_parallel_size=4,
+            pipeline_parallel_size=2,
+            pipeline_config={"pipeline_cuts": ["layers.0"]},
+        )
     fill = _with_move_factor(None, 3)
     assert ModelInitConfig.from_nxd(fill).sequential_move_factor == 3
     assert _with_move_factor({"meta_device_init": False}, 5)["sequential_move_factor"] == 5

@@ -8,6 +8,10 @@ parallel with ``sequence_parallel``), then filled like any meta-device model: by
 (PP > 1), which here reads each rank's part of the model's own weights, or of the folder a
 model built under ``lazy_load_for_parallelism`` came from; tensors without a source (a
 model built on ``meta`` by ``meta_device_init``) go to the config's ``param_init_fn``.
+
+At ``context_parallel_size > 1`` (any TP) the model must be such a model, and its attention
+modules are marked to attend over the whole sequence split across the CP group
+(:mod:`nxd_trainer._context_parallel`).
 """
 
 from __future__ import annotations
@@ -35,6 +39,20 @@ def prepare_hf_model(config: NxDConfig, model: nn.Module, info: ModelInfo) -> An
     """Swap ``model``'s layers when the rules above say so; returns the fill plan (its
     ``init_fn`` is the param_init_fn to use, ``leaves`` the pipeline's extra leaf classes),
     or None when the model is left as it is."""
+    if config.context_parallel_size > 1:
+        from nxd_trainer._context_parallel import (
+            check_context_parallel_model,
+            enable_context_parallel,
+        )
+
+        parallelizer = check_context_parallel_model(model, config)
+        plan = _prepare_tp(config, model, info)
+        enable_context_parallel(model, parallelizer, config.context_parallel_algorithm)
+        return plan
+    return _prepare_tp(config, model, info)
+
+
+def _prepare_tp(config: NxDConfig, model: nn.Module, info: ModelInfo) -> Any:
     if not (config.parallelize_hf_models and info.is_hf and config.tensor_parallel_size > 1):
         return None
     if _already_parallel(model):

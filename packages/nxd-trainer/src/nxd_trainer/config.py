@@ -45,6 +45,7 @@ NXD_KEYS = (
     "pipeline_parallel_size",
     "expert_parallel_size",
     "context_parallel_size",
+    "context_parallel_algorithm",
     "pipeline_config",
     "optimizer_config",
     "activation_checkpoint_config",
@@ -91,8 +92,17 @@ class NxDConfig:
     """Newer NxD's expert parallelism: accepted for compatibility, only 1 is supported."""
 
     context_parallel_size: int = 1
-    """Newer NxD's context parallelism: accepted for compatibility, only 1 is supported (a
-    larger value raises :class:`NotImplementedError` naming it, on every rank)."""
+    """Newer NxD's context parallelism: every sequence split over ``context_parallel_size``
+    ranks (the ``[PP, DP, CP, TP]`` layout), for a Hugging Face causal LM of a registered
+    family (Llama, Mistral, Qwen2, Qwen3): ``NxDModel`` splits its inputs, positions and labels,
+    its attention runs over the whole sequence, its loss is the whole sequence's mean, and the
+    optimizer wrapper averages gradients over DP x CP. PP = 1, no LoRA."""
+
+    context_parallel_algorithm: str = "ring"
+    """nxd: the context-parallel attention, ``"ring"`` (K/V blocks passed around the ring,
+    zigzag split: the sequence length must divide by ``2 x context_parallel_size``) or
+    ``"all_to_all"`` (sequence <-> heads: heads per TP rank must divide by
+    ``context_parallel_size``, and the sequence length by it)."""
 
     pipeline_config: PipelineConfig | None = None
     """:class:`~nxd_trainer.PipelineConfig` (NxDPPModel's arguments); used when PP > 1 (and its
@@ -150,12 +160,14 @@ class NxDConfig:
                 f"parallelism; only 1 is supported"
             )
         check_positive_int("config", "context_parallel_size", self.context_parallel_size)
-        if self.context_parallel_size != 1:
-            raise NotImplementedError(
-                f"context_parallel_size={self.context_parallel_size}: the trainer's models do "
-                f"not split sequences yet; use context_parallel_size=1 (the process groups, "
-                f"nxd_state.initialize_model_parallel(context_parallel_size=...), and the "
-                f"attention, nxd_layers.context_parallel, support CP > 1)"
+        from nxd_trainer._context_parallel import ALGORITHMS
+
+        if self.context_parallel_algorithm not in ALGORITHMS:
+            hint = closest(str(self.context_parallel_algorithm), list(ALGORITHMS))
+            raise ValueError(
+                f"context_parallel_algorithm must be one of {ALGORITHMS}, got "
+                f"{self.context_parallel_algorithm!r}"
+                + (f" (did you mean {hint!r}?)" if hint else "")
             )
         check_positive_int("config", "lnc_size", self.lnc_size)
         if not (isinstance(self.pad_model, bool) or self.pad_model == "head_aligned"):
@@ -194,6 +206,18 @@ class NxDConfig:
             raise ValueError(
                 f"pad_model=True is supported with pipeline_parallel_size=1 only (as in NxD), "
                 f"got pipeline_parallel_size={pp}"
+            )
+        cp = self.context_parallel_size
+        if cp > 1 and pp > 1:
+            raise ValueError(
+                f"context_parallel_size={cp} with pipeline_parallel_size={pp} is not supported "
+                f"yet: context parallelism runs at pipeline_parallel_size=1 (with any TP, DP, "
+                f"ZeRO-1, sequence parallelism)"
+            )
+        if cp > 1 and self.lora_enabled:
+            raise ValueError(
+                f"lora_config with context_parallel_size={cp} is not supported yet: LoRA runs "
+                f"at context_parallel_size=1"
             )
         init = self.model_init_config
         pipe = self.pipeline_config
@@ -262,11 +286,12 @@ class NxDConfig:
         return self.lora_config is not None
 
     def check_world(self, world_size: int) -> nxd_state.ParallelLayout:
-        """The ``[PP, DP, TP]`` layout on ``world_size`` ranks (the degrees must fit)."""
+        """The ``[PP, DP, CP, TP]`` layout on ``world_size`` ranks (the degrees must fit)."""
         return nxd_state.ParallelLayout(
             world_size=world_size,
             tensor_parallel_size=self.tensor_parallel_size,
             pipeline_parallel_size=self.pipeline_parallel_size,
+            context_parallel_size=self.context_parallel_size,
         )
 
     # NxD's dict ---------------------------------------------------------------------------
@@ -338,6 +363,7 @@ def neuronx_distributed_config(
     *,
     expert_parallel_size: int = 1,
     context_parallel_size: int = 1,
+    context_parallel_algorithm: str = "ring",
     sequential_move_factor: int = _DEFAULT_MOVE_FACTOR,
     lnc_size: int = 1,
     parallelize_hf_models: bool = True,
@@ -357,8 +383,9 @@ def neuronx_distributed_config(
     Lightning script before its ``Trainer`` starts the processes) nothing is created, as in NxD:
     ``initialize_parallel_model`` (or the Lightning strategy) builds the groups later.
 
-    NxD's newer keywords: ``context_parallel_size`` (1 only; more raises
-    :class:`NotImplementedError`), ``sequential_move_factor`` (fills
+    NxD's newer keywords: ``context_parallel_size`` (see
+    :attr:`NxDConfig.context_parallel_size`; nxd's ``context_parallel_algorithm`` picks
+    ``"ring"`` or ``"all_to_all"``), ``sequential_move_factor`` (fills
     ``model_init_config['sequential_move_factor']`` when the section lacks it; a different
     non-default value in both is an error) and ``lnc_size`` (validated; no effect off
     Trainium). nxd's keywords: ``expert_parallel_size`` (1 only) and ``parallelize_hf_models``
@@ -374,6 +401,7 @@ def neuronx_distributed_config(
         pipeline_parallel_size=pipeline_parallel_size,
         expert_parallel_size=expert_parallel_size,
         context_parallel_size=context_parallel_size,
+        context_parallel_algorithm=context_parallel_algorithm,
         pipeline_config=pipeline_config,
         optimizer_config=optimizer_config,
         activation_checkpoint_config=activation_checkpoint_config,

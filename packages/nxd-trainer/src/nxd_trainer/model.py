@@ -62,6 +62,9 @@ class NxDModel(nn.Module):
         # the config says no optimizer wrapper) or None: the optimizer if one claims this model.
         self.dp_reduction: str | None = {True: "optimizer", False: "pipeline", None: None}[flag]
         self.optimizer_claimed = False
+        # Context parallelism: the algorithm whose split run_train/run_eval/forward apply.
+        cp = nxd_config.context_parallel_size > 1
+        self.cp_algorithm = nxd_config.context_parallel_algorithm if cp else None
         self.train()
         _MODELS.add(self)
 
@@ -89,6 +92,7 @@ class NxDModel(nn.Module):
         """
         self.train()
         if not self.pp_enabled:
+            args, kwargs = self._cp_split(args, kwargs)
             spec = self._loss_spec()
             loss = select_loss(self.module(*args, **kwargs), spec)
             loss.backward()
@@ -105,6 +109,7 @@ class NxDModel(nn.Module):
         or, at PP = 1, the model's output."""
         self.eval()
         if not self.pp_enabled:
+            args, kwargs = self._cp_split(args, kwargs)
             with torch.no_grad():
                 return self.module(*args, **kwargs)
         return self._loss_out(self.module.run_eval(**self._pipeline_inputs(args, kwargs)))
@@ -115,7 +120,21 @@ class NxDModel(nn.Module):
                 "with pipeline parallelism the model runs whole steps: call "
                 "model.run_train(...) (forward + backward) or model.run_eval(...)"
             )
+        args, kwargs = self._cp_split(args, kwargs)
         return self.module(*args, **kwargs)
+
+    def _cp_split(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """At context parallelism: this CP rank's inputs (whole sequences in, its slice out:
+        ``nxd_trainer._context_parallel``); the outputs (logits, hidden states) are then this
+        rank's tokens, in the split's order, and the loss is the whole sequence's mean once
+        averaged over CP."""
+        if self.cp_algorithm is None:
+            return args, kwargs
+        from nxd_trainer._context_parallel import split_context_parallel_inputs
+
+        return (), split_context_parallel_inputs(args, kwargs, self.cp_algorithm)
 
     # Pipeline helpers ---------------------------------------------------------------------
     def _loss_spec(self) -> Any:

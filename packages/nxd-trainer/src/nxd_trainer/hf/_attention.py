@@ -73,6 +73,15 @@ class ParallelAttentionMixin:
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, n, S, hd)
         cos, sin = position_embeddings
         q, k = family.apply_rotary_pos_emb(q, k, cos, sin)
+        algorithm = getattr(self, "_nxd_cp_algorithm", None)
+        if algorithm is not None:
+            if past_key_values is not None:
+                raise ValueError(
+                    "context parallelism trains on whole sequences: a KV cache "
+                    "(past_key_values, use_cache=True) is not supported"
+                )
+            out = self._nxd_context_parallel(q, k, v, algorithm)
+            return getattr(self, self._nxd_o)(out.reshape(b, s, -1).contiguous()), None
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)  # type: ignore[attr-defined]
         config = self.config  # type: ignore[attr-defined]
@@ -96,6 +105,32 @@ class ParallelAttentionMixin:
             )
         out = out.reshape(b, s, -1).contiguous()  # (B, S, nh_local·hd)
         return getattr(self, self._nxd_o)(out), weights
+
+    def _nxd_context_parallel(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, algorithm: str
+    ) -> torch.Tensor:
+        """Causal attention of this rank's tokens against the whole sequence, split over the
+        context-parallel group (``nxd_trainer._context_parallel``); ``(B, S_local, n, hd)``.
+        The attention mask is not read: the inputs were checked to hold no padding, and the
+        causal mask is applied by global position inside the ring / all-to-all."""
+        from nxd_layers.context_parallel import all_to_all_attention, ring_attention
+
+        state = nxd_state.get_parallel_state()
+        group, cp = state.context_parallel_group, state.context_parallel_size
+        config = self.config  # type: ignore[attr-defined]
+        window = getattr(self, "sliding_window", getattr(config, "sliding_window", None))
+        seq_len = q.shape[2] * cp
+        if window is not None and window < seq_len:
+            raise ValueError(
+                f"sliding_window={window} below the sequence length {seq_len}: context-parallel "
+                f"attention is full causal attention; use sequences of at most {window} tokens"
+            )
+        scale = self.scaling  # type: ignore[attr-defined]
+        if algorithm == "ring":
+            out = ring_attention(q, k, v, group, causal=True, scale=scale)
+        else:
+            out = all_to_all_attention(q, k, v, group, causal=True, scale=scale, zigzag=False)
+        return out.transpose(1, 2)
 
 
 def _head_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,7 @@ from typing import Any, NoReturn
 from nxd_trainer.train import _signals
 from nxd_trainer.train.config import (
     CHECKPOINTING,
+    CP_ALGORITHMS,
     DEVICES,
     SCHEDULES,
     ConfigError,
@@ -45,6 +46,7 @@ EXAMPLES = """\
 examples:
   nxd-train                                  tiny Llama, TP=2 on 2 CPU processes, stdlib corpus
   nxd-train --tp 2 --pp 2 --nproc-per-node 4 --microbatches 2
+  nxd-train --tp 1 --cp 2 --seq-len 1024     (each sequence split over 2 ranks: ring attention)
   nxd-train --tp 1 --zero1 --data notes/ --name notes
   nxd-train --model ./llama-folder --lora-rank 8 --data corpus.txt --tokenizer ./llama-folder
   nxd-train --config run.toml --steps 1000   (flags override the TOML file)
@@ -67,7 +69,12 @@ GROUPS = {
     "parallelism and numerics": "tp",
     "progress, evaluation, checkpoints, export": "eval_every",
 }
-CHOICES = {"schedule": SCHEDULES, "activation_checkpointing": CHECKPOINTING, "device": DEVICES}
+CHOICES = {
+    "schedule": SCHEDULES,
+    "activation_checkpointing": CHECKPOINTING,
+    "device": DEVICES,
+    "cp_algorithm": CP_ALGORITHMS,
+}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -275,7 +282,9 @@ def _launcher(cfg: TrainConfig, argv: list[str]) -> int:
             os.environ[RESUME_ENV] = point.tag if point is not None else ""  # verified here
             print(
                 f"nxd-train: starting {cfg.nproc_per_node} worker(s) on this node (world "
-                f"{cfg.world_size}, tp={cfg.tp} pp={cfg.pp} dp={dp})",
+                f"{cfg.world_size}, tp={cfg.tp} pp={cfg.pp}"
+                + (f" cp={cfg.cp} ({cfg.cp_algorithm})" if cfg.cp > 1 else "")
+                + f" dp={dp})",
                 file=sys.stderr,
             )
             code = launch(cfg, argv)

@@ -4,7 +4,7 @@ Values are resolved in three layers, each overriding the one before: the field d
 TOML file (``--config run.toml``, flat ``key = value`` pairs named as the fields), then the
 command-line flags (``--tp 2`` for ``tp``). :meth:`TrainConfig.__post_init__` checks every
 value on its own; :meth:`TrainConfig.check_world` checks what depends on the world size
-(``world = tp · pp · dp``), so both fail on every rank before any process group exists.
+(``world = tp · pp · cp · dp``), so both fail on every rank before any process group exists.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ PRESETS = ("tiny", "small")
 # per rank: the main job does not offer them).
 SCHEDULES = ("gpipe", "1f1b", "zb_h1")
 CHECKPOINTING = ("none", "full", "selective")
+CP_ALGORITHMS = ("ring", "all-to-all")
 DEVICES = ("cpu", "cuda", "xla")
 MAX_VOCAB = 1 << 20
 # A million sequences per step, or of tokens per sequence, is beyond any run (Llama 3 stepped
@@ -213,6 +214,19 @@ class TrainConfig:
         "Pipeline-parallel degree (layers cut into ``pp`` even stages).",
     )
 
+    cp: int = setting(
+        1,
+        """Context-parallel degree: every sequence split over ``cp`` ranks (attention over the
+        whole sequence by ``cp_algorithm``); ``pp`` = 1 and no LoRA.""",
+    )
+
+    cp_algorithm: str = setting(
+        "ring",
+        """Context-parallel attention: ``ring`` (K/V passed around the ring, zigzag split:
+        ``seq_len`` divisible by 2·``cp``) or ``all-to-all`` (sequence <-> heads: ``seq_len``
+        and the heads per TP rank divisible by ``cp``).""",
+    )
+
     microbatches: int = setting(
         1,
         "Pipeline micro-batches per micro-step (``pp`` > 1); the per-rank batch must divide.",
@@ -312,6 +326,7 @@ class TrainConfig:
             "nnodes",
             "tp",
             "pp",
+            "cp",
             "microbatches",
             "eval_batches",
             "save_every",
@@ -347,6 +362,7 @@ class TrainConfig:
                 raise ConfigError(f"{name} must be a non-empty string or unset, got {value!r}")
         _choice("schedule", self.schedule, SCHEDULES)
         _choice("activation_checkpointing", self.activation_checkpointing, CHECKPOINTING)
+        _choice("cp_algorithm", self.cp_algorithm, CP_ALGORITHMS)
         if self.device is not None:
             _choice("device", self.device, DEVICES)
         for name in ("zero1", "sequence_parallel", "bf16", "compile", "export", "progress"):
@@ -369,8 +385,42 @@ class TrainConfig:
             raise ConfigError(f"LoRA (lora_rank={self.lora_rank}) needs pp=1, got pp={self.pp}")
         if self.pp == 1 and self.microbatches > 1:
             raise ConfigError(f"microbatches={self.microbatches} needs pp > 1 (got pp=1)")
+        if self.cp > 1:
+            self._check_context_parallel()
         if self.nnodes > 1 and self.rdzv_endpoint is None:
             raise ConfigError(f"nnodes={self.nnodes} needs rdzv_endpoint (host:port)")
+
+    def _check_context_parallel(self) -> None:
+        """What ``cp`` > 1 needs from the other settings (the heads: ``model.hf_config``)."""
+        chunks = 2 * self.cp if self.cp_algorithm == "ring" else self.cp
+        if self.seq_len % chunks:
+            what = (
+                f"2 x cp({self.cp}) = {chunks} (the ring's zigzag split)"
+                if self.cp_algorithm == "ring"
+                else f"cp({self.cp})"
+            )
+            raise ConfigError(
+                f"seq_len {self.seq_len} is not divisible by {what}; use a seq_len that is a "
+                f"multiple of {chunks}"
+            )
+        if self.sequence_parallel and (self.seq_len // self.cp) % self.tp:
+            raise ConfigError(
+                f"sequence_parallel splits each context-parallel rank's {self.seq_len // self.cp}"
+                f" tokens (seq_len {self.seq_len} / cp {self.cp}) over tp({self.tp}), which "
+                f"does not divide them"
+            )
+        for name, bad in (("pp", self.pp > 1), ("lora_rank", self.lora_rank > 0),
+                          ("compile", self.compile)):  # fmt: skip
+            if bad:
+                raise ConfigError(
+                    f"cp={self.cp} with {name}={getattr(self, name)!r} is not supported yet: "
+                    f"context parallelism runs at pp=1, without LoRA, without --compile"
+                )
+
+    @property
+    def cp_algorithm_name(self) -> str:
+        """``cp_algorithm`` as ``NxDConfig.context_parallel_algorithm`` spells it."""
+        return self.cp_algorithm.replace("-", "_")
 
     # ------------------------------------------------------------------------------------
     @property
@@ -386,12 +436,14 @@ class TrainConfig:
     def check_world(self, world: int) -> int:
         """The data-parallel degree at ``world`` processes; an error when the degrees, the
         batch or the micro-batches do not fit."""
-        if world % (self.tp * self.pp):
+        model_parallel = self.tp * self.pp * self.cp
+        if world % model_parallel:
+            cp = f" x cp({self.cp})" if self.cp > 1 else ""
             raise ConfigError(
-                f"tp({self.tp}) x pp({self.pp}) = {self.tp * self.pp} does not divide the "
+                f"tp({self.tp}) x pp({self.pp}){cp} = {model_parallel} does not divide the "
                 f"world size {world} (nnodes x nproc_per_node)"
             )
-        dp = world // (self.tp * self.pp)
+        dp = world // model_parallel
         per_rank = self.batch_size / (dp * self.grad_accum)
         if per_rank != int(per_rank):
             raise ConfigError(

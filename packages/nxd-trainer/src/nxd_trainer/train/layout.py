@@ -1,6 +1,7 @@
 """``nxd-train --dry-run``: the resolved layout, computed without any process or weight.
 
-* rank -> (PP, DP, TP) coordinates on NxD's ``[PP, DP, TP]`` mesh (TP innermost);
+* rank -> (PP, DP, TP) coordinates on NxD's ``[PP, DP, TP]`` mesh (TP innermost), and CP
+  between DP and TP (``[PP, DP, CP, TP]``) with ``cp`` > 1 (parameters are replicated over CP);
 * parameters held by each rank: the model is built on the ``meta`` device; a parameter lives
   on the pipeline stage of its layer (embedding on the first, final norm and head on the
   last; the cuts are the run's even cuts), and the parallelizer's TP layers (attention and
@@ -64,14 +65,19 @@ def format_layout(cfg: TrainConfig, config: Any, vocab_note: str = "") -> str:
     world = cfg.world_size
     dp = cfg.check_world(world)
     layout = ParallelLayout(
-        world_size=world, tensor_parallel_size=cfg.tp, pipeline_parallel_size=cfg.pp
+        world_size=world,
+        tensor_parallel_size=cfg.tp,
+        pipeline_parallel_size=cfg.pp,
+        context_parallel_size=cfg.cp,
     )
     per_stage = parameters_per_stage(cfg, config)
     total = sum(p.numel() for p in _full_model(config).parameters())
     micro = cfg.batch_size // (dp * cfg.grad_accum)
     lines = [
         f"nxd-train dry run: {cfg.nnodes} node(s) x {cfg.nproc_per_node} process(es) = world "
-        f"{world}; tp={cfg.tp} pp={cfg.pp} dp={dp}"
+        f"{world}; tp={cfg.tp} pp={cfg.pp}"
+        + (f" cp={cfg.cp} ({cfg.cp_algorithm})" if cfg.cp > 1 else "")
+        + f" dp={dp}"
         + (" zero1" if cfg.zero1 else "")
         + (" sequence-parallel" if cfg.sequence_parallel else "")
         + (" bf16" if cfg.bf16 else ""),
@@ -81,15 +87,19 @@ def format_layout(cfg: TrainConfig, config: Any, vocab_note: str = "") -> str:
         f"batch: {cfg.batch_size} sequences x {cfg.seq_len} tokens per step = "
         f"{cfg.batch_size * cfg.seq_len:,} tokens; per rank {micro} sequences x "
         f"{cfg.grad_accum} accumulation step(s)"
+        + (f", {cfg.seq_len // cfg.cp} tokens of each on a CP rank" if cfg.cp > 1 else "")
         + (f" in {cfg.microbatches} micro-batches" if cfg.pp > 1 else ""),
         "",
-        f"{'rank':>5} {'node':>5} {'pp':>3} {'dp':>3} {'tp':>3} {'parameters':>12}",
+        f"{'rank':>5} {'node':>5} {'pp':>3} {'dp':>3}"
+        + (f" {'cp':>3}" if cfg.cp > 1 else "")
+        + f" {'tp':>3} {'parameters':>12}",
     ]
     for rank in range(world):
         c = layout.coordinates(rank)
         lines.append(
-            f"{rank:>5} {rank // cfg.nproc_per_node:>5} {c.pp:>3} {c.dp:>3} {c.tp:>3} "
-            f"{per_stage[c.pp]:>12,}"
+            f"{rank:>5} {rank // cfg.nproc_per_node:>5} {c.pp:>3} {c.dp:>3}"
+            + (f" {c.cp:>3}" if cfg.cp > 1 else "")
+            + f" {c.tp:>3} {per_stage[c.pp]:>12,}"
         )
     if cfg.pp > 1:
         from nxd_pipeline import build_schedule, format_grid

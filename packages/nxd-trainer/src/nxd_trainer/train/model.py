@@ -96,12 +96,26 @@ def hf_config(cfg: TrainConfig, vocab: int, tokenizer: Any = None) -> Any:
     heads = config.num_attention_heads
     if heads % cfg.tp:
         raise ConfigError(f"tp({cfg.tp}) does not divide the model's {heads} attention heads")
+    if cfg.cp > 1 and cfg.cp_algorithm == "all-to-all":
+        _check_all_to_all_heads(cfg, config)
     if cfg.pp > config.num_hidden_layers:
         raise ConfigError(f"pp({cfg.pp}) exceeds the model's {config.num_hidden_layers} layers")
     config._attn_implementation = "sdpa"
     if tokenizer is not None:
         _special_ids_from(tokenizer, config)
     return config
+
+
+def _check_all_to_all_heads(cfg: TrainConfig, config: Any) -> None:
+    """All-to-all attention splits each TP rank's query and K/V heads over ``cp``."""
+    from nxd_trainer._context_parallel import check_heads
+    from nxd_trainer.hf._swap import layout_for
+
+    layout = layout_for(config, cfg.tp, None)
+    try:
+        check_heads(layout.local_heads, layout.local_kv_heads, cfg.cp, "all_to_all", cfg.tp)
+    except ValueError as error:
+        raise ConfigError(f"cp_algorithm='all-to-all': {error}") from None
 
 
 def _special_ids_from(tokenizer: Any, config: Any) -> None:
@@ -180,6 +194,8 @@ def build_nxd_config(cfg: TrainConfig, config: Any) -> dict[str, Any]:
     return nxd.neuronx_distributed_config(
         tensor_parallel_size=cfg.tp,
         pipeline_parallel_size=cfg.pp,
+        context_parallel_size=cfg.cp,
+        context_parallel_algorithm=cfg.cp_algorithm_name,
         pipeline_config=pipeline_config,
         optimizer_config={
             "zero_one_enabled": cfg.zero1,
