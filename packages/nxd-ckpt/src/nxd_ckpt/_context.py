@@ -54,6 +54,16 @@ def current_context() -> RankContext:
 
     if distributed and model_parallel_is_initialized():
         state = get_parallel_state()
+        if state.expert_model_parallel_size > 1:
+            # Expert parameters differ along the EP ranks of a DP group, so "one DP replica
+            # writes" would drop every expert but rank 0's: refuse rather than lose them.
+            raise NotImplementedError(
+                f"checkpoints at expert_model_parallel_size={state.expert_model_parallel_size}: "
+                "expert parameters are not replicated over data parallelism and nxd-ckpt "
+                "does not shard them over EP yet (issue #30); save at EP=1"
+            )
+        # The replica axis is DP x CP: weights are replicated over both alike and ZeRO-1
+        # shards its state over both (so the DP x CP rank names a replica's files).
         return RankContext(
             rank=rank,
             world_size=world,
@@ -61,8 +71,8 @@ def current_context() -> RankContext:
             tp_size=state.tensor_parallel_size,
             pp_rank=state.pipeline_parallel_rank,
             pp_size=state.pipeline_parallel_size,
-            dp_rank=state.data_parallel_rank,
-            dp_size=state.data_parallel_size,
+            dp_rank=state.data_context_parallel_ranks.index(rank),
+            dp_size=state.data_context_parallel_size,
             local_rank=local_rank,
             distributed=True,
         )
