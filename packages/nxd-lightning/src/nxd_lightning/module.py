@@ -380,9 +380,9 @@ class NeuronLTModule(LightningModule):
         self.global_norm = getattr(optimizer.optimizer, "grad_norm", None)
         optimizer.zero_grad()
         scheduler = self.lr_schedulers()
-        for each in scheduler if isinstance(scheduler, list) else [scheduler]:
-            if each is not None:
-                each.step()
+        assert not isinstance(scheduler, list), "NeuronLTModule configures one scheduler"
+        if scheduler is not None:
+            scheduler.step()
         assert self.averaged_loss is not None
         held = self.averaged_loss if self._holds_loss else None
         self.loss = reduce_step_loss(held, self.log_rank0)
