@@ -58,6 +58,10 @@ XLA_THIRD_PARTY = [
     "filelock",
     "tomli-w",
 ]
+# The packages `lint` type-checks (mypy, [tool.mypy] in the root pyproject), each at zero
+# errors. nxd-state, nxd-layers, nxd-pipeline and nxd-trainer are being brought to zero in #26
+# and join this list (and [tool.mypy]'s strict override) as they get there.
+MYPY_PACKAGES = ["nxd_optim", "nxd_lora", "nxd_ckpt", "nxd_lightning"]
 # Extras a package's own tests need (nxd-trainer's tests run the nxd-train command).
 TEST_EXTRAS = {"nxd-trainer": ["train"]}
 # One point inside the declared ranges, between the floors (`lowest`) and the lock (`tests-*`).
@@ -336,14 +340,17 @@ def reliability(session: nox.Session) -> None:
 
 @nox.session(tags=["ci"])
 def lint(session: nox.Session) -> None:
-    """ruff and the import contracts at the locked versions (the root `dev` group), and the
-    sources' release checks.
+    """ruff, the type checker and the import contracts at the locked versions (the root `dev`
+    group), and the sources' release checks.
 
-    ruff and import-linter from the lock, so local and CI agree; smoke/check_release.py: every
-    import declared, the LICENSE copies, no relative link in a README that ships on the index."""
-    _sync(session, "--only-group", "dev")
+    ruff, mypy and import-linter from the lock, so local and CI agree; smoke/check_release.py:
+    every import declared, the LICENSE copies, no relative link in a README that ships on the
+    index. mypy reads torch's, Lightning's and transformers' own types, so the whole workspace
+    is installed (MYPY_PACKAGES are checked; their siblings are analysed for types only)."""
+    _sync(session, "--all-packages", "--group", "dev")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+    session.run("mypy", *(arg for name in MYPY_PACKAGES for arg in ("-p", name)))
     # The import contracts (root pyproject: the package edge, no circle inside a package) read
     # the sources statically: they need the packages findable, not installed.
     sources = [str(path) for path in sorted((ROOT / "packages").glob("*/src"))]

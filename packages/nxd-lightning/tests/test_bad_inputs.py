@@ -156,3 +156,29 @@ def test_retention_removes_only_checkpoints_this_plugin_saved(
     assert (tmp_path / "last.ckpt").read_text() == "a plain Lightning checkpoint file"
     assert (tmp_path / "other.ckpt" / "done").exists()
     assert (tmp_path / "link.ckpt").is_symlink()
+
+
+def test_hooks_callback_needs_the_module_model_to_be_a_module() -> None:
+    """The callback hooks layers of ``pl_module.model``: anything else is named, not hooked."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch import LightningModule
+
+    from nxd_lightning import NeuronHooksCallback
+
+    cfg = SimpleNamespace(
+        hooks=True,
+        master_print_model_layers=False,
+        target_layers="layer",
+        dump_only_master_rank=False,
+        dump_only_norms=True,
+        hooks_interval=1,
+        enable_activation_dumps=True,
+        enable_grad_dumps=False,
+        enable_tb_logging_master_rank_activation_norms=False,
+        enable_tb_logging_master_rank_grad_norms=False,
+    )
+    module = LightningModule()
+    module.model = "not a module"
+    with pytest.raises(TypeError, match=r"LightningModule\.model is a str"):
+        NeuronHooksCallback(cfg).on_train_start(Trainer(logger=False), module)

@@ -269,3 +269,12 @@ def test_bad_targets_and_unsupported_layers_raise() -> None:
         LoRAModel(conv, LoraConfig(lora_rank=2, target_modules=["0"]))
     with pytest.raises(TypeError, match=r"must be a nxd_lora\.LoraConfig"):
         LoRAModel(Toy(), {"lora_rank": 2})  # type: ignore[arg-type]
+
+
+def test_lora_layers_refuses_a_replaced_lora_module() -> None:
+    """A LoRA layer swapped out after injection is named, not handed back as a LoRA layer."""
+    model = LoRAModel(nn.Sequential(nn.Linear(4, 4)), LoraConfig(lora_rank=2, target_modules=["0"]))
+    assert list(model.lora_layers()) == ["0"]
+    model.module.set_submodule("0", nn.Linear(4, 4))
+    with pytest.raises(TypeError, match=r"module '0' is a Linear, no longer LoRA"):
+        model.lora_layers()

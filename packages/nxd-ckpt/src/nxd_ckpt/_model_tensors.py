@@ -86,18 +86,20 @@ def declared_parts(
     if not declared or local not in declared:
         return None
     what = f"{prefix}.{local}" if prefix else local
-    parts = tuple(declared[local])
-    if not parts or not all(isinstance(p, StoredPart) for p in parts):
+    listed = tuple(declared[local])
+    parts = tuple(p for p in listed if isinstance(p, StoredPart))
+    if not parts or len(parts) != len(listed):
         raise TypeError(
             f"{what}: {CHECKPOINT_PARTS} must map it to a non-empty tuple of "
-            f"nxd_ckpt.StoredPart, got {parts!r}"
+            f"nxd_ckpt.StoredPart, got {listed!r}"
         )
     total = spec.global_shape[0] if spec.global_shape else 0
-    if len(parts) == 1 and parts[0].rows is None:
+    counts = [p.rows for p in parts]
+    if len(parts) == 1 and counts[0] is None:
         rows = [total]
     else:
-        rows = [p.rows for p in parts]  # type: ignore[misc]
-        if None in rows or sum(rows) != total:
+        rows = [count for count in counts if count is not None]
+        if len(rows) != len(counts) or sum(rows) != total:
             raise ValueError(
                 f"{what}: declared parts of {[p.rows for p in parts]} rows do not add up to "
                 f"its global tensor's {total} rows (shape {spec.global_shape})"

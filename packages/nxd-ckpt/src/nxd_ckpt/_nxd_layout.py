@@ -141,7 +141,9 @@ def saved_spec(
         sharded = getattr(target, "tensor_model_parallel", False)
         saved_size = shape[padding.dim] * (size if sharded else 1)
         if saved_size != padding.unpadded_size:
-            probe.tensor_parallel_padding = type(padding)(
+            # An ad-hoc attribute, as nxd_layers.pad_model marks it: torch's Tensor stubs
+            # declare no such attribute.
+            probe.tensor_parallel_padding = type(padding)(  # type: ignore[attr-defined]
                 padding.dim, padding.unpadded_size, saved_size, "per_rank", size
             )
     layout = layouts.get(prefix)

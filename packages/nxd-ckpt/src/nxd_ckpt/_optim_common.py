@@ -193,6 +193,14 @@ class OptimizerView:
         assert self.inner is not None
         return type(self.inner).__name__
 
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The param groups over the model's parameters (``plain``: the inner optimizer's)."""
+        if self.kind == "zero1":
+            return self.optimizer.param_groups
+        assert self.inner is not None
+        return self.inner.param_groups
+
     def name_of(self, param: torch.Tensor) -> str:
         try:
             return self.names[id(param)]

@@ -73,7 +73,9 @@ class _Saved:
     def scalars(self, name: str) -> dict[str, Any]:
         return {k: decode_scalar(v) for k, v in self.meta["scalars"].get(name, {}).items()}
 
-    def hyper(self, names: list[str], position: int, count: int, current: dict[str, Any]):
+    def hyper(
+        self, names: list[str], position: int, count: int, current: dict[str, Any]
+    ) -> dict[str, Any]:
         for name in names:
             if name in self.group_of:
                 return _jsonstate.decode(

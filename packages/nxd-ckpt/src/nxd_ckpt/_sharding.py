@@ -21,8 +21,9 @@ exports without the padding.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, TypeGuard
 
 import torch
 from torch import nn
@@ -132,7 +133,21 @@ def _partitioned(
     return ShardSpec(tuple(global_shape), blocks, tp_replicated=False, info=info)
 
 
-def _replica_rows(module: nn.Module) -> list[int]:
+class GQALayout(Protocol):
+    """What nxd-ckpt reads of a GQA QKV projection (nxd_layers' layer or one with NxD's
+    attributes): ``output_sizes = [q_size, kv_size]``, the KV replication and the fusion."""
+
+    @property
+    def output_sizes(self) -> Sequence[int]: ...
+
+    @property
+    def kv_size_multiplier(self) -> int: ...
+
+    @property
+    def fuse_qkv(self) -> bool: ...
+
+
+def _replica_rows(module: GQALayout) -> list[int]:
     """For each row of the replicated K (or V) projection, its row in the unreplicated one.
 
     nxd_layers' GQA layer says so itself (``kv_replica_rows()``: head by head); a layer
@@ -201,7 +216,7 @@ def gqa_spec(
 
 
 def _gqa_spec(
-    module: nn.Module, local_name: str, local_shape: tuple[int, ...], rank: int, tp: int
+    module: GQALayout, local_name: str, local_shape: tuple[int, ...], rank: int, tp: int
 ) -> ShardSpec:
     """:func:`gqa_spec` with the layout of ``module`` (a GQA QKV projection)."""
     q_size, kv_size = (int(s) for s in module.output_sizes)
@@ -240,7 +255,7 @@ def _unpadded(spec: ShardSpec, padding: Any, what: str) -> ShardSpec:
     return ShardSpec(tuple(shape), blocks, spec.tp_replicated, info, spec.rank_local, padded=spec)
 
 
-def is_gqa(module: nn.Module | None) -> bool:
+def is_gqa(module: object) -> TypeGuard[GQALayout]:
     """Whether ``module`` is a GQA QKV projection (by the attributes nxd-ckpt reads)."""
     return module is not None and all(
         hasattr(module, name) for name in ("kv_size_multiplier", "output_sizes", "fuse_qkv")
@@ -277,7 +292,7 @@ def _padded_spec(
     if not getattr(tensor, "tensor_model_parallel", False):
         return ShardSpec(shape, [Block(Box.whole(shape), (0,) * len(shape))], tp_replicated=True)
     if is_gqa(module) and local_name.startswith(("weight_", "bias_")):
-        return _gqa_spec(module, local_name, shape, tp_rank, tp_size)  # type: ignore[arg-type]
+        return _gqa_spec(module, local_name, shape, tp_rank, tp_size)
     dim = int(getattr(tensor, "partition_dim", 0))
     stride = int(getattr(tensor, "partition_stride", 1))
     if not shape:
@@ -308,11 +323,12 @@ def part_spec(spec: ShardSpec, start: int, rows: int, what: str) -> ShardSpec:
         lo, hi = max(g, start), min(g + n, start + rows)
         if lo >= hi:
             continue
-        local_offsets, shape = list(block.local.offsets), list(block.local.shape)
+        local_offsets, local_shape = list(block.local.offsets), list(block.local.shape)
         local_offsets[0] += lo - g
-        shape[0] = hi - lo
+        local_shape[0] = hi - lo
         global_offsets = (lo - start, *block.global_offsets[1:])
-        blocks.append(Block(Box(tuple(local_offsets), tuple(shape)), global_offsets, block.primary))
+        local = Box(tuple(local_offsets), tuple(local_shape))
+        blocks.append(Block(local, global_offsets, block.primary))
     shape = (rows, *spec.global_shape[1:])
     return ShardSpec(shape, blocks, spec.tp_replicated, dict(spec.info))
 

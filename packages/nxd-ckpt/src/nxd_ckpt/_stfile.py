@@ -152,7 +152,8 @@ def as_bytes(tensor: torch.Tensor) -> memoryview:
     flat = tensor.reshape(-1)
     if not flat.is_contiguous() or flat.device.type != "cpu":
         raise ValueError("as_bytes needs a contiguous CPU tensor")
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    # numpy's stubs give ndarray its buffer protocol (__buffer__) only for Python 3.12+.
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
 
 
 def _write_all(fd: int, view: memoryview) -> None:

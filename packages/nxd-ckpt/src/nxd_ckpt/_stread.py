@@ -27,6 +27,7 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeGuard
 
 import torch
 
@@ -149,6 +150,7 @@ class SafetensorsFile:
 
     def rows(self, entry: Entry, start: int, stop: int) -> torch.Tensor:
         """Rows ``[start, stop)`` of ``entry`` (the whole tensor when 0-d)."""
+        shape: tuple[int, ...]
         if not entry.shape:
             offset, nbytes, shape = entry.begin, entry.end - entry.begin, ()
         else:
@@ -157,7 +159,9 @@ class SafetensorsFile:
             shape = (stop - start, *entry.shape[1:])
         buffer = torch.empty(nbytes, dtype=torch.uint8)
         if nbytes:
-            _pread_into(self.fd, memoryview(buffer.numpy()).cast("B"), offset, self.path)
+            # numpy's stubs give ndarray its buffer protocol (__buffer__) only for Python 3.12+.
+            view = memoryview(buffer.numpy()).cast("B")  # type: ignore[arg-type]
+            _pread_into(self.fd, view, offset, self.path)
         return buffer.view(entry.dtype).reshape(shape)
 
     def tensor(self, key: str) -> torch.Tensor:
@@ -168,7 +172,7 @@ class SafetensorsFile:
         self._closer()
 
 
-def _is_ints(value: object) -> bool:
+def _is_ints(value: object) -> TypeGuard[list[int]]:
     return isinstance(value, list) and all(
         isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
     )
@@ -243,8 +247,8 @@ class FileReader:
             piece = data[index * rows : (index + 1) * rows]
             if block >= len(chunk.crc32) or _crc_of(piece) != chunk.crc32[block]:
                 raise self._corrupt(chunk, block)
-        inner = slice(box.offsets[0] - start, box.offsets[0] - start + box.shape[0])
-        return data[(inner, *box.slices()[1:])]
+        rows_wanted = slice(box.offsets[0] - start, box.offsets[0] - start + box.shape[0])
+        return data[(rows_wanted, *box.slices()[1:])]
 
     def _plain(self, entry: Entry, box: Box) -> torch.Tensor:
         if not entry.shape:

@@ -81,7 +81,7 @@ def _info(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"{path} does not exist")
     if (path / INDEX_NAME).is_file() and not (path / INDEX_NAME).is_symlink() and args.tag is None:
         tag_dirs = [path]
-        listing = None
+        listing: list[dict[str, Any]] | None = None
     else:
         tags = _tags.list_tags(path)
         listing = [{"tag": t.name, "complete": t.complete} for t in reversed(tags)]
@@ -93,13 +93,9 @@ def _info(args: argparse.Namespace) -> int:
         if args.tag is not None and not chosen:
             _tags.resolve_tag_dir(path, args.tag)  # raises the precise error
         tag_dirs = [chosen[-1].path] if chosen else []
-    result = {
-        "tags": listing,
-        "newest_complete": [
-            _tag_summary(d, tensors=args.tensors, verify=args.verify) for d in tag_dirs
-        ],
-    }
-    damaged = any("damaged" in summary for summary in result["newest_complete"])
+    summaries = [_tag_summary(d, tensors=args.tensors, verify=args.verify) for d in tag_dirs]
+    result = {"tags": listing, "newest_complete": summaries}
+    damaged = any("damaged" in summary for summary in summaries)
     if args.json:
         print(json.dumps(result, indent=2))
         return 1 if damaged else 0
@@ -108,7 +104,7 @@ def _info(args: argparse.Namespace) -> int:
         for entry in listing:
             state = "complete" if entry["complete"] else "INCOMPLETE (no done marker)"
             print(f"  {entry['tag'] or '(root)':<24} {state}")
-    for summary in result["newest_complete"]:
+    for summary in summaries:
         if "damaged" in summary:
             print(f"tag {summary['tag']!r} at {summary['path']}: DAMAGED: {summary['damaged']}")
             continue

@@ -325,7 +325,9 @@ def hf_weight_files(source: Path) -> tuple[Path, list[str]]:
     )
 
 
-def hf_index(source: str | os.PathLike[str], name_map: NameMap | None = None):
+def hf_index(
+    source: str | os.PathLike[str], name_map: NameMap | None = None
+) -> tuple[Path, CheckpointIndex]:
     """(folder, in-memory index) of the safetensors weights of ``source``; every header is
     parsed and checked (an error names the file)."""
     folder, files = hf_weight_files(Path(source))

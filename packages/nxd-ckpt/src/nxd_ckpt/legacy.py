@@ -165,7 +165,7 @@ def _load_local(target: Any, state: dict[str, torch.Tensor], strict: bool) -> No
             local.tensor.copy_(state[local.name])
 
 
-def _unsharded_index(state: dict[str, torch.Tensor]):
+def _unsharded_index(state: dict[str, torch.Tensor]) -> tuple[CheckpointIndex, dict[str, Any]]:
     from nxd_ckpt.nxd_format import _TorchSource
 
     index = CheckpointIndex(tag="", save_id="", parallel={})

@@ -31,7 +31,9 @@ LLAMA_RULES: list[tuple[str, int]] = [
 """Partition dims of a Llama-family model by parameter name (others are replicated)."""
 
 
-def load_rules(rules: str | os.PathLike[str] | list[tuple[str, int]] | None):
+def load_rules(
+    rules: str | os.PathLike[str] | list[tuple[str, int]] | None,
+) -> list[tuple[str, int]]:
     """Name rules: ``"llama"``, a JSON file of ``[regex, dim]`` pairs, or the list itself."""
     if rules is None or rules == "llama":
         return LLAMA_RULES

@@ -18,6 +18,7 @@ positions to parameter names through the target optimizer, at the saved pipeline
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -139,6 +140,11 @@ class _TorchSource:
         self._loader = loader
         self._tensors: dict[str, torch.Tensor] | None = None
 
+    @classmethod
+    def holding(cls, tensors: dict[str, torch.Tensor]) -> _TorchSource:
+        """A source over tensors already in memory."""
+        return cls(lambda: tensors)
+
     @property
     def tensors(self) -> dict[str, torch.Tensor]:
         if self._tensors is None:
@@ -172,7 +178,15 @@ def _chunks(spec: ShardSpec, relative: str, key: str, t: int, p: int) -> list[Ch
     ]
 
 
-def _model_index(tag_dir: Path, model: Any, ctx: RankContext):
+def _model_index(
+    tag_dir: Path, model: Any, ctx: RankContext
+) -> tuple[
+    CheckpointIndex,
+    dict[str, _TorchSource],
+    int,
+    dict[str, torch.nn.Module],
+    dict[str, SavedGQA],
+]:
     from nxd_ckpt._model_tensors import _stages, model_tensors
 
     files = {(tp, pp): path for (dp, tp, pp), path in _scan(tag_dir / "model").items() if dp == 0}
@@ -180,7 +194,8 @@ def _model_index(tag_dir: Path, model: Any, ctx: RankContext):
         raise FileNotFoundError(f"{tag_dir}/model holds no dp_rank_00_tp_rank_XX_pp_rank_YY.pt")
     size = max(tp for tp, _ in files) + 1
     sources = {
-        f"model/{p.name}": _TorchSource(lambda p=p: torch_load_safe(p)) for p in files.values()
+        f"model/{p.name}": _TorchSource(functools.partial(torch_load_safe, p))
+        for p in files.values()
     }
     targets, _ = model_tensors(model, ctx)
     by_name = {local.name: local for local in targets}
@@ -220,9 +235,9 @@ def _optimizer_index(
     model: Any,
     ctx: RankContext,
     size: int,
-    modules: dict,
+    modules: dict[str, torch.nn.Module],
     layouts: dict[str, SavedGQA],
-):
+) -> tuple[dict[str, TensorRecord], dict[str, Any], dict[str, _TorchSource]]:
     """Optimizer state of an NxD tag as global tensors named ``<param>/<key>``."""
     files = _scan(tag_dir / "optim")
     if not files:
@@ -234,8 +249,7 @@ def _optimizer_index(
             f"saved pipeline degree {pp_saved} only (this run has {ctx.pp_size})"
         )
     view = resolve_optimizer(optimizer, model, ctx)
-    groups = view.optimizer.param_groups if view.kind == "zero1" else view.inner.param_groups
-    params = [view.model_param.get(id(p), p) for g in groups for p in g["params"]]
+    params = [view.model_param.get(id(p), p) for g in view.param_groups for p in g["params"]]
     names = [view.name_of(p) for p in params]
     targets = dict(zip(names, params))
     zero1 = any(dp > 0 for dp, _, _ in files)
@@ -249,7 +263,7 @@ def _optimizer_index(
             continue
         flat = _optimizer_tensors(states, zero1)
         relative = f"optim/tp{t:02d}"
-        sources[relative] = _TorchSource(lambda flat=flat: flat)
+        sources[relative] = _TorchSource.holding(flat)
         for key, tensor in flat.items():
             position, _, state_key = key.partition("/")
             if int(position) >= len(names):
@@ -278,17 +292,17 @@ def _optimizer_index(
             )
             record.chunks += _chunks(spec, relative, key, t, ctx.pp_rank)
         if t == 0:
-            position = 0
+            first = 0
             for group in states[0]["param_groups"]:
                 count = len(group["params"])
                 hyper = {k: v for k, v in group.items() if k != "params"}
                 meta["param_groups"].append(
                     {
                         "hyper": _jsonstate.encode(hyper, {}, "param_groups", "hyper-parameters"),
-                        "params": names[position : position + count],
+                        "params": names[first : first + count],
                     }
                 )
-                position += count
+                first += count
     return records, meta, sources
 
 

@@ -157,6 +157,7 @@ def tensor_parallel_llama(path: str) -> Any:
         leaf = name.rpartition(".")[2]
         if leaf not in _COLUMN + _ROW:
             continue
+        layer: ColumnParallelLinear | RowParallelLinear
         if leaf in _COLUMN:
             layer = ColumnParallelLinear(
                 module.in_features, module.out_features, bias=False, gather_output=False

@@ -85,10 +85,10 @@ def install() -> None:
     if getattr(original, _MARK, False):
         return
 
-    def pl_load(path_or_url: Any, map_location: Any = None, **kwargs: Any) -> Any:
+    def pl_load(path_or_url: Any, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
         if is_lightning_tag(path_or_url):
             return read_lightning_checkpoint(path_or_url, map_location)
-        return original(path_or_url, map_location=map_location, **kwargs)
+        return original(path_or_url, map_location, *args, **kwargs)
 
     setattr(pl_load, _MARK, True)
     saving.pl_load = pl_load

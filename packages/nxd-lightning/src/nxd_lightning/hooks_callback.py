@@ -104,7 +104,7 @@ class NeuronHooksCallback(Callback):
     # Recording ---------------------------------------------------------------------------------
     def process_input_output(self, input: Any, output: Any) -> tuple[Any, Any]:
         """The first tensor of each, detached on the CPU; its 2-norm with ``dump_only_norms``."""
-        pair = []
+        pair: list[torch.Tensor | float | None] = []
         for value in (input, output):
             tensor = _first(value)
             if tensor is None:
@@ -168,6 +168,11 @@ class NeuronHooksCallback(Callback):
         if not self.hooks:
             return
         model = pl_module.model
+        if not isinstance(model, nn.Module):
+            raise TypeError(
+                f"NeuronHooksCallback hooks the layers of pl_module.model, an nn.Module; "
+                f"{type(pl_module).__name__}.model is a {type(model).__name__}"
+            )
         if self.master_print_model_layers and _global_rank() == 0:
             print("Printing Model Layers:", flush=True)
             for name, _ in model.named_modules():

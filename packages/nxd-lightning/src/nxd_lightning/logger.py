@@ -9,7 +9,8 @@ suppresses writing, to ``n >= 0`` it is the step written.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import inspect
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from lightning.fabric.loggers.logger import _DummyExperiment
@@ -46,7 +47,8 @@ class NeuronTensorBoardLogger(TensorBoardLogger):
         if self._print_step is not None and self._print_step < 0:
             return False
         if not nxd_state.model_parallel_is_initialized():
-            return rank_zero_only.rank == 0
+            # lightning_utilities sets `rank` on the function at import; its type does not say so.
+            return rank_zero_only.rank == 0  # type: ignore[attr-defined]
         return is_logging_rank(self.log_rank0)
 
     @property
@@ -57,11 +59,16 @@ class NeuronTensorBoardLogger(TensorBoardLogger):
             return self._experiment
         if self.root_dir:
             self._fs.makedirs(self.root_dir, exist_ok=True)
+        writer: Callable[..., Any]
         try:
             from torch.utils.tensorboard import SummaryWriter
+
+            writer = SummaryWriter
         except ImportError:  # no tensorboard package: tensorboardX (a dependency) writes
-            from tensorboardX import SummaryWriter
-        self._experiment = SummaryWriter(log_dir=self.log_dir, **self._kwargs)
+            import tensorboardX
+
+            writer = tensorboardX.SummaryWriter
+        self._experiment = writer(log_dir=self.log_dir, **self._kwargs)
         return self._experiment
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
@@ -69,9 +76,9 @@ class NeuronTensorBoardLogger(TensorBoardLogger):
             return
         if self._print_step is not None:
             step = self._print_step
-        metrics = _add_prefix(metrics, self._prefix, self.LOGGER_JOIN_CHAR)
-        for key, value in metrics.items():
-            value = value.item() if hasattr(value, "item") else value
+        prefixed = _add_prefix(metrics, self._prefix, self.LOGGER_JOIN_CHAR)
+        for key, metric in prefixed.items():
+            value = metric.item() if hasattr(metric, "item") else metric
             if isinstance(value, dict):
                 self.experiment.add_scalars(key, value, step)
             else:
@@ -81,17 +88,18 @@ class NeuronTensorBoardLogger(TensorBoardLogger):
         if not self.should_print():
             return
         self.hparams.update(_convert_params(params))
-        _FabricTensorBoardLogger.log_hyperparams.__wrapped__(self, params, metrics, step)
+        # Lightning's body without its rank-zero guard (this logger picks its own rank).
+        inspect.unwrap(_FabricTensorBoardLogger.log_hyperparams)(self, params, metrics, step)
 
     def log_graph(self, model: Any, input_array: Any = None) -> None:
         if self.should_print():
-            TensorBoardLogger.log_graph.__wrapped__(self, model, input_array)
+            inspect.unwrap(TensorBoardLogger.log_graph)(self, model, input_array)
 
     def save(self) -> None:
         if not self.should_print():
             return
         self.experiment.flush()
-        TensorBoardLogger.save.__wrapped__(self)  # hparams.yaml
+        inspect.unwrap(TensorBoardLogger.save)(self)  # hparams.yaml
 
     def finalize(self, status: str) -> None:
         if not self.should_print() or self._experiment is None:

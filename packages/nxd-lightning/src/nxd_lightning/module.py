@@ -248,7 +248,11 @@ class NeuronLTModule(LightningModule):
         from nxd_trainer import initialize_parallel_model
 
         self.model = initialize_parallel_model(
-            self.nxd_config, self.model_fn, include_buffers, *self.model_args, **self.model_kwargs
+            dict(self.nxd_config),
+            self.model_fn,
+            include_buffers,
+            *self.model_args,
+            **self.model_kwargs,
         )
         device = nxd_state.current_device()
         self.averaged_loss = torch.zeros((), dtype=torch.float64, device=device)
@@ -333,7 +337,7 @@ class NeuronLTModule(LightningModule):
         from nxd_trainer import initialize_parallel_optimizer
 
         optimizer = initialize_parallel_optimizer(
-            self.nxd_config,
+            dict(self.nxd_config),
             self.opt_cls,
             self.get_param_groups_by_weight_decay(),
             **self._optimizer_defaults(),
@@ -376,6 +380,7 @@ class NeuronLTModule(LightningModule):
         self.global_norm = getattr(optimizer.optimizer, "grad_norm", None)
         optimizer.zero_grad()
         scheduler = self.lr_schedulers()
+        assert not isinstance(scheduler, list), "NeuronLTModule configures one scheduler"
         if scheduler is not None:
             scheduler.step()
         assert self.averaged_loss is not None
@@ -485,7 +490,7 @@ class NeuronLTModule(LightningModule):
         """The model's local state dict under its original names (as NxD's)."""
         return self.model.state_dict(*args, **kwargs)
 
-    def load_state_dict(  # type: ignore[override]
+    def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:
         model = self._modules.get("model")
@@ -500,7 +505,7 @@ class NeuronLTModule(LightningModule):
             )
         return model.load_state_dict(state_dict, strict=strict, assign=assign)
 
-    def named_parameters(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Any:
         """This rank's parameters (NxD's: the wrapped model's, original names)."""
         model = self._modules.get("model")
         if model is None:

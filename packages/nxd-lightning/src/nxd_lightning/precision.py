@@ -34,7 +34,7 @@ class NeuronXLAPrecisionPlugin(Precision):
 
     def __init__(self, mixed_precision_enabled: bool = False) -> None:
         self.mixed_precision_enabled = bool(mixed_precision_enabled)
-        self.precision = "bf16-true" if self.mixed_precision_enabled else "32-true"  # type: ignore[assignment]
+        self.precision = "bf16-true" if self.mixed_precision_enabled else "32-true"
 
     @property
     def dtype(self) -> torch.dtype:

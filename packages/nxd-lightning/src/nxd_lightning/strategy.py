@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import os
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -55,7 +55,8 @@ __all__ = ["NeuronXLAStrategy", "NxDStrategy"]
 
 logger = logging.getLogger(__name__)
 
-_START_METHODS = ("popen", "spawn", "fork", "forkserver")
+StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+_START_METHODS = get_args(StartMethod)
 
 
 def _sizes(nxd_config: Any, tensor_parallel_size: int, pipeline_parallel_size: int) -> tuple:
@@ -114,7 +115,7 @@ class NxDStrategy(ParallelStrategy):
         save_load_xser: bool = True,
         *,
         expert_parallel_size: int = 1,
-        start_method: str = "popen",
+        start_method: StartMethod = "popen",
         timeout: timedelta | None = default_pg_timeout,
         checkpoint_io: NeuronCheckpointIO | None = None,
         cluster_environment: Any = None,
@@ -208,7 +209,9 @@ class NxDStrategy(ParallelStrategy):
                 self.node_rank * self.num_processes + self.local_rank
             )
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        # lightning_utilities reads `rank` off the function; its type does not declare it.
+        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+        utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
         self._layout = nxd_state.ParallelLayout(
             world_size=self.world_size,
             tensor_parallel_size=self.tensor_parallel_size,
@@ -248,9 +251,11 @@ class NxDStrategy(ParallelStrategy):
         if trainer is not None:
             check_no_pytorch_lightning(
                 {
-                    "callbacks": list(trainer.callbacks),
+                    # Lightning's connectors set these two on the Trainer; its class does not
+                    # declare them.
+                    "callbacks": list(trainer.callbacks),  # type: ignore[attr-defined]
                     "loggers": list(trainer.loggers),
-                    "datamodule": trainer.datamodule,
+                    "datamodule": trainer.datamodule,  # type: ignore[attr-defined]
                     "precision plugin": trainer.precision_plugin,
                 }
             )
@@ -359,6 +364,7 @@ class NxDStrategy(ParallelStrategy):
         averages their sum."""
         super().post_backward(closure_loss)
         module = self.lightning_module
+        assert module is not None  # Lightning calls it while fitting the module
         if self.is_plain_module and not module.automatic_optimization:
             average_gradients_over_dp(module.parameters())
 
@@ -367,6 +373,7 @@ class NxDStrategy(ParallelStrategy):
         optimizer step, after the closure (the last micro-batch's backward), before
         ``on_before_optimizer_step``, the clipping and the step."""
         module = self.lightning_module
+        assert module is not None  # Lightning calls it while fitting the module
         if not self.is_plain_module or not module.automatic_optimization:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
 

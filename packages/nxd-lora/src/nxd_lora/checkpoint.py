@@ -188,7 +188,7 @@ def load_lora_checkpoint_into(model: LoRAModel) -> None:
         if unknown:
             raise ValueError(f"{base_file} holds tensors the model does not have: {unknown[:8]}")
         for name, value in base.items():
-            target = params.get(name, buffers.get(name))
+            target = params[name] if name in params else buffers[name]  # both checked above
             copy_full_into(target, value, name, _owner_group(model, name))
     if not adapter_file.is_file():
         logger.info("%s holds a merged base and no adapter: LoRA is not injected", directory)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -55,7 +55,11 @@ def lora_a_master(
     return init_lora_a_(torch.empty(shape, dtype=dtype, device=device), mode, rank)
 
 
-class LoraLayer(nn.Module):
+BaseT = TypeVar("BaseT", bound=nn.Module)
+"""The type of the wrapped ``base_layer`` (``LoraLinear`` is a ``LoraLayer[nn.Linear]``)."""
+
+
+class LoraLayer(nn.Module, Generic[BaseT]):
     """Base of every LoRA layer: ``Y = base(X) + s · adapter(dropout(X))``, mergeable.
 
     Subclasses build the adapter parameters and implement :meth:`adapter_forward` and
@@ -65,11 +69,11 @@ class LoraLayer(nn.Module):
     # Names of the adapter's own parameters/submodules (prefix "lora_", as in PEFT).
     adapter_names: tuple[str, ...] = ("lora_A", "lora_B")
 
-    def __init__(self, base_layer: nn.Module, config: LoraConfig) -> None:
+    def __init__(self, base_layer: BaseT, config: LoraConfig) -> None:
         super().__init__()
         if config.lora_rank <= 0:
             raise ValueError(f"lora_rank must be a positive integer, got {config.lora_rank}")
-        self.base_layer = base_layer
+        self.base_layer: BaseT = base_layer
         self.lora_rank = config.lora_rank
         self.lora_alpha = config.lora_alpha
         self.scaling = config.scaling
@@ -170,7 +174,7 @@ class LoraLayer(nn.Module):
         return {"dtype": weight.dtype, "device": weight.device}
 
 
-class LoraLinear(LoraLayer):
+class LoraLinear(LoraLayer[nn.Linear]):
     """``Y = X W^T + b + s · dropout(X) A^T B^T``, A ``(r, in)``, B ``(out, r)``."""
 
     def __init__(self, base_layer: nn.Linear, config: LoraConfig) -> None:
@@ -190,7 +194,7 @@ class LoraLinear(LoraLayer):
         return {"weight": (self.lora_B.weight @ self.lora_A.weight) * self.scaling}
 
 
-class LoraEmbedding(LoraLayer):
+class LoraEmbedding(LoraLayer[nn.Embedding]):
     """``Y = W[ids] + s · (A^T[ids]) B^T``, A ``(r, num_embeddings)``, B ``(dim, r)``.
 
     As in PEFT, A starts at zero and B normal, and dropout does not apply (the input is ids).
@@ -230,7 +234,7 @@ class LoraEmbedding(LoraLayer):
         return {"weight": (self.lora_embedding_B @ self.lora_embedding_A).T * self.scaling}
 
 
-class LoraConv2d(LoraLayer):
+class LoraConv2d(LoraLayer[nn.Conv2d]):
     """``Y = conv(X, W) + s · conv1x1(conv(dropout(X), A), B)``; A has the base's kernel.
 
     Supports ``groups=1``, ``dilation=1`` and zero padding (the layouts PEFT's adapter shares).
@@ -243,19 +247,22 @@ class LoraConv2d(LoraLayer):
                 f"LoRA on Conv2d needs groups=1 and dilation=(1, 1), got groups="
                 f"{base_layer.groups}, dilation={base_layer.dilation}"
             )
-        if base_layer.padding_mode != "zeros" or isinstance(base_layer.padding, str):
+        padding = base_layer.padding
+        if base_layer.padding_mode != "zeros" or isinstance(padding, str):
             raise ValueError(
-                f"LoRA on Conv2d needs numeric zero padding, got padding={base_layer.padding!r}, "
+                f"LoRA on Conv2d needs numeric zero padding, got padding={padding!r}, "
                 f"padding_mode={base_layer.padding_mode!r}"
             )
+        # nn.Conv2d holds these as 2-tuples (torch types them tuple[int, ...]).
+        (kh, kw), (sh, sw), (ph, pw) = base_layer.kernel_size, base_layer.stride, padding
         self.in_features, self.out_features = base_layer.in_channels, base_layer.out_channels
         factory = self._factory()
         self.lora_A = nn.Conv2d(
             self.in_features,
             self.lora_rank,
-            base_layer.kernel_size,
-            base_layer.stride,
-            base_layer.padding,
+            (kh, kw),
+            (sh, sw),
+            (ph, pw),
             bias=False,
             **factory,
         )

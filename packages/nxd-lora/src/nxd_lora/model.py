@@ -103,7 +103,13 @@ class LoraModel(nn.Module):
 
     def lora_layers(self) -> dict[str, LoraLayer]:
         """``{module name: LoRA layer}`` in model order."""
-        return {name: self.module.get_submodule(name) for name in self.lora_module_names}
+        layers = {}
+        for name in self.lora_module_names:
+            layer = self.module.get_submodule(name)
+            if not isinstance(layer, LoraLayer):
+                raise TypeError(f"module {name!r} is a {type(layer).__name__}, no longer LoRA")
+            layers[name] = layer
+        return layers
 
     def mark_only_adapters_as_trainable(self) -> None:
         """``requires_grad`` only for adapters, the ``bias`` mode's biases, ``modules_to_save``."""
@@ -221,7 +227,7 @@ class LoraModel(nn.Module):
             out[prefix + name] = tensor
         return out
 
-    def load_state_dict(  # type: ignore[override]
+    def load_state_dict(
         self,
         state_dict: Mapping[str, Any] | None = None,
         strict: bool = True,
@@ -304,9 +310,7 @@ class LoraModel(nn.Module):
 
         save_lora(self, save_dir, adapter_tag)
 
-    def named_parameters(  # type: ignore[override]
-        self, *args: Any, **kwargs: Any
-    ) -> Iterator[tuple[str, nn.Parameter]]:
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
         """The wrapped model's parameters under its own names (as NxD's LoRA model yields)."""
         yield from self.module.named_parameters(*args, **kwargs)
 

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from nxd_layers import (
     ColumnParallelLinear,
@@ -59,7 +60,18 @@ def sharded_input_rng(sharded: bool, dropout: nn.Module) -> Iterator[None]:
         yield
 
 
-class LoraParallelLinear(LoraLayer):
+class _SharedOptions(TypedDict):
+    """What the adapter's parallel linear takes over from the base layer."""
+
+    bias: bool
+    sequence_parallel_enabled: bool
+    sequence_dimension: int
+    dtype: torch.dtype
+    device: torch.device
+    tensor_parallel_group: ProcessGroup
+
+
+class LoraParallelLinear(LoraLayer[ColumnParallelLinear | RowParallelLinear]):
     """LoRA on a ``ColumnParallelLinear`` (B column-parallel) or ``RowParallelLinear`` (A
     row-parallel); see the module docstring for the math."""
 
@@ -73,7 +85,7 @@ class LoraParallelLinear(LoraLayer):
         weight = base_layer.weight
         rank = self.lora_rank
         sequence_parallel = base_layer.sequence_parallel_enabled
-        shared = {
+        shared: _SharedOptions = {
             "bias": False,
             "sequence_parallel_enabled": sequence_parallel,
             "sequence_dimension": base_layer.sequence_dimension,
@@ -88,8 +100,10 @@ class LoraParallelLinear(LoraLayer):
             dtype=torch.float32,
             device=torch.device("cpu"),
         )
-        if self.is_row_parallel:
-            self.lora_A: nn.Module = RowParallelLinear(
+        self.lora_A: RowParallelLinear | nn.Linear
+        self.lora_B: nn.Linear | ColumnParallelLinear
+        if isinstance(base_layer, RowParallelLinear):
+            self.lora_A = RowParallelLinear(
                 self.in_features,
                 rank,
                 input_is_parallel=base_layer.input_is_parallel,
@@ -97,7 +111,7 @@ class LoraParallelLinear(LoraLayer):
                 init_method=_copy_of(full_a),
                 **shared,
             )
-            self.lora_B: nn.Module = nn.Linear(
+            self.lora_B = nn.Linear(
                 rank, self.out_features, bias=False, dtype=weight.dtype, device=weight.device
             )
             nn.init.zeros_(self.lora_B.weight)
@@ -133,7 +147,7 @@ class LoraParallelLinear(LoraLayer):
         return {"weight": (self.lora_B.weight @ self.lora_A.weight) * self.scaling}
 
 
-class LoraGQAQKVParallelLinear(LoraLayer):
+class LoraGQAQKVParallelLinear(LoraLayer[GQAQKVColumnParallelLinear]):
     """LoRA on ``GQAQKVColumnParallelLinear``: one replicated A, a column-parallel QKV B.
 
         (Q, K, V)_i = base(X)_i + s · (dropout(X) A^T) (B_q, B_k, B_v)_i^T
@@ -210,8 +224,8 @@ class LoraGQAQKVParallelLinear(LoraLayer):
         b = self.lora_B
         if b.fuse_qkv:
             sizes = [b.q_output_size_per_partition, *[b.kv_output_size_per_partition] * 2]
-            return tuple(b.weight_qkv.detach().split(sizes, dim=0))
-        return tuple(getattr(b, f"weight_{part}").detach() for part in "qkv")
+            return tuple(b.get_parameter("weight_qkv").detach().split(sizes, dim=0))
+        return tuple(b.get_parameter(f"weight_{part}").detach() for part in "qkv")
 
     def _replicate_heads(self, full: torch.Tensor) -> torch.Tensor:
         """(kv_heads·head_dim, r) -> each head's rows repeated ``kv_size_multiplier`` times."""
@@ -258,10 +272,10 @@ class LoraGQAQKVParallelLinear(LoraLayer):
             shards.append(shard_for_rank(full, 0, rank, size))
         with torch.no_grad():
             if b.fuse_qkv:
-                b.weight_qkv.copy_(torch.cat(shards))
+                b.get_parameter("weight_qkv").copy_(torch.cat(shards))
             else:
                 for part, shard in zip("qkv", shards):
-                    getattr(b, f"weight_{part}").copy_(shard)
+                    b.get_parameter(f"weight_{part}").copy_(shard)
         return keys
 
 

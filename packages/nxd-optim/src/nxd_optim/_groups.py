@@ -38,7 +38,8 @@ _BACKEND_DEVICE_TYPES: dict[str, tuple[str, ...]] = {
     "xla": ("xla",),
 }
 # Groups this module created from rank lists, so repeated optimizers reuse them.
-_CREATED: dict[tuple[tuple[int, ...], ...], dict[tuple[int, ...], ProcessGroup]] = {}
+# ``new_group`` hands a rank outside a group torch's non-member marker, not a ProcessGroup.
+_CREATED: dict[tuple[tuple[int, ...], ...], dict[tuple[int, ...], ProcessGroup | int]] = {}
 
 
 def current_state_or_none() -> ParallelState | None:
@@ -66,7 +67,8 @@ def _groups_from_lists(lists: Sequence[Sequence[int]], what: str) -> tuple[Proce
             (state.tensor_parallel_group, state.layout.tensor_parallel_groups()),
             (state.pipeline_parallel_group, state.layout.pipeline_parallel_groups()),
         ):
-            if {tuple(g) for g in all_lists} == set(groups):
+            # A state built by hand may lack the DP x CP group: then it is not reused.
+            if group is not None and {tuple(g) for g in all_lists} == set(groups):
                 return group, list(mine)
     key = tuple(groups)
     if key not in _CREATED:
@@ -74,7 +76,10 @@ def _groups_from_lists(lists: Sequence[Sequence[int]], what: str) -> tuple[Proce
         # Collective, same order on every rank; with nxd's timeout, as ParallelState's groups
         # (torch's new_group does not inherit the default group's).
         _CREATED[key] = {g: dist.new_group(list(g), timeout=group_timeout()) for g in groups}
-    return _CREATED[key][mine], list(mine)
+    created = _CREATED[key][mine]
+    if not isinstance(created, ProcessGroup):  # this rank is in `mine`: torch gave it its group
+        raise RuntimeError(f"{what}: torch did not create a group for rank {rank} in {list(mine)}")
+    return created, list(mine)
 
 
 def resolve_group(spec: GroupSpec, default: ProcessGroup | None, what: str) -> ProcessGroup:

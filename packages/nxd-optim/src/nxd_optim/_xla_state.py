@@ -22,7 +22,7 @@ import torch
 from nxd_state import collectives
 
 if TYPE_CHECKING:
-    from nxd_optim.zero1 import NeuronZero1Optimizer
+    from nxd_optim._zero1_base import Zero1Setup
 
 __all__ = ["is_xla_state_dict", "xla_state_to_full"]
 
@@ -31,7 +31,7 @@ def is_xla_state_dict(state_dict: dict[str, Any]) -> bool:
     return "base_state" in state_dict and "shape_info" in state_dict
 
 
-def _check(opt: NeuronZero1Optimizer, state_dict: dict[str, Any]) -> list[torch.Tensor]:
+def _check(opt: Zero1Setup, state_dict: dict[str, Any]) -> list[torch.Tensor]:
     """The params, after checking the dict describes them (on every rank, before any
     collective)."""
     params = opt._all_params()
@@ -53,7 +53,7 @@ def _check(opt: NeuronZero1Optimizer, state_dict: dict[str, Any]) -> list[torch.
     return params
 
 
-def _unshard(opt: NeuronZero1Optimizer, rows: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+def _unshard(opt: Zero1Setup, rows: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """The full tensor from this rank's row block of ``param`` (collective)."""
     full = collectives.all_gather(rows.to(param.device).contiguous(), opt.sharding_group, dim=0)
     return full[: param.shape[0]].clone()
@@ -70,7 +70,7 @@ def _is_row_block(value: Any, param: torch.Tensor, n: int) -> bool:
 
 
 def xla_state_to_full(
-    opt: NeuronZero1Optimizer, state_dict: dict[str, Any]
+    opt: Zero1Setup, state_dict: dict[str, Any]
 ) -> tuple[dict[str, Any], list[torch.Tensor] | None]:
     """This rank's torch-xla ZeRO-1 state dict as a full (unsharded) optimizer state dict, and
     the full master weights in param order when it saved them (collective over the sharding

@@ -365,6 +365,11 @@ class Zero1Setup(Optimizer):
         itemsize = max(p.element_size() for p in self._all_params())
         return max(1, int(cap_mb * _MIB) // itemsize)
 
+    def allgather_weights_and_update_full_parameter(self) -> None:
+        """params <- the gathered masters; the subclass that steps implements it (loading a
+        checkpoint calls it after the masters are set)."""
+        raise NotImplementedError(f"{type(self).__name__} does not gather its weights")
+
     def refresh_masters_from_params(self) -> None:
         """M_r <- shard r of flat(params): after the model's weights were loaded or changed."""
         self._check_inited("refresh_masters_from_params")

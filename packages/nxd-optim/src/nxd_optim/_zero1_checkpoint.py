@@ -20,7 +20,7 @@ from nxd_optim._xla_state import is_xla_state_dict, xla_state_to_full
 from nxd_state import collectives
 
 if TYPE_CHECKING:
-    from nxd_optim.zero1 import NeuronZero1Optimizer
+    from nxd_optim._zero1_base import Zero1Setup
 
 __all__ = [
     "full_state_dict",
@@ -38,7 +38,7 @@ def _hyper(group: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k != "params"}
 
 
-def _shard_meta(opt: NeuronZero1Optimizer) -> dict[str, Any]:
+def _shard_meta(opt: Zero1Setup) -> dict[str, Any]:
     return {
         "sharding_size": opt.sharding_size,
         "sharding_rank": opt.sharding_rank,
@@ -48,7 +48,7 @@ def _shard_meta(opt: NeuronZero1Optimizer) -> dict[str, Any]:
     }
 
 
-def _check_meta(opt: NeuronZero1Optimizer, meta: dict[str, Any], source: str) -> None:
+def _check_meta(opt: Zero1Setup, meta: dict[str, Any], source: str) -> None:
     if meta["sharding_size"] != opt.sharding_size:
         raise ValueError(
             f"{source} was saved by a ZeRO-1 optimizer sharded over {meta['sharding_size']} "
@@ -69,7 +69,7 @@ def _check_meta(opt: NeuronZero1Optimizer, meta: dict[str, Any], source: str) ->
             )
 
 
-def _bucket_ids(opt: NeuronZero1Optimizer) -> list[list[int]]:
+def _bucket_ids(opt: Zero1Setup) -> list[list[int]]:
     """Per param group, the inner optimizer's param ids (one per dtype bucket)."""
     ids: list[list[int]] = [[] for _ in opt.param_groups]
     for index, bucket in enumerate(opt._buckets):
@@ -77,7 +77,7 @@ def _bucket_ids(opt: NeuronZero1Optimizer) -> list[list[int]]:
     return ids
 
 
-def _group_offsets(opt: NeuronZero1Optimizer) -> list[int]:
+def _group_offsets(opt: Zero1Setup) -> list[int]:
     """Index of each group's first param when params are numbered across groups."""
     offsets, total = [], 0
     for group in opt.param_groups:
@@ -86,7 +86,7 @@ def _group_offsets(opt: NeuronZero1Optimizer) -> list[int]:
     return offsets
 
 
-def local_state_dict(opt: NeuronZero1Optimizer) -> dict[str, Any]:
+def local_state_dict(opt: Zero1Setup) -> dict[str, Any]:
     inner = opt.base_optimizer.state_dict()
     out: dict[str, Any] = {
         "state": inner["state"],
@@ -99,7 +99,7 @@ def local_state_dict(opt: NeuronZero1Optimizer) -> dict[str, Any]:
     return out
 
 
-def load_local_state_dict(opt: NeuronZero1Optimizer, state_dict: dict[str, Any]) -> None:
+def load_local_state_dict(opt: Zero1Setup, state_dict: dict[str, Any]) -> None:
     if is_xla_state_dict(state_dict):  # NxD / torch-xla's per-param shards: collective
         _load_xla_state_dict(opt, state_dict)
         return
@@ -129,7 +129,7 @@ def load_local_state_dict(opt: NeuronZero1Optimizer, state_dict: dict[str, Any])
         opt.refresh_masters_from_params()
 
 
-def _load_xla_state_dict(opt: NeuronZero1Optimizer, state_dict: dict[str, Any]) -> None:
+def _load_xla_state_dict(opt: Zero1Setup, state_dict: dict[str, Any]) -> None:
     """Load torch-xla's per-param shards: as a full state dict, then its master weights when
     it saved them (otherwise :func:`load_full_state_dict` rebuilt them from the params)."""
     full, full_masters = xla_state_to_full(opt, state_dict)
@@ -145,7 +145,7 @@ def _load_xla_state_dict(opt: NeuronZero1Optimizer, state_dict: dict[str, Any]) 
     opt.allgather_weights_and_update_full_parameter()  # params <- masters, as torch-xla does
 
 
-def full_state_dict(opt: NeuronZero1Optimizer) -> dict[str, Any]:
+def full_state_dict(opt: Zero1Setup) -> dict[str, Any]:
     offsets = _group_offsets(opt)
     state: dict[int, dict[str, Any]] = {}
     inner_state = opt.base_optimizer.state
@@ -174,7 +174,7 @@ def full_state_dict(opt: NeuronZero1Optimizer) -> dict[str, Any]:
     return {"state": state, "param_groups": groups_out}
 
 
-def load_full_state_dict(opt: NeuronZero1Optimizer, state_dict: dict[str, Any]) -> None:
+def load_full_state_dict(opt: Zero1Setup, state_dict: dict[str, Any]) -> None:
     groups = state_dict["param_groups"]
     sizes = [len(g["params"]) for g in opt.param_groups]
     if [len(g["params"]) for g in groups] != sizes:
@@ -215,7 +215,7 @@ def load_full_state_dict(opt: NeuronZero1Optimizer, state_dict: dict[str, Any]) 
     opt.refresh_masters_from_params()
 
 
-def _shard_prefix(opt: NeuronZero1Optimizer, output_dir: Path, dp: int | str) -> Path:
+def _shard_prefix(opt: Zero1Setup, output_dir: Path, dp: int | str) -> Path:
     state = current_state_or_none()
     tp = state.tensor_parallel_rank if state else 0
     pp = state.pipeline_parallel_rank if state else 0
@@ -223,7 +223,7 @@ def _shard_prefix(opt: NeuronZero1Optimizer, output_dir: Path, dp: int | str) ->
     return output_dir / f"zero1_optim.tp{tp:02d}.pp{pp:02d}.dp{dp_part}"
 
 
-def save_sharded(opt: NeuronZero1Optimizer, output_dir: Path, *, save_serially: bool) -> None:
+def save_sharded(opt: Zero1Setup, output_dir: Path, *, save_serially: bool) -> None:
     prefix = _shard_prefix(opt, output_dir, opt.sharding_rank)
     state = local_state_dict(opt)
     meta = state.pop("shard")
@@ -237,7 +237,7 @@ def save_sharded(opt: NeuronZero1Optimizer, output_dir: Path, *, save_serially: 
         collectives.barrier(opt.sharding_group)
 
 
-def load_sharded(opt: NeuronZero1Optimizer, output_dir: Path, num_workers_per_step: int) -> None:
+def load_sharded(opt: Zero1Setup, output_dir: Path, num_workers_per_step: int) -> None:
     if num_workers_per_step < 1:
         raise ValueError(f"num_workers_per_step must be >= 1, got {num_workers_per_step}")
     pattern = _shard_prefix(opt, output_dir, "*").name + ".json"

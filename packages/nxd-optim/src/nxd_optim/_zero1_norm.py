@@ -105,8 +105,8 @@ def _summaries(spans: Sequence[GradSpan], p: float) -> list[torch.Tensor]:
             signature = _signature(attributes)
             key = ("alone", i) if signature is None else signature
             groups.setdefault(key, (attributes, []))[1].append(norm)
-        for attributes, members in groups.values():
-            combined = torch.linalg.vector_norm(torch.stack(members), p)
+        for attributes, norms in groups.values():
+            combined = torch.linalg.vector_norm(torch.stack(norms), p)
             out.append(_summary(combined, attributes))
     for span, w in zip(spans, weights):
         if w is not None:  # per-row replica counts: fold 1/r_e into the summary

@@ -248,16 +248,22 @@ class NxDOptimizer(Optimizer):
                 target.grad = grad.to(target.dtype)
             stepped.append(target)
         if self.config.grad_clipping:
-            groups = {
-                "tensor_parallel_group": state.tensor_parallel_group,
-                "pipeline_parallel_group": state.pipeline_parallel_group,
-            }
+            tp, pp = state.tensor_parallel_group, state.pipeline_parallel_group
             if math.isfinite(self.config.max_grad_norm):
                 self._grad_norm = clip_grad_norm(
-                    stepped, self.config.max_grad_norm, self.config.norm_type, **groups
+                    stepped,
+                    self.config.max_grad_norm,
+                    self.config.norm_type,
+                    tensor_parallel_group=tp,
+                    pipeline_parallel_group=pp,
                 )
             else:  # max_grad_norm = inf: measure only (clipping would multiply g by 1)
-                self._grad_norm = get_grad_norm(stepped, self.config.norm_type, **groups)
+                self._grad_norm = get_grad_norm(
+                    stepped,
+                    self.config.norm_type,
+                    tensor_parallel_group=tp,
+                    pipeline_parallel_group=pp,
+                )
         self._inner.step()
         for param, master in self._masters.items():
             param.copy_(master)
