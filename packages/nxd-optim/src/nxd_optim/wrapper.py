@@ -27,7 +27,12 @@ from torch.optim import Optimizer
 
 import nxd_state
 from nxd_layers import clip_grad_norm, copy_tensor_model_parallel_attributes, get_grad_norm
-from nxd_optim._grad_sync import all_reduce_bucketed, is_sequence_parallel_param
+from nxd_optim._grad_sync import (
+    all_reduce_bucketed,
+    copy_expert_attributes,
+    is_expert_param,
+    is_sequence_parallel_param,
+)
 from nxd_optim._groups import check_params_on_backend_device
 from nxd_optim._mixed_precision import GradientStore, is_low_precision
 from nxd_optim._state_io import read_state, write_state
@@ -119,6 +124,7 @@ class NxDOptimizer(Optimizer):
             if self.config.use_master_weights and is_low_precision(param.dtype):
                 master = param.detach().clone().float()
                 copy_tensor_model_parallel_attributes(master, param)
+                copy_expert_attributes(master, param)  # the norm sums experts over EP
                 self._masters[param] = master
                 params.append(master)
             else:
@@ -233,14 +239,7 @@ class NxDOptimizer(Optimizer):
             zero.step()
             self._grad_norm = zero.grad_norm
             return loss
-        # Averaged over DP x CP: each context-parallel rank's gradient is its sequence slice's
-        # share of the mean loss's gradient (the DP group itself when CP = 1).
-        all_reduce_bucketed(
-            grads,
-            state.data_context_parallel_group,
-            average=True,
-            bucket_cap_bytes=self.config.bucket_cap_bytes,
-        )
+        self._average_over_data_parallel(params, grads)
         stepped = []
         for param, grad in zip(params, grads):
             target = self._masters.get(param, param)
@@ -268,6 +267,33 @@ class NxDOptimizer(Optimizer):
         for param, master in self._masters.items():
             param.copy_(master)
         return loss
+
+    def _average_over_data_parallel(
+        self, params: list[torch.Tensor], grads: list[torch.Tensor]
+    ) -> None:
+        """g <- (1/(DP·CP)) Σ g over the ranks holding the same param, in place.
+
+        Non-expert params: averaged over DP x CP (each context-parallel rank's gradient is its
+        sequence slice's share of the mean loss's gradient; the DP group itself when CP = 1).
+        Expert params (``expert_model_parallel``) at EP > 1: each rank holds E/EP experts and
+        its local gradient already sums, through the all-to-all's backward, the tokens of its
+        whole EP group; the ranks holding the same experts are the expert-DP group (DP·CP/EP
+        ranks) and together they have seen every token once, so the whole batch's mean-loss
+        gradient is (1/(DP·CP)) Σ_expert-DP g = (1/EP) · mean_expert-DP g.
+        """
+        state = self.parallel_state
+        cap = self.config.bucket_cap_bytes
+        ep = state.expert_model_parallel_size
+        experts = [g for p, g in zip(params, grads) if ep > 1 and is_expert_param(p)]
+        others = [g for p, g in zip(params, grads) if not (ep > 1 and is_expert_param(p))]
+        all_reduce_bucketed(
+            others, state.data_context_parallel_group, average=True, bucket_cap_bytes=cap
+        )
+        if experts:
+            all_reduce_bucketed(
+                experts, state.expert_data_parallel_group, average=True, bucket_cap_bytes=cap
+            )
+            torch._foreach_mul_(experts, 1.0 / ep)
 
     def _store(self) -> GradientStore:
         assert self._grads is not None
