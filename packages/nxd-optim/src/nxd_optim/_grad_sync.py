@@ -4,6 +4,8 @@ g_i <- (1/n) Σ_r g_i^(r) over the n ranks of the data-parallel group, for every
 gradients are packed into flat buckets of at most ``bucket_cap_bytes`` (one dtype per bucket) so
 that many small tensors cost few collectives. Sequence-parallel gradients (weights replicated
 across TP whose inputs were split along the sequence) are summed over TP the same way.
+Expert weights (``expert_model_parallel``, different experts on the ranks of an EP group) are
+told apart by :func:`is_expert_param`: they are averaged over the expert-DP group instead.
 """
 
 from __future__ import annotations

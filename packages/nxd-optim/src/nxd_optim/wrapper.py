@@ -4,10 +4,15 @@
 One step, with n data-parallel ranks:
 
     g <- Σ_TP g                    for sequence-parallel params (replicated, partial per shard)
-    g <- (1/n) Σ_DP g              bucketed all-reduce (or, with ZeRO-1, reduce-scatter)
+    g <- (1/n) Σ_DP g              bucketed all-reduce (or, with ZeRO-1, reduce-scatter);
+                                   expert params at EP > 1: (1/n) Σ over the expert-DP group
     g <- g · min(1, c / ‖g‖)       ‖g‖ over the whole model across TP and PP, c = max_grad_norm
                                    (c = inf: ‖g‖ measured, g left as is)
     θ32 <- inner.step(θ32, g)      fp32 master weights for bf16/fp16 params, then θ <- cast(θ32)
+
+n = DP x CP. With expert parallelism (EP > 1) each rank holds E/EP experts of every MoE layer:
+their gradients are summed over the expert-DP group (the n/EP ranks holding the same experts)
+and divided by n, and the norm counts each expert once; ZeRO-1 at EP > 1 is refused.
 
 Gradients of micro-batches accumulate locally (in fp32 with ``use_fp32_grad_acc``); nothing is
 communicated before :meth:`NxDOptimizer.step`. :meth:`NxDOptimizer.scale_gradients` (``1/k``)
