@@ -7,6 +7,8 @@ Each rank feeds its own rows of the batch (rank order = the one-process batch or
 the mean over its own tokens. Compared on every rank after the two steps: every parameter
 (expert weights against this rank's slice of the one-process experts), the loss averaged over
 DP, and the gradient norm the optimizer clipped with (the one-process ``clip_grad_norm_``).
+The optimizer state saved at EP=2 and loaded into a fresh optimizer continues bit-identically
+(each EP rank's experts have their own state: one file per EP rank).
 
 Tolerance: float64 everywhere; the parallel run computes the same products, only summed in
 another order (the all-to-all regroups tokens, gradients are all-reduced), so losses and
@@ -164,3 +166,39 @@ def test_zero1_refuses_expert_parallelism() -> None:
     message = run_distributed(zero1_at_ep2, 2)[0]
     assert "expert_model_parallel_size=2" in message
     assert "zero_one_enabled=False" in message
+
+
+def ep_save_load(world: int, directory: str) -> None:
+    """One step, save, a fresh model and optimizer load (params and optimizer state); the next
+    step equals the run that went on (bit-identical: the same state, the same arithmetic)."""
+    first, second = _batches(world)
+    ps.initialize_model_parallel(expert_model_parallel_size=2)
+    rank = ps.get_data_parallel_rank()
+    rows = slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)
+    config = OptimizerConfig(grad_clipping=True, max_grad_norm=MAX_NORM)
+
+    def build() -> tuple[nn.Module, NxDOptimizer]:
+        model = DenseThenMoE()
+        opt = NxDOptimizer(
+            model.parameters(), torch.optim.AdamW, config=config, lr=1e-2, weight_decay=0.1
+        )
+        return model, opt
+
+    model, opt = build()
+    _train(model, opt, [first], rows, lambda: None)
+    opt.save_sharded_state_dict(directory)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    _train(model, opt, [second], rows, lambda: None)
+
+    resumed, resumed_opt = build()
+    resumed.load_state_dict(weights)
+    resumed_opt.load_sharded_state_dict(directory)
+    _train(resumed, resumed_opt, [second], rows, lambda: None)
+    for (name, param), other in zip(model.named_parameters(), resumed.parameters(), strict=True):
+        torch.testing.assert_close(other, param, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+    ps.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_expert_parallel_optimizer_state_round_trip(world: int, tmp_path: object) -> None:
+    run_distributed(ep_save_load, world, world, str(tmp_path))

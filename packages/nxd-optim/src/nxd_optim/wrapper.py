@@ -329,19 +329,32 @@ class NxDOptimizer(Optimizer):
                     master.copy_(param)
 
     def _unsharded_prefix(self, output_dir: Path) -> Path:
+        """optim.tpXX.ppYY; at EP > 1 also .epZZ: the ranks of an EP group hold different
+        experts, so their states differ."""
         state = self.parallel_state
-        return output_dir / (
-            f"optim.tp{state.tensor_parallel_rank:02d}.pp{state.pipeline_parallel_rank:02d}"
-        )
+        name = f"optim.tp{state.tensor_parallel_rank:02d}.pp{state.pipeline_parallel_rank:02d}"
+        if state.expert_model_parallel_size > 1:
+            name += f".ep{state.expert_model_parallel_rank:02d}"
+        return output_dir / name
+
+    def _writes_unsharded(self) -> bool:
+        """One writer per distinct state: the first rank of the DP x CP group (all replicas
+        alike), at EP > 1 the first of the expert-DP group (the replicas of these experts)."""
+        state = self.parallel_state
+        if state.expert_model_parallel_size > 1:
+            return state.rank == state.expert_data_parallel_ranks[0]
+        return state.rank == state.data_context_parallel_ranks[0]
 
     def save_sharded_state_dict(self, output_dir: str | Path, save_serially: bool = True) -> None:
         """ZeRO-1: every rank writes its shard. Otherwise DP rank 0 of each TP/PP coordinate
-        writes the (DP x CP-replicated) state. safetensors + JSON either way."""
+        writes the (DP x CP-replicated) state; at EP > 1 the first rank of each expert-DP group
+        writes its EP rank's state (its experts' and, replicated, the rest). safetensors + JSON
+        either way."""
         if isinstance(self._inner, NeuronZero1Optimizer):
             self._inner.save_sharded_state_dict(output_dir, save_serially=save_serially)
             return
         state = self.parallel_state
-        if state.rank == state.data_context_parallel_ranks[0]:
+        if self._writes_unsharded():
             write_state(self.state_dict(), self._unsharded_prefix(Path(output_dir)), {})
         collectives.barrier(state.data_context_parallel_group)
 
