@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from nxd_optim import NeuronZero1Optimizer
 
 __all__ = ["NeuronEPZero1Optimizer", "NeuronZero1Optimizer"]
@@ -11,17 +9,10 @@ __all__ = ["NeuronEPZero1Optimizer", "NeuronZero1Optimizer"]
 
 class NeuronEPZero1Optimizer(NeuronZero1Optimizer):
     """NxD's ZeRO-1 for models with expert parallelism, which shards expert parameters over the
-    expert-data-parallel group and the others over the data-parallel group. nxd runs at
-    ``expert_parallel_size`` 1 only (``initialize_model_parallel`` refuses more), where the two
-    groups are the same: this is :class:`NeuronZero1Optimizer`, with the same arguments."""
+    expert-data-parallel group and the others over the data-parallel group.
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        import nxd_state
-
-        if nxd_state.model_parallel_is_initialized():
-            size = nxd_state.get_expert_model_parallel_size()
-            if size != 1:  # pragma: no cover - initialize_model_parallel refuses EP > 1
-                raise NotImplementedError(
-                    f"NeuronEPZero1Optimizer: expert_parallel_size={size}; nxd supports 1 only"
-                )
-        super().__init__(*args, **kwargs)
+    At ``expert_model_parallel_size`` 1 the two groups are the same: this is
+    :class:`NeuronZero1Optimizer`, with the same arguments. At EP > 1 nxd has no EP-aware
+    ZeRO-1 yet: construction raises ``NotImplementedError`` naming the EP degree (as
+    :class:`NeuronZero1Optimizer` does), and ``nxd_optim.NxDOptimizer`` without ZeRO-1 is the
+    optimizer to use (it averages expert gradients over the expert-data-parallel group)."""

@@ -8,7 +8,8 @@
   sharded and full state dicts, safetensors + JSON files, torch-xla state dicts read.
 * :class:`NxDOptimizer`: NxD's optimizer wrapper. Without ZeRO-1 it all-reduces gradients over
   data parallelism (bucketed, averaged); it sums sequence-parallel gradients over TP, clips with
-  ``nxd_layers.clip_grad_norm`` across TP/PP and exposes ``grad_norm``.
+  ``nxd_layers.clip_grad_norm`` across TP/PP and exposes ``grad_norm``. At expert parallelism
+  > 1 expert gradients are averaged over the expert-DP group (ZeRO-1 refuses EP > 1).
 * :class:`OptimizerConfig` and :func:`build_optimizer`: NxD's ``optimizer_config`` /
   ``mixed_precision_config`` keys as a dataclass, and the factory that applies them.
 * :class:`AdamWFP32OptimParams` (NxD's ``AdamW_FP32OptimParams``): Hugging Face-style AdamW

@@ -22,6 +22,7 @@ __all__ = [
     "GroupSpec",
     "check_params_on_backend_device",
     "current_state_or_none",
+    "refuse_expert_parallelism",
     "resolve_group",
     "resolve_sharding_group",
     "shard_norm_group",
@@ -44,6 +45,20 @@ _CREATED: dict[tuple[tuple[int, ...], ...], dict[tuple[int, ...], ProcessGroup |
 
 def current_state_or_none() -> ParallelState | None:
     return nxd_state.get_parallel_state() if nxd_state.model_parallel_is_initialized() else None
+
+
+def refuse_expert_parallelism(where: str) -> None:
+    """Raise when the current state has EP > 1: ZeRO-1 shards every gradient over one group,
+    which would average different experts' gradients (EP ranks hold different experts)."""
+    state = current_state_or_none()
+    if state is None or state.expert_model_parallel_size == 1:
+        return
+    raise NotImplementedError(
+        f"{where}: ZeRO-1 with expert_model_parallel_size={state.expert_model_parallel_size} "
+        "is not supported (no EP-aware ZeRO-1, NxD's NeuronEPZero1Optimizer, yet: it would "
+        "average different experts' gradients); use NxDOptimizer with zero_one_enabled=False, "
+        "which averages expert gradients over the expert data-parallel group"
+    )
 
 
 def _groups_from_lists(lists: Sequence[Sequence[int]], what: str) -> tuple[ProcessGroup, list[int]]:

@@ -27,6 +27,7 @@ from nxd_optim._groups import (
     GroupSpec,
     check_params_on_backend_device,
     current_state_or_none,
+    refuse_expert_parallelism,
     resolve_group,
     resolve_sharding_group,
     shard_norm_group,
@@ -71,6 +72,7 @@ class Zero1Setup(Optimizer):
             raise TypeError(
                 f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}"
             )
+        refuse_expert_parallelism("NeuronZero1Optimizer")
         groups = as_param_groups(params, "NeuronZero1Optimizer")
         max_norm = 1.0 if max_norm is None else float(max_norm)
         if grad_clipping and not max_norm > 0:  # NaN fails too; inf means measure only

@@ -4,10 +4,15 @@
 One step, with n data-parallel ranks:
 
     g <- Σ_TP g                    for sequence-parallel params (replicated, partial per shard)
-    g <- (1/n) Σ_DP g              bucketed all-reduce (or, with ZeRO-1, reduce-scatter)
+    g <- (1/n) Σ_DP g              bucketed all-reduce (or, with ZeRO-1, reduce-scatter);
+                                   expert params at EP > 1: (1/n) Σ over the expert-DP group
     g <- g · min(1, c / ‖g‖)       ‖g‖ over the whole model across TP and PP, c = max_grad_norm
                                    (c = inf: ‖g‖ measured, g left as is)
     θ32 <- inner.step(θ32, g)      fp32 master weights for bf16/fp16 params, then θ <- cast(θ32)
+
+n = DP x CP. With expert parallelism (EP > 1) each rank holds E/EP experts of every MoE layer:
+their gradients are summed over the expert-DP group (the n/EP ranks holding the same experts)
+and divided by n, and the norm counts each expert once; ZeRO-1 at EP > 1 is refused.
 
 Gradients of micro-batches accumulate locally (in fp32 with ``use_fp32_grad_acc``); nothing is
 communicated before :meth:`NxDOptimizer.step`. :meth:`NxDOptimizer.scale_gradients` (``1/k``)
@@ -27,7 +32,12 @@ from torch.optim import Optimizer
 
 import nxd_state
 from nxd_layers import clip_grad_norm, copy_tensor_model_parallel_attributes, get_grad_norm
-from nxd_optim._grad_sync import all_reduce_bucketed, is_sequence_parallel_param
+from nxd_optim._grad_sync import (
+    all_reduce_bucketed,
+    copy_expert_attributes,
+    is_expert_param,
+    is_sequence_parallel_param,
+)
 from nxd_optim._groups import check_params_on_backend_device
 from nxd_optim._mixed_precision import GradientStore, is_low_precision
 from nxd_optim._state_io import read_state, write_state
@@ -119,6 +129,7 @@ class NxDOptimizer(Optimizer):
             if self.config.use_master_weights and is_low_precision(param.dtype):
                 master = param.detach().clone().float()
                 copy_tensor_model_parallel_attributes(master, param)
+                copy_expert_attributes(master, param)  # the norm sums experts over EP
                 self._masters[param] = master
                 params.append(master)
             else:
@@ -233,14 +244,7 @@ class NxDOptimizer(Optimizer):
             zero.step()
             self._grad_norm = zero.grad_norm
             return loss
-        # Averaged over DP x CP: each context-parallel rank's gradient is its sequence slice's
-        # share of the mean loss's gradient (the DP group itself when CP = 1).
-        all_reduce_bucketed(
-            grads,
-            state.data_context_parallel_group,
-            average=True,
-            bucket_cap_bytes=self.config.bucket_cap_bytes,
-        )
+        self._average_over_data_parallel(params, grads)
         stepped = []
         for param, grad in zip(params, grads):
             target = self._masters.get(param, param)
@@ -268,6 +272,33 @@ class NxDOptimizer(Optimizer):
         for param, master in self._masters.items():
             param.copy_(master)
         return loss
+
+    def _average_over_data_parallel(
+        self, params: list[torch.Tensor], grads: list[torch.Tensor]
+    ) -> None:
+        """g <- (1/(DP·CP)) Σ g over the ranks holding the same param, in place.
+
+        Non-expert params: averaged over DP x CP (each context-parallel rank's gradient is its
+        sequence slice's share of the mean loss's gradient; the DP group itself when CP = 1).
+        Expert params (``expert_model_parallel``) at EP > 1: each rank holds E/EP experts and
+        its local gradient already sums, through the all-to-all's backward, the tokens of its
+        whole EP group; the ranks holding the same experts are the expert-DP group (DP·CP/EP
+        ranks) and together they have seen every token once, so the whole batch's mean-loss
+        gradient is (1/(DP·CP)) Σ_expert-DP g = (1/EP) · mean_expert-DP g.
+        """
+        state = self.parallel_state
+        cap = self.config.bucket_cap_bytes
+        ep = state.expert_model_parallel_size
+        experts = [g for p, g in zip(params, grads) if ep > 1 and is_expert_param(p)]
+        others = [g for p, g in zip(params, grads) if not (ep > 1 and is_expert_param(p))]
+        all_reduce_bucketed(
+            others, state.data_context_parallel_group, average=True, bucket_cap_bytes=cap
+        )
+        if experts:
+            all_reduce_bucketed(
+                experts, state.expert_data_parallel_group, average=True, bucket_cap_bytes=cap
+            )
+            torch._foreach_mul_(experts, 1.0 / ep)
 
     def _store(self) -> GradientStore:
         assert self._grads is not None
@@ -298,19 +329,32 @@ class NxDOptimizer(Optimizer):
                     master.copy_(param)
 
     def _unsharded_prefix(self, output_dir: Path) -> Path:
+        """optim.tpXX.ppYY; at EP > 1 also .epZZ: the ranks of an EP group hold different
+        experts, so their states differ."""
         state = self.parallel_state
-        return output_dir / (
-            f"optim.tp{state.tensor_parallel_rank:02d}.pp{state.pipeline_parallel_rank:02d}"
-        )
+        name = f"optim.tp{state.tensor_parallel_rank:02d}.pp{state.pipeline_parallel_rank:02d}"
+        if state.expert_model_parallel_size > 1:
+            name += f".ep{state.expert_model_parallel_rank:02d}"
+        return output_dir / name
+
+    def _writes_unsharded(self) -> bool:
+        """One writer per distinct state: the first rank of the DP x CP group (all replicas
+        alike), at EP > 1 the first of the expert-DP group (the replicas of these experts)."""
+        state = self.parallel_state
+        if state.expert_model_parallel_size > 1:
+            return state.rank == state.expert_data_parallel_ranks[0]
+        return state.rank == state.data_context_parallel_ranks[0]
 
     def save_sharded_state_dict(self, output_dir: str | Path, save_serially: bool = True) -> None:
         """ZeRO-1: every rank writes its shard. Otherwise DP rank 0 of each TP/PP coordinate
-        writes the (DP x CP-replicated) state. safetensors + JSON either way."""
+        writes the (DP x CP-replicated) state; at EP > 1 the first rank of each expert-DP group
+        writes its EP rank's state (its experts' and, replicated, the rest). safetensors + JSON
+        either way."""
         if isinstance(self._inner, NeuronZero1Optimizer):
             self._inner.save_sharded_state_dict(output_dir, save_serially=save_serially)
             return
         state = self.parallel_state
-        if state.rank == state.data_context_parallel_ranks[0]:
+        if self._writes_unsharded():
             write_state(self.state_dict(), self._unsharded_prefix(Path(output_dir)), {})
         collectives.barrier(state.data_context_parallel_group)
 
