@@ -146,8 +146,9 @@ def test_ties_are_broken_by_global_token_order() -> None:
 
 def ep_grad_norm_and_sync() -> tuple[float, float, list[float]]:
     """World 4, EP 2 (expert-DP groups [0, 2] and [1, 3]): the gradient norm of the sharded
-    layer is the full layer's; the expert pass of ``bucket_allreduce_gradients`` averages over
-    the ranks holding the same experts."""
+    layer is the full layer's; the expert pass of ``bucket_allreduce_gradients`` sums over the
+    ranks holding the same experts and divides by DP (the all-to-all backward already summed
+    the EP group's tokens: a mean over expert-DP would be EP times too large)."""
     from nxd_layers import bucket_allreduce_gradients, get_grad_norm
 
     gen = torch.Generator().manual_seed(3)
@@ -177,4 +178,4 @@ def test_grad_norm_and_expert_gradient_sync() -> None:
         # relative precision (6e-8) times a few additions; a missing expert shard would be ~30%.
         assert abs(norm - expected) <= 1e-6 * expected
         edp_group = [0, 2] if rank % 2 == 0 else [1, 3]
-        assert marker == [sum(edp_group) / 2] * 3
+        assert marker == [sum(edp_group) / 4] * 3  # Σ over expert-DP / DP (= 4)

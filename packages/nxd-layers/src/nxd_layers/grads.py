@@ -415,17 +415,21 @@ def bucket_allreduce_gradients(
     Buckets hold at most ``ALLREDUCE_BUCKET_CAP_MB`` (env, default 512) MB of one dtype, in
     reverse order (last layers first). As in NxD, the caller passes the non-expert gradients
     (averaged over DP x CP) and, separately with ``reduce_over_ep_group=True``, the expert
-    gradients, averaged over the expert-DP group (the ranks holding the same experts; DP x CP
-    when EP = 1).
+    gradients: g_e <- (Σ over the expert-DP group of g_e) / (DP x CP). The expert-DP group holds
+    the ranks with the same experts; the all-to-all backward of :mod:`nxd_layers.moe` has
+    already summed the gradients of every token of the EP group into g_e, so a plain mean over
+    expert-DP would be EP times the one-process gradient (the same scale as
+    ``nxd_optim.NxDOptimizer``'s; at EP = 1 it is the mean over DP x CP).
     """
     cap = int(os.environ.get("ALLREDUCE_BUCKET_CAP_MB", _BUCKET_CAP_MB)) * 2**20
     state = get_parallel_state()
-    # DP x CP: CP ranks are replicas; experts: the ranks holding the same experts.
-    group = (
-        state.expert_data_parallel_group
-        if reduce_over_ep_group
-        else state.data_context_parallel_group
-    )
+    grads = list(reversed(list(grads_list)))
+    if not reduce_over_ep_group:  # DP x CP: CP ranks are replicas
+        group = state.data_context_parallel_group
+        collectives.all_reduce_bucketed(grads, group, average=True, bucket_cap_bytes=cap)
+        return
     collectives.all_reduce_bucketed(
-        list(reversed(list(grads_list))), group, average=True, bucket_cap_bytes=cap
+        grads, state.expert_data_parallel_group, average=False, bucket_cap_bytes=cap
     )
+    if grads and state.data_context_parallel_size > 1:
+        torch._foreach_div_(grads, float(state.data_context_parallel_size))
