@@ -38,7 +38,9 @@ def _grad_node(tensor: torch.Tensor) -> Node:
         return tensor.grad_fn
     view = tensor.view_as(tensor)
     assert view.grad_fn is not None, "tensor does not require grad"
-    return view.grad_fn.next_functions[0][0]
+    node = view.grad_fn.next_functions[0][0]
+    assert node is not None  # a leaf's view has the leaf's AccumulateGrad as its input
+    return node
 
 
 def _ones_if_none(roots: list[torch.Tensor], grads: list[torch.Tensor | None]) -> list[Any]:
@@ -115,8 +117,8 @@ def backward_input(
     groups: dict[frozenset[Node], list[torch.Tensor]] = {}
     for param, branch in per_param:
         groups.setdefault(frozenset(branch), []).append(param)
-    for branch, group in groups.items():
-        state.branches.append((group, [(n, recorded.get(n, [])) for n in branch]))
+    for shared, group in groups.items():
+        state.branches.append((group, [(n, recorded.get(n, [])) for n in shared]))
     return input_grads, state
 
 
@@ -207,7 +209,8 @@ def _first_stage_pass(
     edges = [(n, slot) for n in points for slot in sorted(slots.get(n, ()))]
     wanted = in_i_pass + [GradientEdge(n, slot) for n, slot in edges]
     result = (
-        torch.autograd.grad(roots, wanted, grads, retain_graph=True, allow_unused=True)
+        # torch's stub takes tensors or GradientEdges, not a list mixing both (autograd does)
+        torch.autograd.grad(roots, wanted, grads, retain_graph=True, allow_unused=True)  # type: ignore[arg-type]
         if wanted
         else ()
     )
@@ -290,14 +293,14 @@ class _LinearWeightGrads(torch.autograd.Function):
     so nothing else holds them when AccumulateGrad receives them)."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, direct: list[tuple[list[torch.Tensor], Node, torch.Tensor]], *params: Any
     ) -> torch.Tensor:
         ctx.direct = direct
         return params[0].new_zeros(())
 
     @staticmethod
-    def backward(ctx: Any, _: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, _: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         out: list[torch.Tensor | None] = [None]
         for group, node, grad in ctx.direct:
             out += _linear_grads(group, node, grad)

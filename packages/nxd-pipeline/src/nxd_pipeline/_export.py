@@ -134,7 +134,7 @@ def _autocast_on_meta() -> Iterator[None]:
                 device_type = rank_device_type
             super().__init__(device_type, *args, **kwargs)
 
-    torch.autocast = torch.amp.autocast = _Autocast  # type: ignore[misc, assignment]
+    torch.autocast = torch.amp.autocast = _Autocast  # type: ignore[misc]
     try:
         yield
     finally:
@@ -302,8 +302,13 @@ def _leaf_accessors(graph: fx.Graph, call: fx.Node, spec: pytree.TreeSpec) -> li
                 node = graph.call_function(operator.getitem, (node, key.idx))
             elif isinstance(key, pytree.MappingKey):
                 node = graph.call_function(operator.getitem, (node, key.key))
-            else:  # GetAttrKey (dataclass-like outputs)
+            elif isinstance(key, pytree.GetAttrKey):  # dataclass-like outputs
                 node = graph.call_function(getattr, (node, key.name))
+            else:
+                raise PipelineTraceError(
+                    f"an output leaf's pytree key {key!r} is none of SequenceKey, MappingKey, "
+                    "GetAttrKey: cannot pick it out of the stage's result"
+                )
         leaves[index] = node
     return leaves
 

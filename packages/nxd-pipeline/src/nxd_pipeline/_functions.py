@@ -30,7 +30,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from types import CodeType
+from types import CodeType, FrameType
 from typing import Any
 
 import torch
@@ -137,7 +137,7 @@ class FunctionFrames:
 
     def current(self) -> str | None:
         """The innermost Function whose ``forward`` is on the stack, or None."""
-        frame = sys._getframe(1)
+        frame: FrameType | None = sys._getframe(1)
         while frame is not None:
             name = self._codes.get(frame.f_code)
             if name is not None:

@@ -86,7 +86,7 @@ class LocalStagesMixin:
     def _non_persistent(self) -> set[str]:
         """Buffers the original model leaves out of its state dict (rotary tables); a stage
         module, which holds them as plain attributes, would not."""
-        out = set()
+        out: set[str] = set()
         for name, module in self._original().named_modules():
             out.update(f"{name}.{b}" if name else b for b in module._non_persistent_buffers_set)
         return out
@@ -100,13 +100,15 @@ class LocalStagesMixin:
             names.setdefault(id(param), []).append(name)
         return {n: [a for a in group if a != n] for group in names.values() for n in group}
 
-    def load_state_dict(  # type: ignore[override]
-        self, state_dict: Mapping[str, Any], strict: bool = True
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> _IncompatibleKeys:
         """Load this rank's entries of a state dict under the original names (NxD's
         semantics): entries of other ranks' stages are ignored; with ``strict``, a local
         parameter or buffer absent from ``state_dict`` (under any of its tied names) is an
-        error. Returns ``(missing_keys, unexpected_keys)``; nothing is unexpected."""
+        error. ``assign`` is passed to each stage's ``nn.Module.load_state_dict`` (the
+        signature is ``nn.Module``'s). Returns ``(missing_keys, unexpected_keys)``; nothing
+        is unexpected."""
         aliases, skip = self._aliases(), self._non_persistent()
         missing: list[str] = []
         for stage in self.stages.values():
@@ -117,7 +119,7 @@ class LocalStagesMixin:
                 source = next((n for n in [name, *aliases.get(name, [])] if n in state_dict), None)
                 if source is not None:
                     mine[name] = state_dict[source]
-            result = stage.load_state_dict(mine, strict=False)
+            result = stage.load_state_dict(mine, strict=False, assign=assign)
             missing += [k for k in result.missing_keys if k not in missing and k not in skip]
         if strict and missing:
             raise RuntimeError(

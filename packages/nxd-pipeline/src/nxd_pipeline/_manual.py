@@ -183,7 +183,7 @@ class ManualStage(PipelineStageModule):
             ["labels"] if self.last and loss_fn is not None else []
         )
 
-    def forward(self, *args: Any) -> Any:  # type: ignore[override]
+    def forward(self, *args: Any) -> Any:
         split = len(args) - len(self.input_names)
         received, inputs = args[:split], dict(zip(self.input_names, args[split:]))
         x = inputs["inputs"] if self.stage_index == 0 else _unpack(received)

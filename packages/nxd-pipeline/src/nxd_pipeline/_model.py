@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import fx, nn
@@ -28,10 +28,10 @@ from nxd_pipeline._local import LocalStagesMixin
 from nxd_pipeline._loss import LossSpec, select_loss
 from nxd_pipeline._materialize import move_local_tensors
 from nxd_pipeline._reduce import GradientReducer, sync_tied_weights
-from nxd_pipeline._runtime import StepRunner
+from nxd_pipeline._runtime import Stage, StepRunner
 from nxd_pipeline._schedules import build_schedule, stage_to_rank
 from nxd_pipeline._timeline import Timeline
-from nxd_state import collectives, get_parallel_state
+from nxd_state import ParallelState, collectives, get_parallel_state
 
 __all__ = ["NxDPPModel"]
 
@@ -145,11 +145,11 @@ class NxDPPModel(LocalStagesMixin, nn.Module):
         self.param_init_fn = param_init_fn
         self.virtual_pipeline_size = v
         name = schedule if schedule is not None else ("interleaved_1f1b" if v > 1 else "1f1b")
-        if async_sends is None and state is None:
-            async_sends = False
-        elif async_sends is None:  # unbatched crossing sends can deadlock a stream-ordered backend
-            backend = torch.distributed.get_backend(state.pipeline_parallel_group)
-            async_sends = backend == "gloo"
+        if async_sends is None:  # unbatched crossing sends can deadlock a stream-ordered backend
+            async_sends = (
+                state is not None
+                and torch.distributed.get_backend(state.pipeline_parallel_group) == "gloo"
+            )
         self.schedule = build_schedule(name, p, num_microbatches, v, asynchronous_sends=async_sends)
         local = [s for s in range(p * v) if stage_to_rank(s, p) == rank]
         if manual:
@@ -200,7 +200,7 @@ class NxDPPModel(LocalStagesMixin, nn.Module):
                 pipeline_rank=rank,
                 pipeline_ranks=state.pipeline_parallel_ranks,
                 group=state.pipeline_parallel_group,
-                stages={int(s): m for s, m in self.stages.items()},
+                stages=self._runtime_stages(),
                 select_loss=self._loss_of,
                 device=built.device,
                 async_sends=async_sends,
@@ -235,24 +235,36 @@ class NxDPPModel(LocalStagesMixin, nn.Module):
         state = self.parallel_state
         if self._runner is None or state is None:  # _debug_mode: nothing to run or reduce
             return
-        self._runner.stages = {int(s): m for s, m in self.stages.items()}
+        self._runner.stages = self._runtime_stages()
         named = self._all_local_names()
         for weight in self._built.tied:  # copies counted elsewhere: left out of grad norms
             if weight.name is not None and weight.first_rank != state.pipeline_parallel_rank:
-                named[weight.name].shared = True
+                # NxD's flag nxd_layers.grads reads; torch's stub types no such attribute
+                named[weight.name].shared = True  # type: ignore[attr-defined]
         self._reducer = GradientReducer(
             params=named,
             tied=self._built.tied,
             pipeline_group=state.pipeline_parallel_group,
             device=self._built.device,
         )
-        self._reducer.configure(named, self._data_parallel_reduction())
+        self._reducer.configure(named, self._data_parallel_reduction(state))
 
-    def _data_parallel_reduction(self) -> ProcessGroup | None:
+    def _runtime_stages(self) -> dict[int, Stage]:
+        """The local stages by index, as the runner calls them (each module in ``stages`` is a
+        traced ``StageModule`` or a ``ManualStage``; the ModuleDict types them ``nn.Module``)."""
+        return {int(s): cast(Stage, m) for s, m in self.stages.items()}
+
+    def _groups(self) -> ParallelState:
+        """The process groups (the clear error of :meth:`_step_runner` under _debug_mode)."""
+        self._step_runner()
+        state = self.parallel_state
+        assert state is not None  # a step runner exists only with process groups
+        return state
+
+    def _data_parallel_reduction(self, state: ParallelState) -> ProcessGroup | None:
         """The group ``run_train`` averages gradients over: DP x CP (context-parallel ranks hold
         replicas too; the DP group when CP = 1), unless ZeRO-1 or an optimizer wrapper does it
         (read at every call: a wrapper may set the flag later)."""
-        state = self.parallel_state
         if self.use_zero1_optimizer or self.use_optimizer_wrapper:
             return None
         replicas = state.data_parallel_size * state.context_parallel_size
@@ -267,12 +279,11 @@ class NxDPPModel(LocalStagesMixin, nn.Module):
         """Before each step: the reductions as the flags say now (parameters added since, e.g.
         adapters, included); before the first (every rank is there): NxD's sync of tied
         weight copies."""
-        self._step_runner()
+        state = self._groups()
         self.move_model_to_device()
         assert self._reducer is not None
-        self._reducer.configure(self._all_local_names(), self._data_parallel_reduction())
+        self._reducer.configure(self._all_local_names(), self._data_parallel_reduction(state))
         if not self._tied_synced:
-            state = self.parallel_state
             sync_tied_weights(
                 self._built.tied,
                 self._all_local_names(),
@@ -352,11 +363,11 @@ class NxDPPModel(LocalStagesMixin, nn.Module):
         return self._finish_loss(losses)
 
     def _finish_loss(self, losses: list[torch.Tensor]) -> torch.Tensor | list[torch.Tensor] | None:
-        state = self.parallel_state
         if self.return_mb_loss:  # as NxD: the per-microbatch losses stay where they are
             return losses if losses else None
         loss = torch.stack(losses).mean() if losses else None
         if self.broadcast_and_average_loss:
+            state = self._groups()
             buffer = torch.zeros((), device=self._step_runner().device)
             if loss is not None:
                 buffer.copy_(loss)

@@ -23,9 +23,10 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from torch.distributed import ProcessGroup, Work
+from torch.distributed import ProcessGroup
 
 from nxd_state import collectives
+from nxd_state.health import CheckedWork
 
 __all__ = [
     "PendingReceive",
@@ -166,7 +167,7 @@ class PendingReceive:
     """Receives posted for one transfer; :meth:`wait` returns its tensors once they arrived."""
 
     tensors: list[torch.Tensor]
-    works: list[Work]
+    works: list[CheckedWork]
     metas: list[TensorMeta] | None
     """Set ``requires_grad`` from these once the data is in (activations); None for grads."""
 
@@ -189,9 +190,9 @@ class PendingReceive:
 class SendsInFlight:
     """Started sends, with the tensors they read kept alive until each has completed."""
 
-    pending: list[tuple[Work, list[torch.Tensor]]] = field(default_factory=list)
+    pending: list[tuple[CheckedWork, list[torch.Tensor]]] = field(default_factory=list)
 
-    def add(self, work: Work, tensors: list[torch.Tensor]) -> None:
+    def add(self, work: CheckedWork, tensors: list[torch.Tensor]) -> None:
         self.pending.append((work, tensors))
         if len(self.pending) > 64:  # drop the finished ones so buffers are freed early
             self.pending = [(w, t) for w, t in self.pending if not w.is_completed()]

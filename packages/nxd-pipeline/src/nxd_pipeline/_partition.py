@@ -342,14 +342,14 @@ _META = torch.device("meta")
 def _point_at(node: fx.Node, device: torch.device) -> bool:
     """Replace ``device=meta`` (keyword or positional) in ``node``'s arguments; True if any."""
 
-    def swap(value: object) -> object:
+    def swap(value: fx.node.Argument) -> fx.node.Argument:
         return device if isinstance(value, torch.device) and value == _META else value
 
     args = fx.node.map_aggregate(node.args, swap)
     kwargs = fx.node.map_aggregate(node.kwargs, swap)
     changed = args != node.args or kwargs != node.kwargs
     if changed:
-        node.args, node.kwargs = args, kwargs  # type: ignore[assignment]
+        node.args, node.kwargs = args, kwargs
     return changed
 
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+from torch import nn
 from torch.distributed import ProcessGroup
 
 from nxd_pipeline._actions import Action, ActionKind
@@ -26,7 +27,6 @@ from nxd_pipeline._p2p import (
     exchange,
     exchange_nonblocking,
 )
-from nxd_pipeline._partition import StageModule
 from nxd_pipeline._schedules import PipelineSchedule, stage_to_rank
 from nxd_pipeline._timeline import ActionTiming, Timeline
 
@@ -39,6 +39,17 @@ F, B, BI, W = (
     ActionKind.BACKWARD_INPUT,
     ActionKind.BACKWARD_WEIGHT,
 )
+
+
+class Stage(Protocol):
+    """What the runner needs of a local stage (a traced ``StageModule`` or a ``ManualStage``):
+    ``forward(*received_values, *model_inputs)``, the inputs named by ``input_names``."""
+
+    input_names: list[str]
+
+    def __call__(self, *args: Any) -> Any: ...
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
 
 
 @dataclass
@@ -62,7 +73,7 @@ class StepRunner:
     """Global rank of every pipeline index (the p2p peers)."""
     group: ProcessGroup | None
     """The pipeline parallel group."""
-    stages: dict[int, StageModule]
+    stages: dict[int, Stage]
     """Local stage index -> module."""
     select_loss: Callable[[Any], torch.Tensor]
     """Picks the loss out of the last stage's output."""
@@ -242,7 +253,7 @@ class StepRunner:
         if action.kind is B:
             input_grads = backward_full(context.roots, grads, context.inputs)
         else:
-            params = list(stage.parameters())
+            params: list[torch.Tensor] = list(stage.parameters())
             input_grads, context.weight_state = backward_input(
                 context.roots, grads, context.inputs, params
             )

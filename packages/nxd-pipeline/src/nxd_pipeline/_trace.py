@@ -71,7 +71,9 @@ def _make_tracer(
     leaf_names: frozenset[str],
     autowrap_modules: Sequence[ModuleType],
     autowrap_functions: Sequence[Callable[..., Any]],
-) -> fx.Tracer:
+) -> tuple[fx.Tracer, dict[str, set[str]]]:
+    """A tracer of ``base`` with nxd's leaves, and its ``function_sites`` (filled as it
+    traces)."""
     frames = FunctionFrames()
 
     class _LeafTracer(base):  # type: ignore[valid-type, misc]
@@ -117,7 +119,8 @@ def _make_tracer(
             finally:
                 self.module_stack_names.pop()
 
-    return _LeafTracer()
+    tracer = _LeafTracer()
+    return tracer, tracer.function_sites
 
 
 def _trace_fx(
@@ -156,9 +159,10 @@ def _trace_fx(
     # by a second (the Functions of leaves are not traced, so no new ones can appear).
     leaf_names: frozenset[str] = frozenset()
     for _ in range(2):
-        tracer = _make_tracer(tracer_cls, leaves, leaf_names, autowrap_modules, autowrap_functions)
+        tracer, sites = _make_tracer(
+            tracer_cls, leaves, leaf_names, autowrap_modules, autowrap_functions
+        )
         graph = _run_tracer(tracer, module, concrete, autowrap_obj_methods)
-        sites = tracer.function_sites
         if not sites:
             break
         if "" in sites:

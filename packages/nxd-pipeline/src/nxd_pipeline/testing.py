@@ -97,7 +97,8 @@ def copy_into_tensor_parallel(parallel: nn.Module, plain: nn.Module, rank: int, 
     """Load ``plain``'s weights into ``parallel``: sharded parameters get this rank's slice."""
     source = dict(plain.named_parameters(remove_duplicate=False))
     for name, param in parallel.named_parameters():
-        full = source[name]
+        full: torch.Tensor = source[name]
         if getattr(param, "tensor_model_parallel", False):
-            full = full.chunk(size, dim=param.partition_dim)[rank]
+            # partition_dim: set on its sharded parameters by nxd-layers (no typed attribute)
+            full = full.chunk(size, dim=param.partition_dim)[rank]  # type: ignore[attr-defined]
         param.copy_(full)

@@ -76,7 +76,7 @@ def _unsupervised_main(
         code = exit_.code if isinstance(exit_.code, int) else 1
         health.record_end(f"exited (sys.exit({exit_.code!r}))")
     except BaseException:  # as an uncaught exception would: recorded, printed, exit 1
-        sys.excepthook(*sys.exc_info())  # type: ignore[arg-type]
+        sys.excepthook(*sys.exc_info())
         code = 1
     health.record_end("exited (end of script)")  # no-op when already recorded
     sys.stdout.flush()

@@ -32,7 +32,10 @@ _PRELOAD = [
     "nxd_lightning",
     *filter(None, os.environ.get("NXD_TEST_PRELOAD", "").split(",")),
 ]
-_context: multiprocessing.context.BaseContext | None = None
+# The concrete contexts (BaseContext's stub has no Process): forkserver, spawn on Windows.
+_context: (
+    multiprocessing.context.ForkServerContext | multiprocessing.context.SpawnContext | None
+) = None
 
 
 def add_preload(*modules: str) -> None:
@@ -73,7 +76,9 @@ def rank_environment(env: Mapping[str, str] | None = None) -> dict[str, str]:
     return pinned
 
 
-def _get_context() -> multiprocessing.context.BaseContext:
+def _get_context() -> (
+    multiprocessing.context.ForkServerContext | multiprocessing.context.SpawnContext
+):
     global _context
     if _context is None:
         if sys.platform == "win32":  # pragma: no cover - no forkserver on Windows

@@ -42,7 +42,7 @@ def register_group_name(group: ProcessGroup, name: str) -> None:
 def group_name(group: Group) -> str:
     """The registered name of ``group``, else ``ranks[...]``."""
     resolved = group if group is not None else dist.GroupMember.WORLD
-    if resolved in _GROUP_NAMES:
+    if resolved is not None and resolved in _GROUP_NAMES:
         return _GROUP_NAMES[resolved]
     if resolved is dist.GroupMember.WORLD:
         return "world"

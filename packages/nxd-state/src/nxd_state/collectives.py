@@ -40,6 +40,7 @@ backend's error chained (see :mod:`nxd_state.health`).
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -607,7 +608,8 @@ def start_batch_send_recv(ops: Sequence[P2POp]) -> BatchWork:
             raise ValueError(f"P2POp.kind must be 'send' or 'recv', got {op.kind!r}")
     if not ops:
         return BatchWork([])
-    p2p, after = [], []
+    p2p: list[dist.P2POp] = []
+    after: list[tuple[torch.Tensor, torch.Tensor | None]] = []
     for op in ops:
         if op.kind == "send":
             record("send", op.group, nbytes(op.tensor), nbytes(op.tensor))
@@ -630,7 +632,7 @@ def start_batch_send_recv(ops: Sequence[P2POp]) -> BatchWork:
                     f"batch {op.kind}",
                     op.group,
                     keep=buffer,
-                    then=lambda t=target, b=buffer: unstage(t, b),
+                    then=functools.partial(unstage, target, buffer),
                 )
             )
     return BatchWork(works)

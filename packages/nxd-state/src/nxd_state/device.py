@@ -237,7 +237,6 @@ def init_distributed(
     backend = backend or _BACKENDS[kind]
     timeout = timeout or health.collective_timeout()
     health.set_group_timeout(timeout)
-    kwargs: dict[str, object] = {"timeout": timeout}
     if kind == "cuda":
         torch.cuda.set_device(current_device(kind))
     if backend == "xla":
@@ -246,10 +245,12 @@ def init_distributed(
         init_method = init_method or "xla://"
     if init_method is None and "WORLD_SIZE" not in os.environ:
         logger.info("no WORLD_SIZE in the environment: running as a world of one on %s", backend)
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
         _remember(kind)
         return
-    dist.init_process_group(backend, init_method=init_method or "env://", **kwargs)
+    dist.init_process_group(backend, init_method=init_method or "env://", timeout=timeout)
     _remember(kind)
     health.install()
     logger.info(

@@ -358,7 +358,11 @@ def get_model_parallel_group(as_list: bool = False) -> ProcessGroup | Groups:
 def get_world_group(as_list: bool = False) -> ProcessGroup | Groups:
     """The default group, or with ``as_list=True`` ``[[0, ..., world - 1]]``."""
     state = get_parallel_state()
-    return [list(range(state.layout.world_size))] if as_list else dist.GroupMember.WORLD
+    if as_list:
+        return [list(range(state.layout.world_size))]
+    world = dist.GroupMember.WORLD
+    assert world is not None  # a ParallelState is built only over an initialised default group
+    return world
 
 
 def get_tensor_model_parallel_src_rank() -> int:

@@ -32,6 +32,8 @@ def _build_family(
     for ranks in all_groups:
         group = dist.new_group(ranks, timeout=health.group_timeout())
         if rank in ranks:
+            # new_group returns GroupMember.NON_GROUP_MEMBER (an int) only to non-members
+            assert isinstance(group, ProcessGroup)
             register_group_name(group, name)
             mine = (group, ranks)
     if mine is None:  # pragma: no cover - the layout covers every rank
@@ -142,7 +144,9 @@ class ParallelState:
             expert_model_parallel_size=expert_model_parallel_size,
         )
         rank = dist.get_rank()
-        register_group_name(dist.GroupMember.WORLD, "world")
+        world = dist.GroupMember.WORLD
+        assert world is not None  # dist.is_initialized() was checked above
+        register_group_name(world, "world")
         tp, tp_ranks = _build_family("tp", layout.tensor_parallel_groups(), rank)
         dp, dp_ranks = _build_family("dp", layout.data_parallel_groups(), rank)
         pp, pp_ranks = _build_family("pp", layout.pipeline_parallel_groups(), rank)

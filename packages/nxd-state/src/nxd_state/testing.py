@@ -333,11 +333,13 @@ def _collect(
             else:
                 errors.append((rank, body[0], body[1]))
         for item in ready:
-            rank = sentinels.get(item)  # type: ignore[call-overload]
-            conn = next((c for c, r in pending.items() if r == rank), None)
-            if conn is None or conn.poll():
+            if not isinstance(item, int) or item not in sentinels:
+                continue  # a connection, read above
+            rank = sentinels[item]
+            owner = next((c for c, r in pending.items() if r == rank), None)
+            if owner is None or owner.poll():
                 continue  # reported already, or its report waits to be read on the next pass
-            pending.pop(conn)
+            pending.pop(owner)
             died.append(rank)
         if (errors or died) and grace_until is None:
             grace_until = time.monotonic() + _FAILURE_GRACE_S
