@@ -59,7 +59,7 @@ XLA_THIRD_PARTY = [
     "tomli-w",
 ]
 # The packages `lint` type-checks (mypy, [tool.mypy] in the root pyproject), each at zero
-# errors. nxd-state, nxd-layers, nxd-pipeline and nxd-trainer are being brought to zero in #26
+# errors. nxd-layers and nxd-trainer are being brought to zero in #26
 # and join this list (and [tool.mypy]'s strict override) as they get there.
 MYPY_PACKAGES = ["nxd_optim", "nxd_lora", "nxd_ckpt", "nxd_lightning", "nxd_state", "nxd_pipeline"]
 # Extras a package's own tests need (nxd-trainer's tests run the nxd-train command).

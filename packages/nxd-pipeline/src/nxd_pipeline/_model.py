@@ -282,7 +282,10 @@ class NxDPPModel(LocalStagesMixin, nn.Module):
         state = self._groups()
         self.move_model_to_device()
         assert self._reducer is not None
-        self._reducer.configure(self._all_local_names(), self._data_parallel_reduction(state))
+        group = self._data_parallel_reduction(state)
+        if group is not None:
+            _refuse_expert_parameters(self._all_local_names(), state.expert_model_parallel_size)
+        self._reducer.configure(self._all_local_names(), group)
         if not self._tied_synced:
             sync_tied_weights(
                 self._built.tied,
@@ -381,4 +384,20 @@ class NxDPPModel(LocalStagesMixin, nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(
             "NxDPPModel runs whole pipeline steps: call run_train(**inputs) or run_eval(**inputs)"
+        )
+
+
+def _refuse_expert_parameters(named: dict[str, nn.Parameter], ep: int) -> None:
+    """At EP > 1 the ranks of a DP group hold different experts: the DP average ``run_train``
+    makes would mix them, so a model with expert weights refuses it (NxDOptimizer averages
+    them over the expert-DP group instead)."""
+    if ep == 1:
+        return
+    experts = [n for n, p in named.items() if getattr(p, "expert_model_parallel", False)]
+    if experts:
+        raise NotImplementedError(
+            f"NxDPPModel at expert_model_parallel_size={ep}: its data-parallel gradient average "
+            f"would mix different experts' gradients ({experts[0]!r} and {len(experts) - 1} "
+            "more); pass use_optimizer_wrapper=True and step an nxd_optim.NxDOptimizer, which "
+            "averages expert gradients over the expert-data-parallel group"
         )
