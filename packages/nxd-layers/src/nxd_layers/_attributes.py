@@ -188,9 +188,9 @@ def full_tensor(
         return value.detach()
     return gather_tensor_parallel_shards(
         value,
-        param.partition_dim,
+        param.partition_dim,  # type: ignore[attr-defined]  # sharding attribute set on the tensor
         getattr(param, "partition_stride", 1),
-        group,  # type: ignore[attr-defined]
+        group,
     )
 
 

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nxd_layers._attributes import (
+    ParallelModuleMixin,
     divide,
     set_tensor_model_parallel_attributes,
     shard_for_rank,
@@ -142,7 +143,7 @@ def check_reinitialisable(owner: nn.Module, what: str, *params: torch.Tensor | N
 
 
 def copy_local_slice(
-    owner: nn.Module,
+    owner: ParallelModuleMixin,
     what: str,
     param: torch.Tensor,
     master: torch.Tensor,

@@ -29,13 +29,16 @@ dynamic batch and sequence sizes keeps them symbolic.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch.distributed import ProcessGroup, ReduceOp
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from nxd_state import collectives
+
+if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import GroupName
 
 __all__ = ["ce_backward", "ce_forward", "group_key", "split_along_dim", "use_operators"]
 
@@ -58,7 +61,7 @@ def group_key(group: ProcessGroup) -> str:
 
 def _group(key: str) -> ProcessGroup:
     try:
-        return _resolve_process_group(key)
+        return _resolve_process_group(cast("GroupName", key))  # a name from group_key
     except (KeyError, ValueError, RuntimeError) as error:
         raise RuntimeError(
             f"an nxd_layers operator refers to process group {key!r}, which no longer exists "

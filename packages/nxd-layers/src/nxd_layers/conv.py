@@ -36,14 +36,18 @@ CONV_KERNEL_OUTPUT_CHANNEL_DIMENSION = 0
 CONV_KERNEL_INPUT_CHANNEL_DIMENSION = 1
 
 
-def _pair(value: Any, name: str) -> tuple[int, int] | str:
-    if isinstance(value, str) and name == "padding":
-        return value  # "same" / "valid", as nn.Conv2d
+def _pair(value: Any, name: str) -> tuple[int, int]:
     if isinstance(value, int) and not isinstance(value, bool):
         return (value, value)
     if isinstance(value, tuple) and len(value) == 2 and all(isinstance(v, int) for v in value):
-        return value
+        return (value[0], value[1])
     raise TypeError(f"{name} must be an int or a tuple of two ints, got {value!r}")
+
+
+def _padding(value: Any) -> tuple[int, int] | str:
+    if isinstance(value, str):
+        return value  # "same" / "valid", as nn.Conv2d
+    return _pair(value, "padding")
 
 
 class BaseParallelConv(ParallelModuleMixin, nn.Module):
@@ -85,7 +89,7 @@ class BaseParallelConv(ParallelModuleMixin, nn.Module):
                 raise ValueError(f"{name}: {key} must be a positive int, got {value!r}")
         self.kernel_size = _pair(kernel_size, "kernel_size")
         self.stride = _pair(stride, "stride")
-        self.padding = _pair(padding, "padding")
+        self.padding = _padding(padding)
         self.dilation = _pair(dilation, "dilation")
         self.groups, self.padding_mode = groups, padding_mode
         self.partition_dim, self.dtype = partition_dim, dtype

@@ -124,10 +124,11 @@ class ParallelEmbedding(ParallelModuleMixin, nn.Module):
                 f"parallelism, or all-gathered with shard_across_embedding), as with "
                 f"collect_output=True"
             )
-        padding_idx, max_norm, norm_type, init_method, dtype, device = _reference_layout(
+        pad_idx: int | None  # _validate below refuses anything else
+        pad_idx, max_norm, norm_type, init_method, dtype, device = _reference_layout(
             padding_idx, max_norm, norm_type, init_method, dtype, device
         )
-        _validate(num_embeddings, embedding_dim, padding_idx, max_norm, norm_type)
+        _validate(num_embeddings, embedding_dim, pad_idx, max_norm, norm_type)
         if use_spmd_rank:
             raise ValueError(
                 "ParallelEmbedding: use_spmd_rank=True (an XLA SPMD inference-tracing aid) is "
@@ -151,9 +152,9 @@ class ParallelEmbedding(ParallelModuleMixin, nn.Module):
         self.sequence_dimension = sequence_dimension
         self.init_method, self.dtype = init_method, dtype
         self.stride = 1
-        if padding_idx is not None and padding_idx < 0:
-            padding_idx += num_embeddings  # as nn.Embedding
-        self._global_padding_idx = padding_idx
+        if pad_idx is not None and pad_idx < 0:
+            pad_idx += num_embeddings  # as nn.Embedding
+        self._global_padding_idx = pad_idx
 
         sharded = embedding_dim if shard_across_embedding else num_embeddings
         what = "embedding_dim" if shard_across_embedding else "num_embeddings"
@@ -171,7 +172,7 @@ class ParallelEmbedding(ParallelModuleMixin, nn.Module):
             self.num_embeddings_per_partition = num_embeddings
             self.embedding_dim_per_partition = self.embedding_dim // tp
             self.weight_partition_dim = 1
-            self.padding_idx = padding_idx
+            self.padding_idx = pad_idx
             local_shape = (num_embeddings, self.embedding_dim_per_partition)
         else:
             self.num_embeddings = num_embeddings + self.pad_size
@@ -181,8 +182,8 @@ class ParallelEmbedding(ParallelModuleMixin, nn.Module):
             self.weight_partition_dim = 0
             self.start_index = rank * self.num_embeddings_per_partition
             self.end_index = self.start_index + self.num_embeddings_per_partition
-            inside = padding_idx is not None and self.start_index <= padding_idx < self.end_index
-            self.padding_idx = padding_idx - self.start_index if inside else None
+            inside = pad_idx is not None and self.start_index <= pad_idx < self.end_index
+            self.padding_idx = pad_idx - self.start_index if inside else None
             local_shape = (self.num_embeddings_per_partition, embedding_dim)
         self.per_partition_size = local_shape[self.weight_partition_dim]
 

@@ -120,7 +120,7 @@ class _Reduction:
     """The TP group used to count replicated gradients once, and the groups summed over."""
 
     tp_group: ProcessGroup | None
-    groups: list[ProcessGroup] = field(default_factory=list)
+    groups: Sequence[ProcessGroup | None] = field(default_factory=list)  # None: default group
 
 
 def _plan(
@@ -222,6 +222,7 @@ def _local_norm_power(
                 weight = 1.0 / tp_size
             elif tp_rank != 0:
                 continue
+        assert param.grad is not None  # the caller passes only parameters with a gradient
         grad = param.grad.detach()
         if grad.numel() == 0:  # no elements: adds nothing (and inf has no identity)
             continue
@@ -279,7 +280,8 @@ def get_grad_norm(
     tp_group = plan.tp_group
     tp_rank = collectives.group_rank(tp_group) if tp_group is not None else 0
     tp_size = collectives.group_size(tp_group) if tp_group is not None else 1
-    device = params[0].grad.device if params else torch.device("cpu")
+    first_grad = params[0].grad if params else None
+    device = first_grad.device if first_grad is not None else torch.device("cpu")
     op = ReduceOp.MAX if p == math.inf else ReduceOp.SUM
     ep_group = _expert_parallel_group(zero1_optimizer or zero1_optimizer_groups is not None)
     if ep_group is None:

@@ -219,7 +219,7 @@ class ColumnParallelLinear(BaseParallelLinear):
             y = merge_shards(shards, y.dim() - 1, self.stride)
         if self.pad_size:  # the zero features go; the bias keeps NxD's padded shape
             y = y.narrow(-1, 0, self.output_size - self.pad_size)
-        bias = self.bias
+        bias: torch.Tensor | None = self.bias
         if bias is not None and self.pad_size:
             bias = bias.narrow(0, 0, self.output_size - self.pad_size)
         if self.skip_bias_add:

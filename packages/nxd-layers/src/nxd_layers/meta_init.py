@@ -59,14 +59,15 @@ def init_on_device(device: torch.device | str, include_buffers: bool = False) ->
         return
     register = nn.Module.register_parameter
 
-    def register_on_device(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        register(module, name, param)
+    # ``self``: it replaces the method nn.Module.register_parameter(self, name, param)
+    def register_on_device(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(self, name, param)
         if param is not None and param.device != target:
-            moved = module._parameters[name]
+            moved = self._parameters[name]
             assert moved is not None
             new = type(moved)(moved.to(target), requires_grad=moved.requires_grad)
             new.__dict__.update(moved.__dict__)  # keep parallel attributes
-            module._parameters[name] = new
+            self._parameters[name] = new
 
     nn.Module.register_parameter = register_on_device  # type: ignore[method-assign]
     try:

@@ -176,7 +176,12 @@ def _pad_replicated_bias(bias: nn.Parameter, local_old: int, local_new: int) -> 
     return _with_attributes(torch.cat([_pad_end(p, 0, local_new) for p in pieces]), bias)
 
 
-def _pad_layer(module: nn.Module, n_heads: int, n_padded: int, head_aligned: bool) -> None:
+def _pad_layer(
+    module: ColumnParallelLinear | RowParallelLinear,
+    n_heads: int,
+    n_padded: int,
+    head_aligned: bool,
+) -> None:
     rank, tp = tensor_parallel_rank_and_size(module.tensor_parallel_group)
     name = type(module).__name__
     if module.stride != 1:
@@ -210,7 +215,8 @@ def _pad_layer(module: nn.Module, n_heads: int, n_padded: int, head_aligned: boo
             module.weight = _pad_local(module.weight, dim, new_local)
         bias = module.bias
         if column and bias is not None:
-            if not bias.tensor_model_parallel:  # gather_output: the full, replicated bias
+            # gather_output: the full, replicated bias (a sharding attribute torch's stubs lack)
+            if not bias.tensor_model_parallel:  # type: ignore[attr-defined]
                 module.bias = (
                     _with_attributes(_pad_end(bias.detach(), 0, new_local * tp), bias)
                     if head_aligned

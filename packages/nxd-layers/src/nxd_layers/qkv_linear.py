@@ -12,7 +12,8 @@ the unsharded model's gradient for that head.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, overload
 
 import torch
 import torch.nn.functional as F
@@ -161,13 +162,16 @@ class GQAQKVColumnParallelLinear(BaseParallelLinear):
                 set_tensor_model_parallel_attributes(fused, True, 0, 1)
                 if replicas > 1:  # per-row copy counts: Q rows once, K/V rows m times
                     counts = [1] * parts[0].shape[0] + [replicas] * 2 * parts[1].shape[0]
-                    fused.tensor_parallel_replicas = torch.tensor(counts, dtype=torch.float32)
+                    # a sharding attribute on the parameter (torch's stubs do not know it)
+                    fused.tensor_parallel_replicas = torch.tensor(  # type: ignore[attr-defined]
+                        counts, dtype=torch.float32
+                    )
                 self.register_parameter(f"{kind}_qkv", fused)
                 continue
             for part, param in zip("qkv", parts):
                 set_tensor_model_parallel_attributes(param, True, 0, 1)
                 if part != "q" and replicas > 1:
-                    param.tensor_parallel_replicas = replicas
+                    param.tensor_parallel_replicas = replicas  # type: ignore[attr-defined]
                 self.register_parameter(f"{kind}_{part}", param)
         if not bias:
             for name in ("bias_qkv",) if fuse_qkv else ("bias_q", "bias_k", "bias_v"):
@@ -246,7 +250,7 @@ class GQAQKVColumnParallelLinear(BaseParallelLinear):
                 copy_local_slice(self, "initialize_weight_biases", param, tensor, 0)
         self._keep_masters(masters if self.keep_master_weight else {}, fused)
 
-    def _keep_masters(self, masters: dict[str, torch.Tensor | None], fused: bool) -> None:
+    def _keep_masters(self, masters: Mapping[str, torch.Tensor | None], fused: bool) -> None:
         """NxD's ``master_weight_q/k/v`` and ``master_bias_q/k/v``, or the ``*_qkv`` concat
         (the others None)."""
         for kind in ("weight", "bias"):
@@ -278,6 +282,10 @@ class GQAQKVColumnParallelLinear(BaseParallelLinear):
             return tuple(fused.split([q_rows, kv_rows, kv_rows], dim=0))
         return getattr(self, f"{kind}_q"), getattr(self, f"{kind}_k"), getattr(self, f"{kind}_v")
 
+    @overload
+    def _tie_replicas(self, tensor: torch.Tensor) -> torch.Tensor: ...
+    @overload
+    def _tie_replicas(self, tensor: None) -> None: ...
     def _tie_replicas(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
         if tensor is None or self.kv_size_multiplier == 1:
             return tensor
@@ -306,6 +314,7 @@ class GQAQKVColumnParallelLinear(BaseParallelLinear):
         weights, biases = self._parts("weight"), self._parts("bias")
         outputs = []
         for i, (weight, bias) in enumerate(zip(weights, biases)):
+            assert weight is not None  # the layer always has weights; only biases may be None
             if i > 0:
                 weight, bias = self._tie_replicas(weight), self._tie_replicas(bias)
             outputs.append(F.linear(x, weight, bias))

@@ -13,6 +13,8 @@ and O forward; the same of their gradients backward.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -28,12 +30,14 @@ class _AllToAll(torch.autograd.Function):
     """``all_to_all(scatter_dim, gather_dim)``; its gradient is the reverse all-to-all."""
 
     @staticmethod
-    def forward(ctx, x, group, scatter_dim, gather_dim):  # type: ignore[override]
+    def forward(
+        ctx: Any, x: torch.Tensor, group: ProcessGroup, scatter_dim: int, gather_dim: int
+    ) -> torch.Tensor:
         ctx.group, ctx.dims = group, (scatter_dim, gather_dim)
         return collectives.all_to_all(x.contiguous(), group, scatter_dim, gather_dim)
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         scatter_dim, gather_dim = ctx.dims
         back = collectives.all_to_all(grad.contiguous(), ctx.group, gather_dim, scatter_dim)
         return back, None, None, None

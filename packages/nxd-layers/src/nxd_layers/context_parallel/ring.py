@@ -27,6 +27,8 @@ the wire).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch.distributed import ProcessGroup
 
@@ -58,7 +60,7 @@ def _start_shift(
 
 def _step_slices(
     step: int, me: int, src: int, s_local: int, causal: bool
-) -> tuple[slice, slice, bool] | None:
+) -> tuple[slice, slice, bool]:
     """Which query rows and key columns of the local block take part at this step, and whether
     the step's block is causal (zigzag layout when ``causal``)."""
     full = slice(0, s_local)
@@ -74,9 +76,16 @@ def _step_slices(
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx, q, k, v, group, causal, scale, kernel
-    ):
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        group: ProcessGroup,
+        causal: bool,
+        scale: float,
+        kernel: str,
+    ) -> torch.Tensor:
         me, n, nxt, prv = _ring_peers(group)
         s_local = q.shape[2]
         acc = acc_dtype(q.dtype)
@@ -107,7 +116,9 @@ class _RingAttention(torch.autograd.Function):
         return result
 
     @staticmethod
-    def backward(ctx, dout):  # type: ignore[override]
+    def backward(
+        ctx: Any, dout: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None, None, None]:
         q, k, v, out, lse = ctx.saved_tensors
         group, causal, scale, kernel = ctx.group, ctx.causal, ctx.scale, ctx.kernel
         me, n, nxt, prv = _ring_peers(group)

@@ -11,6 +11,7 @@ ids (for rotary embeddings by *global* position) are split the same way.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -120,7 +121,9 @@ def split_batch_for_context_parallel(
 
 class _Gather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, dim, zigzag):  # type: ignore[override]
+    def forward(
+        ctx: Any, x: torch.Tensor, group: ProcessGroup, dim: int, zigzag: bool
+    ) -> torch.Tensor:
         n = _size_rank(group)[0]
         ctx.group, ctx.dim, ctx.zigzag = group, dim, zigzag
         gathered = collectives.all_gather(x.contiguous(), group, dim=dim)
@@ -133,7 +136,7 @@ class _Gather(torch.autograd.Function):
         return gathered.index_select(dim, inverse)
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         return split_for_context_parallel(grad, ctx.group, ctx.dim, ctx.zigzag), None, None, None
 
 

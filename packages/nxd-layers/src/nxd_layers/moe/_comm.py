@@ -29,7 +29,7 @@ def group_size(group: ProcessGroup | None) -> int:
 
 class _AllToAllRows(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         x: torch.Tensor,
         group: ProcessGroup,
@@ -42,7 +42,7 @@ class _AllToAllRows(torch.autograd.Function):
         )
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         send_counts, recv_counts = ctx.counts
         back = collectives.all_to_all_uneven(
             grad.contiguous(), ctx.group, send_counts=recv_counts, recv_counts=send_counts
@@ -65,12 +65,12 @@ def all_to_all_rows(
 
 class _AllReduceSum(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
         ctx.group = group
         return collectives.all_reduce(x.clone(), group)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return collectives.all_reduce(grad.clone(), ctx.group), None
 
 

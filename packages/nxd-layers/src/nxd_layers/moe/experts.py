@@ -77,6 +77,15 @@ def _mark_expert_parallel(param: torch.nn.Parameter, ep: int) -> None:
     param.expert_model_parallel_size = ep  # type: ignore[attr-defined]
 
 
+class _WeightHolder(torch.nn.Module):
+    """A submodule holding one parameter, ``weight`` (NxD's ``gate_up_proj.weight`` and
+    ``down_proj.weight`` state-dict keys)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight)
+
+
 class ExpertMLPs(torch.nn.Module):
     """The experts of one MoE layer (NxD's ``ExpertMLPs`` arguments); ``capacity_factor=None``
     is dropless, a number drops assignments beyond each expert's capacity."""
@@ -157,14 +166,12 @@ class ExpertMLPs(torch.nn.Module):
         up = (2 if glu_mlp else 1) * intermediate_size
         full = torch.empty((num_experts, hidden_size, up), dtype=dtype, device=device)
         init_method(full)
-        self.gate_up_proj = torch.nn.Module()
-        self.gate_up_proj.weight = torch.nn.Parameter(full[mine][:, :, columns].clone())
+        self.gate_up_proj = _WeightHolder(full[mine][:, :, columns].clone())
         full = torch.empty(
             (num_experts, intermediate_size, hidden_size), dtype=dtype, device=device
         )
         output_layer_init_method(full)
-        self.down_proj = torch.nn.Module()
-        self.down_proj.weight = torch.nn.Parameter(
+        self.down_proj = _WeightHolder(
             full[mine][:, tp_rank * width : (tp_rank + 1) * width].clone()
         )
         for param, dim, stride in (

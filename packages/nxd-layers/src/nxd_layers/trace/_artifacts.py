@@ -58,7 +58,7 @@ def _unique_weights(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Ten
     refuses tensors that share memory (tied weights)."""
     stored: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
-    seen: dict[tuple[int, int, tuple[int, ...]], str] = {}
+    seen: dict[tuple[int, int | torch.SymInt, tuple[int, ...]], str] = {}
     for name, value in state.items():
         key = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape))
         if key in seen and value.numel():

@@ -28,7 +28,8 @@ import threading
 import time
 import uuid
 import weakref
-from typing import Any
+from multiprocessing.connection import Connection
+from typing import Any, cast
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -184,11 +185,14 @@ class WorkerPool:
         results: dict[int, Any] = {}
         deadline = None if timeout is None else time.monotonic() + timeout
         while pending:
-            ready = multiprocessing.connection.wait(list(pending), timeout=_POLL_S)
+            # wait returns the ready ones among the objects given: our Connections
+            ready = cast(
+                "list[Connection]", multiprocessing.connection.wait(list(pending), timeout=_POLL_S)
+            )
             for conn in ready:
-                rank = pending.pop(conn)  # type: ignore[call-overload]
+                rank = pending.pop(conn)
                 try:
-                    message = conn.recv()  # type: ignore[union-attr]
+                    message = conn.recv()
                 except (EOFError, OSError):
                     self._fail_died(rank)
                 if message[0] == "error":

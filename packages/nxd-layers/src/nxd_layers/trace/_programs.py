@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,9 @@ __all__ = [
     "runner",
 ]
 
+if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import GroupName
+
 logger = logging.getLogger("nxd_layers.trace")
 _COLLECTIVE_NAMESPACE = "_c10d_functional"
 
@@ -42,6 +45,12 @@ def export_program(model: nn.Module, args: tuple[Any, ...]) -> ExportedProgram:
     recorded as functional ops)."""
     with torch.no_grad():
         return torch.export.export(model, args, strict=False)
+
+
+def _group_name(node: torch.fx.Node, index: int) -> GroupName:
+    """The ``group_name`` argument at ``index`` (a ``str`` in the functional-collective
+    schemas, see :func:`_collective_nodes`)."""
+    return cast("GroupName", node.args[index])
 
 
 def _collective_nodes(program: ExportedProgram) -> list[tuple[torch.fx.Node, int]]:
@@ -62,9 +71,9 @@ def collective_groups(program: ExportedProgram) -> dict[str, list[int]]:
     """{group name: its global ranks} for every group the program's collectives use."""
     from torch.distributed.distributed_c10d import _resolve_process_group
 
-    groups = {}
+    groups: dict[str, list[int]] = {}
     for node, index in _collective_nodes(program):
-        name = node.args[index]
+        name = _group_name(node, index)
         if name not in groups:
             groups[name] = dist.get_process_group_ranks(_resolve_process_group(name))
     return groups
@@ -74,7 +83,7 @@ def rename_groups(program: ExportedProgram, names: dict[str, str]) -> None:
     """Point the program's collectives from the recorded group names to ``names[old]``."""
     changed = False
     for node, index in _collective_nodes(program):
-        old = node.args[index]
+        old = _group_name(node, index)
         if old not in names:
             raise ValueError(f"the program uses process group {old!r}, which its manifest omits")
         if names[old] != old:
@@ -92,7 +101,8 @@ def alias_groups(names: dict[str, str]) -> None:
         _resolve_process_group,
     )
 
-    for old, new in names.items():
+    for old_name, new_name in names.items():  # names recorded at capture / of this process
+        old, new = cast("GroupName", old_name), cast("GroupName", new_name)
         target = _resolve_process_group(new)
         try:
             existing = _resolve_process_group(old)

@@ -202,7 +202,9 @@ def _group_names(
     """Map each recorded group name to this process's group of the same ranks, creating
     (on every rank, in the manifest's order, once) a group per rank list first."""
     world = list(range(dist.get_world_size()))
-    _GROUPS_BY_RANKS.setdefault(tuple(world), dist.group.WORLD.group_name)
+    world_group = dist.group.WORLD
+    assert world_group is not None  # the worker has initialised the default group
+    _GROUPS_BY_RANKS.setdefault(tuple(world), world_group.group_name)
     if create:
         for ranks in rank_lists:
             if tuple(ranks) in _CREATED or list(ranks) == world:
@@ -210,6 +212,7 @@ def _group_names(
             _CREATED.add(tuple(ranks))
             group = dist.new_group(list(ranks))  # every rank calls it, members or not
             if dist.get_rank() in ranks:
+                assert not isinstance(group, int)  # members get the group (others NON_GROUP_MEMBER)
                 _GROUPS_BY_RANKS[tuple(ranks)] = group.group_name
     return {name: _GROUPS_BY_RANKS[tuple(ranks)] for name, ranks in recorded.items()}
 
