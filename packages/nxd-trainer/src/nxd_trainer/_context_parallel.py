@@ -128,14 +128,16 @@ def enable_context_parallel(model: nn.Module, parallelizer: Any, algorithm: str)
     check_heads(layout.local_heads, layout.local_kv_heads, cp, algorithm, tp)
     if tp == 1:
         parallelizer.inspect(model)  # the attention forward is one the mixin reproduces
-    for layer in model.get_submodule(spec.layers):
+    layers: Any = model.get_submodule(spec.layers)  # the decoder ModuleList
+    for layer in layers:
         attn = layer.get_submodule(spec.attention)
         if not isinstance(attn, ParallelAttentionMixin):
             attn.__class__ = parallel_attention_class(type(attn))
             attn._nxd_qkv = (spec.q_proj, spec.k_proj, spec.v_proj)
             attn._nxd_o, attn._nxd_qk_norms = spec.o_proj, spec.qk_norms
         attn._nxd_cp_algorithm = algorithm
-    model.config.use_cache = False  # a KV cache is refused by the context-parallel attention
+    hf_config: Any = model.config  # transformers' config (nn.Module's __getattr__ is untyped)
+    hf_config.use_cache = False  # a KV cache is refused by the context-parallel attention
 
 
 def split_context_parallel_inputs(
@@ -200,6 +202,7 @@ def split_context_parallel_inputs(
     if labels is not None or shifted is not None:
         ignore = int(inputs.get("ignore_index", -100))
         if shifted is None:
+            assert labels is not None  # one of the two is given (the test above)
             shifted = F.pad(labels, (0, 1), value=ignore)[..., 1:]
         count = inputs.get("num_items_in_batch")
         if count is None:

@@ -129,7 +129,7 @@ def apply_activation_checkpointing(
             continue
         if any(name.startswith(prefix + ".") for prefix in done):
             continue
-        module.forward = types.MethodType(_checkpointed_forward, module)  # type: ignore[method-assign]
+        module.forward = types.MethodType(_checkpointed_forward, module)
         setattr(module, _MARK, True)
         done.append(name)
     logger.info("activation checkpointing on %d modules", len(done))

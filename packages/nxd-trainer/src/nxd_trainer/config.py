@@ -396,22 +396,25 @@ def neuronx_distributed_config(
     check_positive_int(
         "neuronx_distributed_config", "sequential_move_factor", sequential_move_factor
     )
-    config = NxDConfig(
-        tensor_parallel_size=tensor_parallel_size,
-        pipeline_parallel_size=pipeline_parallel_size,
-        expert_parallel_size=expert_parallel_size,
-        context_parallel_size=context_parallel_size,
-        context_parallel_algorithm=context_parallel_algorithm,
-        pipeline_config=pipeline_config,
-        optimizer_config=optimizer_config,
-        activation_checkpoint_config=activation_checkpoint_config,
-        pad_model=pad_model,
-        sequence_parallel=sequence_parallel,
-        model_init_config=_with_move_factor(model_init_config, sequential_move_factor),
-        lora_config=lora_config,
-        mixed_precision_config=mixed_precision_config,
-        lnc_size=lnc_size,
-        parallelize_hf_models=parallelize_hf_models,
+    # NxD's dict, parsed as every NxD dict is (its sections become their dataclasses).
+    config = NxDConfig.from_nxd(
+        dict(
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            expert_parallel_size=expert_parallel_size,
+            context_parallel_size=context_parallel_size,
+            context_parallel_algorithm=context_parallel_algorithm,
+            pipeline_config=pipeline_config,
+            optimizer_config=optimizer_config,
+            activation_checkpoint_config=activation_checkpoint_config,
+            pad_model=pad_model,
+            sequence_parallel=sequence_parallel,
+            model_init_config=_with_move_factor(model_init_config, sequential_move_factor),
+            lora_config=lora_config,
+            mixed_precision_config=mixed_precision_config,
+            lnc_size=lnc_size,
+            parallelize_hf_models=parallelize_hf_models,
+        )
     )
     if torch.distributed.is_initialized() or _launched():
         initialize_model_parallel(config)

@@ -49,6 +49,10 @@ def select_loss(output: Any, spec: Any = None) -> torch.Tensor:
 class NxDModel(nn.Module):
     """NxD's ``NxDModel``: the wrapped model (see the module docstring)."""
 
+    # Any: the model, or at PP > 1 an NxDPPModel (its stages, run_train, ... are read),
+    # both branches taken on pp_enabled.
+    module: Any
+
     def __init__(self, module: nn.Module, nxd_config: NxDConfig, info: ModelInfo) -> None:
         super().__init__()
         self.module = module
@@ -172,7 +176,7 @@ class NxDModel(nn.Module):
     def _stages(self) -> list[nn.Module]:
         return list(self.module.stages.values())
 
-    def named_parameters(  # type: ignore[override]
+    def named_parameters(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, nn.Parameter]]:
         """This rank's parameters under the original model's names."""
@@ -182,7 +186,7 @@ class NxDModel(nn.Module):
         for name, param in self.module.local_named_parameters():
             yield prefix + name, param
 
-    def named_buffers(  # type: ignore[override]
+    def named_buffers(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, torch.Tensor]]:
         if not self.pp_enabled:
@@ -206,7 +210,7 @@ class NxDModel(nn.Module):
                     seen.add(id(child))
                     yield name, child
 
-    def named_modules(  # type: ignore[override]
+    def named_modules(
         self, memo: set[nn.Module] | None = None, prefix: str = "", remove_duplicate: bool = True
     ) -> Iterator[tuple[str, nn.Module]]:
         if not self.pp_enabled:
@@ -222,7 +226,7 @@ class NxDModel(nn.Module):
             return self.module.state_dict(*args, **kwargs)
         return self.module.local_state_dict()
 
-    def load_state_dict(  # type: ignore[override]
+    def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:
         """Load a :meth:`state_dict` (this rank's tensors, original names)."""

@@ -65,7 +65,7 @@ class Embed(nn.Module):
         if tp:
             from nxd_layers import ParallelEmbedding
 
-            self.wte = ParallelEmbedding(
+            self.wte: nn.Module = ParallelEmbedding(
                 vocab, hidden, sequence_parallel_enabled=sp, sequence_dimension=1
             )
         else:
@@ -148,7 +148,7 @@ class Head(nn.Module):
         if tp:
             from nxd_layers import ColumnParallelLinear, mark_sequence_parallel_parameter
 
-            self.lm_head = ColumnParallelLinear(
+            self.lm_head: nn.Module = ColumnParallelLinear(
                 hidden,
                 vocab,
                 bias=False,
@@ -209,7 +209,7 @@ class TinyLM(nn.Module):
         # What NxD's pad_model reads from a Hugging Face-style model.
         self.config = SimpleNamespace(num_attention_heads=heads)
         for key, (_, module) in enumerate(self.named_modules()):
-            module.init_key = key  # type: ignore[assignment]  # deterministic_init's seed
+            module.init_key = key  # deterministic_init's seed
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         h = self.embed(input_ids)
@@ -227,7 +227,8 @@ def deterministic_init(module: nn.Module) -> None:
         shape = list(param.shape)
         sharded = getattr(param, "tensor_model_parallel", False)
         if sharded:
-            shape[param.partition_dim] *= _tp_size()
+            dim: int = param.partition_dim  # type: ignore[attr-defined]  # nxd_layers' attribute
+            shape[dim] *= _tp_size()
         n = math.prod(shape)
         phase = 0.61 * key + 1.3 * len(name)
         values = torch.sin(torch.arange(n, dtype=torch.float64) * 0.37 + phase).reshape(shape)
@@ -239,5 +240,5 @@ def deterministic_init(module: nn.Module) -> None:
             full = values * (0.5 / math.sqrt(shape[-1]))
         if sharded:
             rank = nxd_state.get_tensor_model_parallel_rank()
-            full = full.chunk(_tp_size(), dim=param.partition_dim)[rank]
+            full = full.chunk(_tp_size(), dim=dim)[rank]
         param.copy_(full.to(param.dtype))

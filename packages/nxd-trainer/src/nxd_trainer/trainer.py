@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import fx, nn
@@ -36,6 +36,9 @@ from nxd_trainer._model_info import ModelInfo, resolve_classes
 from nxd_trainer.activation_checkpoint import apply_activation_checkpointing
 from nxd_trainer.config import NxDConfig, initialize_model_parallel
 from nxd_trainer.model import NxDModel, claim_dp_reduction
+
+if TYPE_CHECKING:
+    from nxd_optim import NxDOptimizer
 
 __all__ = [
     "initialize_parallel_model",
@@ -223,8 +226,14 @@ def _pad(config: NxDConfig, model: nn.Module, info: ModelInfo) -> None:
         for m in model.modules()
         if "Attention" in type(m).__name__ and any(isinstance(c, parallel) for c in m.children())
     }
-    layout = {"head_aligned": True} if config.pad_model == "head_aligned" else {}
-    pad_model(model, config.tensor_parallel_size, heads, wrapped_classes=tuple(attention), **layout)
+    aligned = config.pad_model == "head_aligned"
+    pad_model(
+        model,
+        config.tensor_parallel_size,
+        heads,
+        wrapped_classes=tuple(attention),
+        head_aligned=aligned,
+    )
 
 
 def _checkpoint_classes(config: NxDConfig, original: nn.Module, info: ModelInfo) -> tuple:
@@ -270,7 +279,7 @@ def _check_pipeline_reachable(stages: Iterable[nn.Module], names: list[str]) -> 
 
 
 def initialize_parallel_model(
-    nxd_config: dict[str, Any] | NxDConfig,
+    nxd_config: Mapping[str, Any] | NxDConfig,
     model_fn: Callable[..., nn.Module],
     include_buffers: bool = False,
     *model_args: Any,
@@ -313,9 +322,10 @@ def initialize_parallel_model(
     if config.activation_checkpoint_config is not None:
         classes = _checkpoint_classes(config, original, info)
         if config.pipeline_parallel_size > 1:
-            named = list(local.local_named_modules())
+            pipeline: Any = local  # an NxDPPModel: its local modules and stages are read
+            named = list(pipeline.local_named_modules())
             done = apply_activation_checkpointing(named, classes)
-            _check_pipeline_reachable(local.stages.values(), done)
+            _check_pipeline_reachable(pipeline.stages.values(), done)
         else:
             apply_activation_checkpointing(local.named_modules(), classes)
         _disable_kv_cache(original)
@@ -328,7 +338,7 @@ def _disable_kv_cache(model: Any) -> None:
     own gradient checkpointing does: a recomputed layer would append its keys and values to
     the cache a second time (older transformers default ``use_cache`` to True in training)."""
     config = getattr(model, "config", None)
-    if getattr(config, "use_cache", False):
+    if config is not None and getattr(config, "use_cache", False):
         logger.info("activation checkpointing: setting the model's config.use_cache = False")
         config.use_cache = False
 
@@ -348,11 +358,11 @@ def _trainable(parameters: list[Any]) -> list[Any]:
 
 
 def initialize_parallel_optimizer(
-    nxd_config: dict[str, Any] | NxDConfig,
+    nxd_config: Mapping[str, Any] | NxDConfig,
     optimizer_class: type[torch.optim.Optimizer],
     parameters: Iterable[Any],
     **defaults: Any,
-) -> torch.optim.Optimizer:
+) -> NxDOptimizer:
     """NxD's optimizer wrapper: ``optimizer_class(parameters, **defaults)`` inside
     :class:`nxd_optim.NxDOptimizer`, set up from ``optimizer_config`` and
     ``mixed_precision_config``.
@@ -374,7 +384,7 @@ def initialize_parallel_optimizer(
         )
     pipe = config.pipeline_config
     pipelined = config.pipeline_parallel_size > 1 and pipe is not None
-    if pipelined and pipe.use_optimizer_wrapper is False:
+    if pipelined and pipe is not None and pipe.use_optimizer_wrapper is False:
         raise ValueError(
             "pipeline_config['use_optimizer_wrapper'] is False (the pipeline averages gradients "
             "over DP itself), so the optimizer wrapper would average them a second time: set it "

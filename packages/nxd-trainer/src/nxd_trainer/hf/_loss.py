@@ -26,6 +26,8 @@ class ParallelCausalLMLoss(nn.Module):
     """``loss_function(logits, labels, vocab_size, num_items_in_batch=None,
     ignore_index=-100, shift_labels=None)`` on sharded logits (see the module docstring)."""
 
+    vocab_limit: torch.Tensor
+
     def __init__(self, vocab_size: int) -> None:
         super().__init__()
         self.vocab_size = vocab_size

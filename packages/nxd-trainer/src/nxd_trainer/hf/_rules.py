@@ -25,7 +25,6 @@ forward of its own (other than the ``embed_scale`` multiplication it reproduces)
 from __future__ import annotations
 
 import ast
-import functools
 import inspect
 import re
 import textwrap
@@ -116,10 +115,15 @@ def _normal_source(fn: Callable[..., Any]) -> str:
     return ast.dump(func)
 
 
-@functools.cache
-def forward_signature(cls: type) -> str:
-    """The normalised source of ``cls.forward`` (see :func:`_normal_source`)."""
-    return _normal_source(cls.forward)
+# A dict, not functools.cache: mypy reads a class argument's __hash__ as unbound (not Hashable).
+_SIGNATURES: dict[type[nn.Module], str] = {}
+
+
+def forward_signature(cls: type[nn.Module]) -> str:
+    """The normalised source of ``cls.forward`` (see :func:`_normal_source`), cached."""
+    if cls not in _SIGNATURES:
+        _SIGNATURES[cls] = _normal_source(cls.forward)
+    return _SIGNATURES[cls]
 
 
 def _source(fn: Callable[..., Any]) -> str:
@@ -143,8 +147,9 @@ def resolve_plan(model: nn.Module, family: str, tp_plan: dict[str, str]) -> Mode
     prefix = getattr(model, "base_model_prefix", "") or ""
     root = f"{prefix}." if prefix and hasattr(model, prefix) else ""
     modules = dict(model.named_modules())
-    embed = _path_of(model, model.get_input_embeddings())
-    lm_head = _path_of(model, model.get_output_embeddings())
+    hf: Any = model  # a transformers PreTrainedModel (its methods are not nn.Module's)
+    embed = _path_of(model, hf.get_input_embeddings())
+    lm_head = _path_of(model, hf.get_output_embeddings())
     if embed is None or lm_head is None:
         raise UnsupportedModelError(family, "no input embedding / output projection found")
     expert_roots = []
@@ -204,7 +209,8 @@ def _check_block(model: nn.Module, family: str, block: BlockPlan, tp: int) -> No
             )
         return  # full activations inside: the family's forward sees what it always sees
     for child, gather in block.columns.items():
-        out = module.get_submodule(child).out_features
+        linear: Any = module.get_submodule(child)  # a transformers linear
+        out = linear.out_features
         if not gather and out % tp:
             raise UnsupportedModelError(
                 family, f"{block.path}.{child}: {out} output features do not split over TP={tp}"
@@ -259,7 +265,7 @@ def inspect_model(
     config = model.config
     heads = getattr(config, "num_attention_heads", None)
     kv = getattr(config, "num_key_value_heads", None) or heads
-    if any(b.local for b in plan.blocks) and heads and (heads % tp or kv % tp):
+    if any(b.local for b in plan.blocks) and heads and kv and (heads % tp or kv % tp):
         raise UnsupportedModelError(
             family,
             f"{heads} attention heads / {kv} KV heads do not split over TP={tp} (replicated "
@@ -328,11 +334,11 @@ def inspect_fast_path(
     names) reproduces ``model`` exactly: its attention forward is one of Llama's, Mistral's,
     Qwen2's or Qwen3's, and nothing with parameters sits where that path does not look."""
     family = spec.model_type
-    layers = model.get_submodule(spec.layers)
+    layers: Any = model.get_submodule(spec.layers)  # the decoder ModuleList
     known = _fast_path_forwards()
     head_dim = _head_dim(model.config)
     for index, layer in enumerate(layers):
-        attn = layer.get_submodule(spec.attention)
+        attn: nn.Module = layer.get_submodule(spec.attention)
         cls = type(attn)
         cls = cls.__mro__[1] if cls.__name__.startswith("Parallel") else cls
         norms = known.get(forward_signature(cls))

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 import nxd_state
-from nxd_layers import ParallelEmbedding
+from nxd_layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear
 from nxd_trainer.hf._attention import parallel_attention_class
 from nxd_trainer.hf._loss import ParallelCausalLMLoss
 from nxd_trainer.hf._rules import BlockPlan, is_scaled_embedding
@@ -129,7 +129,9 @@ class Plan:
         prefix = self.names.get(id(module))
         if prefix is None:
             raise KeyError(f"{type(module).__name__} is not a module of the parallelised model")
-        tensors = [] if buffers_only else list(module._parameters.items())
+        tensors: list[tuple[str, torch.Tensor | None]] = (
+            [] if buffers_only else list(module._parameters.items())
+        )
         tensors += list(module._buffers.items())
         unsourced = []
         for name, tensor in tensors:
@@ -244,10 +246,9 @@ class _Swapper:
 
     def column(
         self, path: str, *, pad: bool = False, name: str | None = None, gather: bool = False
-    ) -> nn.Module:
-        from nxd_layers import ColumnParallelLinear
-
-        old = self.model.get_submodule(path)
+    ) -> ColumnParallelLinear:
+        # Any: a transformers linear read by its attributes (nn.Module.__getattr__ is untyped)
+        old: Any = self.model.get_submodule(path)
         layer = ColumnParallelLinear(
             old.in_features,
             old.out_features,
@@ -266,10 +267,8 @@ class _Swapper:
         self.model.set_submodule(path, layer)
         return layer
 
-    def row(self, path: str, *, parallel: bool = True) -> nn.Module:
-        from nxd_layers import RowParallelLinear
-
-        old = self.model.get_submodule(path)
+    def row(self, path: str, *, parallel: bool = True) -> RowParallelLinear:
+        old: Any = self.model.get_submodule(path)  # a transformers linear, read by attributes
         layer = RowParallelLinear(
             old.in_features,
             old.out_features,
@@ -290,11 +289,12 @@ class _Swapper:
         """Q, K, V -> one GQA projection with K/V heads replicated ``kv_size_multiplier``
         times, head by head (``[k0, k0, k1, k1]``): local replicated head j is head j // m;
         ``fuse_qkv``: one ``weight_qkv`` holding this rank's Q, K, V rows one after another."""
+        from nxd_ckpt.parts import CHECKPOINT_PARTS
         from nxd_layers import GQAQKVColumnParallelLinear
 
         spec, layout, fused = self.spec, self.layout, self.fuse_qkv
         attn = self.model.get_submodule(attn_path)
-        q = attn.get_submodule(spec.q_proj)
+        q: Any = attn.get_submodule(spec.q_proj)  # a transformers linear, read by attributes
         bias = q.bias is not None
         layer = GQAQKVColumnParallelLinear(
             q.in_features,
@@ -326,12 +326,14 @@ class _Swapper:
                     self.plan.sources[f"{attn_path}.{GQA_NAME}.{kind}_{part}"] = source
             if fused:
                 self.plan.sources[f"{attn_path}.{GQA_NAME}.{kind}_qkv"] = tuple(pieces)
-        layer.nxd_checkpoint_parts = qkv_stored_parts(spec, layout, fused=fused, bias=bias)
+        setattr(layer, CHECKPOINT_PARTS, qkv_stored_parts(spec, layout, fused=fused, bias=bias))
         for proj in (spec.q_proj, spec.k_proj, spec.v_proj):
             delattr(attn, proj)
         attn.add_module(GQA_NAME, layer)
 
     def attention(self, layer_path: str) -> None:
+        from nxd_ckpt.parts import CHECKPOINT_PARTS
+
         spec, layout = self.spec, self.layout
         attn_path = f"{layer_path}.{spec.attention}"
         if layout.gqa:
@@ -340,10 +342,12 @@ class _Swapper:
         else:
             for part, proj in (("q", spec.q_proj), ("k", spec.k_proj), ("v", spec.v_proj)):
                 layer = self.column(f"{attn_path}.{proj}")
-                layer.nxd_checkpoint_parts = _legacy_gqa_aliases(proj, part, layer.bias is not None)
+                aliases = _legacy_gqa_aliases(proj, part, layer.bias is not None)
+                setattr(layer, CHECKPOINT_PARTS, aliases)
             qkv = (spec.q_proj, spec.k_proj, spec.v_proj)
         self.row(f"{attn_path}.{spec.o_proj}")
-        attn = self.model.get_submodule(attn_path)
+        # Any: the family's attention, given a parallel class and the attributes it reads
+        attn: Any = self.model.get_submodule(attn_path)
         attn.__class__ = parallel_attention_class(type(attn))
         attn._nxd_qkv, attn._nxd_o, attn._nxd_qk_norms = qkv, spec.o_proj, spec.qk_norms
         attn.num_key_value_groups = layout.local_heads // layout.local_kv_heads
@@ -377,8 +381,9 @@ class _Swapper:
         from nxd_layers import ParallelEmbedding
 
         spec, layout = self.spec, self.layout
-        old = self.model.get_submodule(spec.embed_tokens)
-        head = self.model.get_submodule(spec.lm_head)
+        # Any: transformers' embedding and head, read by their attributes
+        old: Any = self.model.get_submodule(spec.embed_tokens)
+        head: Any = self.model.get_submodule(spec.lm_head)
         tied = head.weight is old.weight
         embedding_cls = ScaledParallelEmbedding if is_scaled_embedding(old) else ParallelEmbedding
         embedding = embedding_cls(
@@ -410,6 +415,8 @@ class ScaledParallelEmbedding(ParallelEmbedding):
     """``ParallelEmbedding(ids) · embed_scale`` (Gemma 3's scaled word embedding: the scale
     cast to the weight's dtype first, as there)."""
 
+    embed_scale: torch.Tensor
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.register_buffer("embed_scale", torch.tensor(1.0), persistent=False)
@@ -434,7 +441,7 @@ def grad_summed_class(cls: type[nn.Module]) -> type[nn.Module]:
     its own heads, holds the whole gradient (the heads' parts summed) everywhere."""
     if cls not in _GRAD_SUMMED:
 
-        def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        def forward(self: Any, *args: Any, **kwargs: Any) -> Any:  # Any: sets _nxd_inside
             from nxd_layers.mappings import copy_to_tensor_model_parallel_region
 
             if self.__dict__.get("_nxd_inside"):
@@ -511,7 +518,8 @@ def swap_layers(
     }
     plan.memory = MemoryStore({n: t for n, t in originals.items() if not t.is_meta})
     swapper = _Swapper(model, spec, layout, sequence_parallel, plan, fuse_qkv)
-    layers = model.get_submodule(spec.layers) if blocks is None else [model]
+    # Any: the decoder stack is a ModuleList (iterated and indexed), or [model]
+    layers: Any = model.get_submodule(spec.layers) if blocks is None else [model]
     swap = layout.tp > 1 or swap_at_tp1
     if blocks is not None:
         for block in blocks if swap else ():

@@ -56,7 +56,9 @@ def _lazy_from_pretrained(build: Any) -> Any:
     """A ``from_pretrained`` that builds the model from the folder's config (linears and
     embeddings on meta, by the patched constructors) and attaches the folder."""
 
-    def from_pretrained(cls: type, pretrained_model_name_or_path: Any, *args: Any, **kwargs: Any):
+    def from_pretrained(
+        cls: type, pretrained_model_name_or_path: Any, *args: Any, **kwargs: Any
+    ) -> Any:
         folder = Path(pretrained_model_name_or_path)
         if not folder.is_dir():
             raise FileNotFoundError(

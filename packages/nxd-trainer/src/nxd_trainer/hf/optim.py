@@ -43,7 +43,7 @@ class LazyOptimizer(torch.optim.Optimizer):
         self.lazy_defaults = dict(defaults)
         super().__init__(params, defaults)
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         raise RuntimeError(
             f"this {self.optimizer_class.__name__} is lazy: build the real one with "
             f"optimizer_for_mp(optimizer, parameter_mapping(...)) after parallelising the model"

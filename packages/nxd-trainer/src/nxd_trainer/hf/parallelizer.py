@@ -39,6 +39,14 @@ LAZY_FOLDER = "_nxd_lazy_folder"
 """Attribute of a model built under ``lazy_load_for_parallelism``: its Hugging Face folder."""
 
 
+def _decoder_stack(model: nn.Module, path: str) -> nn.ModuleList | nn.Sequential:
+    """The decoder layers at ``path`` (a ModuleList in every transformers family)."""
+    stack = model.get_submodule(path)
+    if not isinstance(stack, nn.ModuleList | nn.Sequential):
+        raise TypeError(f"{path} must be a ModuleList of decoder layers, got {type(stack)}")
+    return stack
+
+
 def _is_hf_folder(path: Path) -> bool:
     return (path / HF_WEIGHTS_NAME).is_file() or (path / HF_INDEX_NAME).is_file()
 
@@ -133,7 +141,9 @@ class Parallelizer:
             fuse_qkv=fuse_qkv,
             gather_output=gather_output,
         )
-        model._nxd_plan = plan  # parallelize reads it (and removes it)
+        model.__dict__["_nxd_plan"] = (
+            plan  # parallelize reads it (and removes it); a plain attribute
+        )
         return model
 
     @classmethod
@@ -201,7 +211,7 @@ class Parallelizer:
                 fuse_qkv=fuse_qkv,
                 gather_output=gather_output,
             )
-            plan: Plan = model._nxd_plan
+            plan: Plan = model.__dict__["_nxd_plan"]
             plan.folder = FolderStore(folder) if folder is not None else None
             plan.deferred = sharded is not None
             if plan.folder is not None or plan.deferred:
@@ -266,7 +276,7 @@ class Parallelizer:
                 f"pipeline parallelism needs pipeline_parallel_input_names (the model's tensor "
                 f"inputs, e.g. ['input_ids', 'attention_mask', 'labels']), got {input_names!r}"
             )
-        layers = len(model.get_submodule(cls.spec.layers))
+        layers = len(_decoder_stack(model, cls.spec.layers))
         pp = nxd_state.get_pipeline_model_parallel_size()
         if layers < pp:
             raise ValueError(f"{layers} decoder layers cannot fill {pp} pipeline stages")
@@ -274,7 +284,7 @@ class Parallelizer:
     @classmethod
     def pipeline_cuts(cls, model: nn.Module, stages: int) -> list[str]:
         """Cuts after layers ``k·L/p − 1`` (``L`` layers, ``p`` stages): equal stages."""
-        layers = len(model.get_submodule(cls.spec.layers))
+        layers = len(_decoder_stack(model, cls.spec.layers))
         return [f"{cls.spec.layers}.{(k + 1) * layers // stages - 1}" for k in range(stages - 1)]
 
     @classmethod
@@ -286,7 +296,7 @@ class Parallelizer:
         from nxd_layers import BaseParallelLinear, ParallelEmbedding
         from nxd_trainer.hf._loss import ParallelCausalLMLoss
 
-        layer = type(model.get_submodule(cls.spec.layers)[0])
+        layer = type(_decoder_stack(model, cls.spec.layers)[0])
         return [layer, ParallelEmbedding, BaseParallelLinear, ParallelCausalLMLoss]
 
     @classmethod
@@ -307,7 +317,7 @@ class Parallelizer:
             input_names=list(input_names),
             pipeline_cuts=cls.pipeline_cuts(model, nxd_state.get_pipeline_model_parallel_size()),
             tracer_cls="hf",
-            leaf_module_cls=cls.pipeline_leaves(model),
+            leaf_module_cls=[*cls.pipeline_leaves(model)],  # a list[type | str]
             param_init_fn=plan.init_fn(),
             use_zero1_optimizer=use_zero1_optimizer,
             device=device,

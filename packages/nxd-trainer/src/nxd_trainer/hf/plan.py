@@ -115,7 +115,7 @@ class PlanParallelizer(Parallelizer):
             model.config, tp, parallel_layer_specific_kwargs.get("kv_size_multiplier")
         )
         spec = ModelSpec(model_type=family, embed_tokens=plan.embed, lm_head=plan.lm_head)
-        model._nxd_plan = swap_layers(
+        model.__dict__["_nxd_plan"] = swap_layers(
             model,
             spec,
             layout,

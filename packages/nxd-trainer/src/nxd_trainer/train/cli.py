@@ -83,7 +83,7 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         raise ConfigError(f"{message} (nxd-train --help lists the flags)")
 
-    def parse_args(self, args: Any = None, namespace: Any = None) -> Any:  # type: ignore[override]
+    def parse_args(self, args: Any = None, namespace: Any = None) -> Any:
         parsed, unknown = self.parse_known_args(args, namespace)
         if unknown:
             flag = unknown[0]

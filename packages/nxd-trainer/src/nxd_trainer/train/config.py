@@ -494,10 +494,7 @@ class TrainConfig:
 def load_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The flat table of a TOML file (``[section]`` tables are flattened: ``[data]
     seq_len = 64`` is ``seq_len``)."""
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        import tomli as tomllib  # type: ignore[no-redef]
+    import tomllib
 
     path = Path(path)
     if not path.is_file():
@@ -525,7 +522,7 @@ def default_of(name: str) -> Any:
         if f.name == name:
             if f.default is not MISSING:
                 return f.default
-            assert not isinstance(f.default_factory, type(MISSING)), name
+            assert callable(f.default_factory), name  # a field has a default or a factory
             return f.default_factory()
     raise KeyError(name)
 

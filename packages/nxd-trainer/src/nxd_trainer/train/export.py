@@ -88,8 +88,10 @@ def generate_sample(hf_dir: str | Path, prompt: str, tokens: int, seed: int) -> 
     ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
     torch.manual_seed(seed)
     with torch.no_grad():
-        out = model.generate(
+        out = model.generate(  # type: ignore[misc]  # transformers types the auto class' self apart
             ids, max_new_tokens=tokens, do_sample=True, top_k=40, temperature=0.8,
             pad_token_id=tokenizer.eos_token_id, attention_mask=torch.ones_like(ids),
         )  # fmt: skip
-    return tokenizer.decode(out[0], skip_special_tokens=False)
+    text = tokenizer.decode(out[0], skip_special_tokens=False)
+    assert isinstance(text, str)  # one sequence of ids decodes to one string
+    return text

@@ -233,8 +233,9 @@ def _summary(run: RunDir, trainer: Any, loss: float, tokens: int, seconds: float
     reports the figures of the session that did: the last logged loss and its tokens/s."""
     previous = run.read_summary() or {}
     trained = [r for r in run.metrics_rows("train") if r.get("step", 0) <= trainer.step]
+    last: float | None = loss
     if loss != loss:  # NaN: no step this session
-        loss = trained[-1]["loss"] if trained else None
+        last = trained[-1]["loss"] if trained else None
     if seconds:
         speed: float | None = tokens / seconds
     elif previous.get("step") == trainer.step:
@@ -245,7 +246,7 @@ def _summary(run: RunDir, trainer: Any, loss: float, tokens: int, seconds: float
         "step": trainer.step,
         "tokens": trainer.tokens,
         "tokens_per_s": speed,
-        "loss": finite_or_none(loss),
+        "loss": finite_or_none(last),
         "checkpoint": str(run.checkpoints / tag_name(trainer.step)),
         "interrupted": interrupted,
     }

@@ -20,7 +20,8 @@ from nxd_trainer.train.config import PRESETS, ConfigError, TrainConfig
 __all__ = ["PRESET_SHAPES", "build_nxd_config", "hf_config", "make_model_fn", "model_source"]
 
 # hidden, layers, heads, kv heads, MLP width. Tiny: ~0.8 M parameters at a 2048 vocabulary.
-PRESET_SHAPES = {
+# Values typed Any: they are keyword arguments of transformers.LlamaConfig (of many types).
+PRESET_SHAPES: dict[str, dict[str, Any]] = {
     "tiny": {"hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
              "num_key_value_heads": 2, "intermediate_size": 352},
     "small": {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8,

@@ -157,7 +157,7 @@ class Trainer:
         if cfg.grad_accum > 1:
             self.optimizer.scale_gradients(1.0 / cfg.grad_accum)
         self.optimizer.step()
-        lr = self.scheduler.get_last_lr()[0]
+        lr = float(self.scheduler.get_last_lr()[0])  # a float: LambdaLR over a float lr
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         norm = self.optimizer.grad_norm
@@ -210,7 +210,7 @@ class Trainer:
         its own, which the HF export reads (collective)."""
         import nxd_ckpt
 
-        lora_model = self.model.local_module()
+        lora_model: Any = self.model.local_module()  # the LoRA model: its lora_config is read
         lora_config = lora_model.lora_config
         saved = (lora_config.save_lora_base, lora_config.merge_lora)
         lora_config.save_lora_base, lora_config.merge_lora = True, True
