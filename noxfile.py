@@ -58,9 +58,8 @@ XLA_THIRD_PARTY = [
     "filelock",
     "tomli-w",
 ]
-# The packages `lint` type-checks (mypy, [tool.mypy] in the root pyproject), each at zero
-# errors. nxd-trainer is being brought to zero in #26 and joins this list (and [tool.mypy]'s
-# strict override) when it gets there.
+# The packages `lint` type-checks (mypy, [tool.mypy] in the root pyproject): every package and
+# the NxD compat layer, each at zero errors and strict (the same list as [tool.mypy]'s strict override).
 MYPY_PACKAGES = [
     "nxd_state",
     "nxd_layers",
@@ -68,7 +67,9 @@ MYPY_PACKAGES = [
     "nxd_optim",
     "nxd_lora",
     "nxd_ckpt",
+    "nxd_trainer",
     "nxd_lightning",
+    "neuronx_distributed",
 ]
 # Extras a package's own tests need (nxd-trainer's tests run the nxd-train command).
 TEST_EXTRAS = {"nxd-trainer": ["train"]}

@@ -45,7 +45,6 @@ IMPORT_TO_DIST = {
     "safetensors": "safetensors",
     "tensorboardX": "tensorboardx",
     "tokenizers": "tokenizers",
-    "tomli": "tomli",
     "tomli_w": "tomli-w",
     "torch": "torch",
     "torch_neuronx": "torch-neuronx",

@@ -25,7 +25,7 @@ _LAZY = {
     "has_checkpoint": "neuronx_distributed.trainer",
     "finalize_checkpoint": "neuronx_distributed.trainer",
 }
-_SUBMODULES = ("lightning", "modules", "optimizer", "parallel_layers", "pipeline", "trace")
+_SUBMODULES: tuple[str, ...] = ("lightning", "modules", "optimizer", "parallel_layers", "pipeline", "trace")
 _SUBMODULES += ("trainer", "utils", "parallel_state", "overrides")
 
 __all__ = ["__version__", *sorted(_LAZY)]

@@ -37,6 +37,8 @@ def check_context_parallel_and_unsupported_ep() -> None:
     assert ps.get_context_model_parallel_rank() == rank // 2
     cp_ranks = torch.distributed.get_process_group_ranks(ps.get_context_model_parallel_group())
     assert cp_ranks == [rank % 2, rank % 2 + 2], cp_ranks
+    # NxD's ring pairs through NxD's own module path (its compat copy returned [] at any CP).
+    assert ps.get_context_model_parallel_src_tgt_pairs() == [[0, 2], [2, 0], [1, 3], [3, 1]]
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(expert_model_parallel_size=4)
     assert ps.get_expert_model_parallel_size() == 4

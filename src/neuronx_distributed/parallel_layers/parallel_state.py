@@ -12,10 +12,10 @@ import torch.distributed as dist
 from nxd_state.parallel_state import *  # noqa: F403
 from nxd_state.parallel_state import __all__ as _state_all
 from nxd_state.parallel_state import get_parallel_state, model_parallel_is_initialized
+from nxd_state.state import ParallelState
 
 __all__ = [
     *_state_all,
-    "get_context_model_parallel_src_tgt_pairs",
     "get_pp_gloo_group",
     "initialize_pp_gloo_groups",
     "rmsg",
@@ -24,7 +24,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 # (the parallel state they belong to, this rank's gloo pipeline group)
-_PP_GLOO: tuple[object, dist.ProcessGroup] | None = None
+_PP_GLOO: tuple[ParallelState, dist.ProcessGroup] | None = None
 
 
 def initialize_pp_gloo_groups() -> None:
@@ -37,10 +37,11 @@ def initialize_pp_gloo_groups() -> None:
         logger.error("pp gloo groups are already initialized!")
         return
     rank = dist.get_rank()
-    mine = None
+    mine: dist.ProcessGroup | None = None
     for ranks in state.layout.pipeline_parallel_groups():
         group = dist.new_group(ranks=ranks, backend="gloo")
         if rank in ranks:
+            assert isinstance(group, dist.ProcessGroup)  # a member gets the group itself
             mine = group
     assert mine is not None
     _PP_GLOO = (state, mine)
@@ -70,10 +71,3 @@ def rmsg(message: str) -> str:
     else:
         pp = tp = dp = -1
     return f"[rank_{rank}_pp{pp}_tp{tp}_dp{dp}] {message}"
-
-
-def get_context_model_parallel_src_tgt_pairs() -> list[list[int]]:
-    """The (source, target) rank pairs of ring attention's context-parallel exchange: none at
-    context-parallel size 1, the only size nxd supports."""
-    get_parallel_state()  # the same "not initialized" error as every getter
-    return []

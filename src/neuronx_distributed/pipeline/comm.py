@@ -58,7 +58,9 @@ def send_python_object(obj: Any, send_next: bool = True, method: str = "tcp") ->
         return
     count = _SENT.get((source, destination), 0)
     _SENT[(source, destination)] = count + 1
-    dist.distributed_c10d._get_default_store().set(_store_key(source, destination, count), data)
+    store = dist.distributed_c10d._get_default_store()
+    # c10d's Store.set takes bytes as well as str (torch's stub declares str only).
+    store.set(_store_key(source, destination, count), data)  # type: ignore[arg-type]
 
 
 def recv_python_object(recv_prev: bool = True, method: str = "tcp") -> Any:
