@@ -59,7 +59,8 @@ XLA_THIRD_PARTY = [
     "tomli-w",
 ]
 # The packages `lint` type-checks (mypy, [tool.mypy] in the root pyproject): every package and
-# the NxD compat layer, each at zero errors and strict (the same list as [tool.mypy]'s strict override).
+# the NxD compat layer, each at zero errors and strict (the same list as [tool.mypy]'s strict
+# override).
 MYPY_PACKAGES = [
     "nxd_state",
     "nxd_layers",

@@ -25,8 +25,8 @@ _LAZY = {
     "has_checkpoint": "neuronx_distributed.trainer",
     "finalize_checkpoint": "neuronx_distributed.trainer",
 }
-_SUBMODULES: tuple[str, ...] = ("lightning", "modules", "optimizer", "parallel_layers", "pipeline", "trace")
-_SUBMODULES += ("trainer", "utils", "parallel_state", "overrides")
+_SUBMODULES: tuple[str, ...] = ("lightning", "modules", "optimizer", "parallel_layers")
+_SUBMODULES += ("pipeline", "trace", "trainer", "utils", "parallel_state", "overrides")
 
 __all__ = ["__version__", *sorted(_LAZY)]
 
