@@ -357,7 +357,7 @@ def lint(session: nox.Session) -> None:
     every import declared, the LICENSE copies, no relative link in a README that ships on the
     index. mypy reads torch's, Lightning's and transformers' own types, so the whole workspace
     is installed (MYPY_PACKAGES are checked; their siblings are analysed for types only)."""
-    _sync(session, "--all-packages", "--group", "dev")
+    _sync(session, "--all-packages", "--group", "dev", "--group", "test")  # mypy reads pytest
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     session.run("mypy", *(arg for name in MYPY_PACKAGES for arg in ("-p", name)))
