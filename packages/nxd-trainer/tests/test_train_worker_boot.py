@@ -17,8 +17,12 @@ import pytest
 
 from nxd_trainer.train.launch import WORKER_BOOT, worker_command
 
+# Python's own startup handler first: a process started from a background job inherits SIGINT
+# ignored, and Python then installs none (the failure would not show).
 _INTERRUPTED_IMPORT = """\
 import os, signal, time
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 os.kill(os.getpid(), signal.SIGINT)
 time.sleep(30)  # the signal arrives while the package is still being imported
 """
