@@ -48,26 +48,27 @@ __all__ = ["ExpertMLPs", "ExpertMLPsCapacityFactor", "resolve_expert_parallel_gr
 InitMethod = Callable[[torch.Tensor], object]
 
 
-def resolve_expert_parallel_group(group: ProcessGroup | None) -> ProcessGroup | None:
-    """``group``, else the current state's EP group, else ``None`` (no expert parallelism)."""
+def _group_or_current(
+    group: ProcessGroup | None, current: Callable[[], object]
+) -> ProcessGroup | None:
+    """``group``, else ``current()`` of the parallel state, else ``None`` (no state)."""
     if group is not None:
         return group
     if model_parallel_is_initialized():
-        found = get_expert_model_parallel_group()
-        assert isinstance(found, ProcessGroup)
+        found = current()
+        assert isinstance(found, ProcessGroup)  # the getters return this rank's group
         return found
     return None
+
+
+def resolve_expert_parallel_group(group: ProcessGroup | None) -> ProcessGroup | None:
+    """``group``, else the current state's EP group, else ``None`` (no expert parallelism)."""
+    return _group_or_current(group, get_expert_model_parallel_group)
 
 
 def resolve_tensor_parallel_group(group: ProcessGroup | None) -> ProcessGroup | None:
     """``group``, else the current state's TP group, else ``None`` (no tensor parallelism)."""
-    if group is not None:
-        return group
-    if model_parallel_is_initialized():
-        found = get_tensor_model_parallel_group()
-        assert isinstance(found, ProcessGroup)
-        return found
-    return None
+    return _group_or_current(group, get_tensor_model_parallel_group)
 
 
 def _mark_expert_parallel(param: torch.nn.Parameter, ep: int) -> None:
