@@ -23,5 +23,8 @@ def test_expert_weights_at_ep2_are_refused() -> None:
 
 
 def test_ep1_or_no_expert_weights_go_ahead() -> None:
-    _refuse_expert_parameters(_named(expert=True), 1)
-    _refuse_expert_parameters(_named(expert=False), 2)
+    for named, ep in ((_named(expert=True), 1), (_named(expert=False), 2)):
+        _refuse_expert_parameters(named, ep)  # raises on refusal (see the test above)
+        assert (
+            not any(getattr(p, "expert_model_parallel", False) for p in named.values()) or ep == 1
+        )

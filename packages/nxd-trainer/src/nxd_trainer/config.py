@@ -156,8 +156,9 @@ class NxDConfig:
         check_positive_int("config", "pipeline_parallel_size", self.pipeline_parallel_size)
         if self.expert_parallel_size != 1:
             raise ValueError(
-                f"expert_parallel_size={self.expert_parallel_size!r}: nxd has no expert "
-                f"parallelism; only 1 is supported"
+                f"expert_parallel_size={self.expert_parallel_size!r}: the trainer has no expert "
+                f"parallelism yet, only 1 is supported (nxd_state, nxd_layers.moe and "
+                f"nxd_optim.NxDOptimizer support EP > 1 in a loop of your own)"
             )
         check_positive_int("config", "context_parallel_size", self.context_parallel_size)
         from nxd_trainer._context_parallel import ALGORITHMS
