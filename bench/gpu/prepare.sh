@@ -6,13 +6,13 @@
 #     bash bench/gpu/prepare.sh
 #
 # The image already holds torch 2.11, transformers 5.17, tokenizers, safetensors, tqdm, numpy and
-# protobuf (/work/.library/device/KINDS.md); nxd needs two more: tensorboardX (nxd-train's event
-# files) and isal (nxd-ckpt's CRC-32). Versions are uv.lock's.
+# protobuf (/work/.library/device/KINDS.md); nxd needs three more: tensorboardX (nxd-train's event
+# files), isal (nxd-ckpt's CRC-32) and tomli-w (nxd-train's config.toml); filelock is there. Versions are uv.lock's.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 W=bench/gpu/.wheels
 PY=3.12
-THIRD_PARTY=(tensorboardX==2.6.5 isal==1.9.1)
+THIRD_PARTY=(tensorboardX==2.6.5 isal==1.9.1 tomli-w==1.2.0)
 
 rm -rf "$W"
 mkdir -p "$W"

@@ -16,7 +16,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
     --target "$site" "$wheels"/*.whl || exit 1
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
-python3 -c "import nxd_trainer.train.cli, tensorboardX, isal, tqdm, tokenizers" || exit 1
+# Every third-party module nxd-train imports at run time, before any device time is spent on it.
+python3 -c "import nxd_trainer.train.cli, tensorboardX, isal, tqdm, tokenizers, tomli_w, filelock" || exit 1
 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader || true
 out=${OUT:-bench/results/gpu}
 mkdir -p "$out"
