@@ -409,12 +409,11 @@ class TrainConfig:
                 f" tokens (seq_len {self.seq_len} / cp {self.cp}) over tp({self.tp}), which "
                 f"does not divide them"
             )
-        for name, bad in (("pp", self.pp > 1), ("lora_rank", self.lora_rank > 0),
-                          ("compile", self.compile)):  # fmt: skip
+        for name, bad in (("pp", self.pp > 1), ("compile", self.compile)):
             if bad:
                 raise ConfigError(
                     f"cp={self.cp} with {name}={getattr(self, name)!r} is not supported yet: "
-                    f"context parallelism runs at pp=1, without LoRA, without --compile"
+                    f"context parallelism runs at pp=1, without --compile"
                 )
 
     @property
