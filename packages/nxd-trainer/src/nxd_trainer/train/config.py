@@ -217,7 +217,7 @@ class TrainConfig:
     cp: int = setting(
         1,
         """Context-parallel degree: every sequence split over ``cp`` ranks (attention over the
-        whole sequence by ``cp_algorithm``); ``pp`` = 1 and no LoRA.""",
+        whole sequence by ``cp_algorithm``); ``pp`` = 1.""",
     )
 
     cp_algorithm: str = setting(
