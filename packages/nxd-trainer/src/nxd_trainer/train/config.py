@@ -255,8 +255,8 @@ class TrainConfig:
 
     bf16: bool = setting(
         False,
-        """bf16 parameters and activations; the optimizer keeps fp32 master weights and
-        accumulates gradients in fp32.""",
+        """bf16 parameters and activations; the optimizer keeps fp32 master weights and sums
+        gradients in fp32 wherever they are summed (micro-steps, micro-batches, ranks).""",
     )
 
     compile: bool = setting(
