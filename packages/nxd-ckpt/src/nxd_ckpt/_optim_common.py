@@ -229,7 +229,14 @@ def _param_names(
     for index, param in enumerate(optimizer_params):  # positions: same layout only
         name = f"pp{ctx.pp_rank}.param{index}"
         names[id(param)] = name
-        spec = spec_for_tensor(param, tp_rank=ctx.tp_rank, tp_size=ctx.tp_size)
+        spec = spec_for_tensor(
+            param,
+            tp_rank=ctx.tp_rank,
+            tp_size=ctx.tp_size,
+            ep_rank=ctx.ep_rank,
+            ep_size=ctx.ep_size,
+            local_name=name,
+        )
         described[name] = LocalTensor(name, param, spec)
     return names, described
 
@@ -246,6 +253,13 @@ def resolve_optimizer(optimizer: Any, model: Any, ctx: RankContext) -> Optimizer
     wrapper = optimizer if isinstance(optimizer, NxDOptimizer) else None
     core = wrapper.optimizer if wrapper is not None else optimizer
     if isinstance(core, NeuronZero1Optimizer):
+        # Its shards would be cut over the expert-DP group for experts, over DP x CP for the
+        # rest: a layout this module does not read yet (nxd-optim refuses ZeRO-1 at EP > 1).
+        ctx.refuse_expert_parallel(
+            f"checkpointing the ZeRO-1 optimizer {type(core).__name__}",
+            "nxd-ckpt does not read ZeRO-1 shards cut over the expert-DP group yet; use "
+            "NxDOptimizer with zero_one_enabled=False, whose state nxd-ckpt shards over EP",
+        )
         params = [p for group in core.param_groups for p in group["params"]]
         names, tensors = _param_names(model, params, ctx)
         return _view(
