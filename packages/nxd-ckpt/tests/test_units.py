@@ -67,6 +67,47 @@ def test_partition_specs_rebuild_the_global_tensor(dim: int, stride: int, tp: in
     assert torch.equal(rebuilt, full)
 
 
+def _expert_shard(full: torch.Tensor, ep_rank: int, ep: int, tp_rank: int, tp: int) -> torch.Tensor:
+    """EP rank ``ep_rank``'s experts of ``full`` (E, H, 2I), TP-split along dim 2 with
+    stride 2 (gate and up halves), marked as ``nxd_layers.moe`` marks them."""
+    from nxd_layers import set_tensor_model_parallel_attributes, shard_for_rank
+
+    local = full.shape[0] // ep
+    shard = shard_for_rank(full[ep_rank * local : (ep_rank + 1) * local], 2, tp_rank, tp, 2)
+    set_tensor_model_parallel_attributes(shard, tp > 1, 2, 2)
+    shard.expert_model_parallel = True  # type: ignore[attr-defined]
+    shard.expert_partition_dim = 0  # type: ignore[attr-defined]
+    shard.expert_model_parallel_size = ep  # type: ignore[attr-defined]
+    return shard
+
+
+@pytest.mark.parametrize(("ep", "tp"), [(1, 1), (2, 1), (4, 1), (2, 2)])
+def test_expert_specs_rebuild_the_all_experts_tensor(ep: int, tp: int) -> None:
+    full = torch.randn(4, 3, 8)  # 4 experts, hidden 3, 2 x intermediate 4
+    rebuilt = torch.full_like(full, float("nan"))
+    for ep_rank in range(ep):
+        for tp_rank in range(tp):
+            shard = _expert_shard(full, ep_rank, ep, tp_rank, tp)
+            spec = spec_for_tensor(
+                shard, tp_rank=tp_rank, tp_size=tp, ep_rank=ep_rank, ep_size=ep, local_name="w"
+            )
+            assert spec.global_shape == tuple(full.shape)
+            assert spec.expert_parallel
+            assert spec.info["expert_model_parallel_size"] == ep
+            for block in spec.blocks:
+                rebuilt[block.global_box.slices()] = shard[block.local.slices()]
+    assert torch.equal(rebuilt, full)
+
+
+def test_expert_spec_refuses_a_degree_other_than_the_marked_one() -> None:
+    shard = _expert_shard(torch.randn(4, 3, 8), 0, 2, 0, 1)
+    with pytest.raises(ValueError, match=r"marked expert_model_parallel_size=2.* is 1"):
+        spec_for_tensor(shard, tp_rank=0, tp_size=1, ep_rank=0, ep_size=1, local_name="w")
+    shard.expert_partition_dim = 1  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="expert_partition_dim=1"):
+        spec_for_tensor(shard, tp_rank=0, tp_size=1, ep_rank=0, ep_size=2, local_name="w")
+
+
 class _FakeGQA(nn.Module):
     """The attributes nxd-ckpt reads from a GQA QKV layer, with a chosen replication order."""
 
