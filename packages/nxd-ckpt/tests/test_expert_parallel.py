@@ -243,9 +243,13 @@ def _zero1_at_ep2(path: str) -> list[str]:
     import nxd_state
     from nxd_optim import NxDOptimizer, OptimizerConfig
 
-    # ZeRO-1 refuses EP > 1 itself (nxd-optim); one built at EP=1 stands in for an EP-aware one.
+    # nxd-optim has no ZeRO-1 over experts at EP > 1 yet: one built at EP=1 over a parameter
+    # marked as EP=2 experts stands in for it.
     nxd_state.initialize_model_parallel()
-    model = nn.Linear(4, 4)
+    model = nn.Linear(4, 4, bias=False)
+    model.weight.expert_model_parallel = True  # type: ignore[attr-defined]
+    model.weight.expert_partition_dim = 0  # type: ignore[attr-defined]
+    model.weight.expert_model_parallel_size = 2  # type: ignore[attr-defined]
     zero1 = NxDOptimizer(
         model.parameters(), torch.optim.AdamW, config=OptimizerConfig(zero_one_enabled=True)
     )
@@ -255,7 +259,7 @@ def _zero1_at_ep2(path: str) -> list[str]:
     with pytest.raises(NotImplementedError, match="ZeRO-1") as error:
         save_checkpoint(path, "zero1", model=model, optimizer=zero1)
     messages.append(str(error.value))
-    save_checkpoint(path, "model_only", model=model)  # EP=2 itself saves
+    save_checkpoint(path, "model_only", model=model)  # the experts themselves save at EP=2
     with pytest.raises(NotImplementedError, match="ZeRO-1") as error:
         load_checkpoint(path, "model_only", model=model, optimizer=zero1)
     messages.append(str(error.value))

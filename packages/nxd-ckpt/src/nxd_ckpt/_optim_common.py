@@ -45,6 +45,11 @@ __all__ = [
 MASTER_KEY = "master"
 
 
+def is_expert(tensor: torch.Tensor) -> bool:
+    """Marked ``expert_model_parallel`` (``nxd_layers.moe``'s expert weights)."""
+    return bool(getattr(tensor, "expert_model_parallel", False))
+
+
 @dataclass(frozen=True)
 class FlatPiece:
     """Elements ``[param_start, +numel)`` of vec(p_index) sit at ``[shard_start, +numel)``."""
@@ -253,14 +258,15 @@ def resolve_optimizer(optimizer: Any, model: Any, ctx: RankContext) -> Optimizer
     wrapper = optimizer if isinstance(optimizer, NxDOptimizer) else None
     core = wrapper.optimizer if wrapper is not None else optimizer
     if isinstance(core, NeuronZero1Optimizer):
-        # Its shards would be cut over the expert-DP group for experts, over DP x CP for the
-        # rest: a layout this module does not read yet (nxd-optim refuses ZeRO-1 at EP > 1).
-        ctx.refuse_expert_parallel(
-            f"checkpointing the ZeRO-1 optimizer {type(core).__name__}",
-            "nxd-ckpt does not read ZeRO-1 shards cut over the expert-DP group yet; use "
-            "NxDOptimizer with zero_one_enabled=False, whose state nxd-ckpt shards over EP",
-        )
         params = [p for group in core.param_groups for p in group["params"]]
+        if type(core) is not NeuronZero1Optimizer or any(map(is_expert, params)):
+            # An EP-aware ZeRO-1 cuts expert shards over the expert-DP group: a layout this
+            # module does not read yet. Dense params alone are sharded over DP x CP as at EP=1.
+            ctx.refuse_expert_parallel(
+                f"checkpointing the ZeRO-1 optimizer {type(core).__name__} over expert parameters",
+                "nxd-ckpt does not read ZeRO-1 shards cut over the expert-DP group yet; use "
+                "NxDOptimizer with zero_one_enabled=False, whose state nxd-ckpt shards over EP",
+            )
         names, tensors = _param_names(model, params, ctx)
         return _view(
             "zero1", core, names, tensors, masters_in_ckpt=bool(core.use_master_weights_in_ckpt)
