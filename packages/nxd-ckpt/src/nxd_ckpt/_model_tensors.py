@@ -174,6 +174,7 @@ def model_tensors(
                 local_name=local,
                 ep_rank=ctx.ep_rank,
                 ep_size=ctx.ep_size,
+                what=name,
             )
             parts = declared_parts(modules.get(prefix), prefix, local, spec)
             out.append(LocalTensor(name, tensor, spec, parts))

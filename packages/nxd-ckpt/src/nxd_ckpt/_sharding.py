@@ -306,13 +306,14 @@ def spec_for_tensor(
     local_name: str = "",
     ep_rank: int = 0,
     ep_size: int = 1,
+    what: str = "",
 ) -> ShardSpec:
     """The spec of a parameter or buffer from its sharding attributes (and, for the GQA QKV
     projection, its owning ``module``; ``local_name`` is its name inside that module). A
     tensor marked ``tensor_parallel_padding`` gets the spec of its unpadded tensor; one
     marked ``expert_model_parallel`` has its experts placed at EP rank ``ep_rank`` of
-    ``ep_size`` (see the module docstring)."""
-    what = local_name or f"tensor of shape {tuple(tensor.shape)}"
+    ``ep_size`` (see the module docstring). ``what`` names it in errors."""
+    what = what or local_name or f"tensor of shape {tuple(tensor.shape)}"
     spec = _padded_spec(tensor, tp_rank, tp_size, module, local_name)
     if getattr(tensor, "expert_model_parallel", False):
         spec = _expert_spec(spec, tensor, ep_rank, ep_size, what)

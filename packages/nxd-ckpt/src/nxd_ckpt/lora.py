@@ -67,6 +67,7 @@ def lora_tensors(model: Any, ctx: RankContext, *, for_load: bool = False) -> lis
             local_name=leaf,
             ep_rank=ctx.ep_rank,
             ep_size=ctx.ep_size,
+            what=wrapped,
         )
         out.append(LocalTensor(model.original_name(wrapped), tensor, spec))
     if mode == "merged" and not for_load and not model.is_lora_merged:
