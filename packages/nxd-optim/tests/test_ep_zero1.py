@@ -5,9 +5,11 @@ The model: a dense linear followed by the tiny MoE block (hidden 16, 4 experts, 
 dropless), float64, trained 3 steps with AdamW (weight decay) and gradient clipping at EP=2:
 world 2 (expert-DP 1), world 4 (expert-DP 2; ``"auto"`` then all-reduces the expert buckets
 and reduce-scatters the dense ones, and the forced ``"reduce_scatter"`` variant sums the
-experts' norm pieces over DP) and, ``-m slow``, world 8 (expert-DP 4). Each rank feeds its own
-rows of the batch (rank order = the one-process batch order), in two micro-batches whose
-summed gradients ``scale_gradients(1/2)`` turns into the mean, ZeRO-1's accumulation scaling.
+experts' norm pieces over DP), world 4 as DP 2 x CP 2 (expert-DP = (DP/EP) x CP = 2; the
+model has no attention, so a CP rank is one more replica on its own tokens) and, ``-m slow``,
+world 8 (expert-DP 4). Each rank feeds its own rows of the batch (its DP x CP rank order =
+the one-process batch order), in two micro-batches whose summed gradients
+``scale_gradients(1/2)`` turns into the mean, ZeRO-1's accumulation scaling.
 Compared on every rank: every parameter after the 3 steps (experts against this rank's slice
 of the one-process experts), every step's loss (averaged over DP) and clipped gradient norm;
 and every parameter against ``NxDOptimizer`` without ZeRO-1 at the same EP.
@@ -17,13 +19,13 @@ order (the all-to-all regroups tokens, gradients are reduce-scattered or all-red
 losses and gradients agree to a few ulps of float64 (1e-10 for the losses is far above that).
 The clipping factor carries float32 rounding: ``get_grad_norm`` returns a float32 norm (its
 documented accumulator), ~6e-8 relative, which the one-process ``clip_grad_norm_`` (float64)
-does not; it reaches the parameters through the later steps' AdamW updates (the first is
-scale-invariant), measured at ~2e-8 relative. rtol 1e-6 / atol 1e-8 for the parameters (and
-rtol 1e-6 for the float32 norms) covers that and stays far below a real mistake: expert
-gradients at the wrong scale (the mean over expert-DP, EP times too large), experts sharded
-and averaged over DP x CP, or an expert norm counted once per replica move the parameters by
-~1e-4 to 1e-3 (lr x a changed direction or clip factor); the wrong-scale control below checks
-that this comparison catches the first.
+does not; it reaches the parameters through the AdamW updates (through ε and the moments'
+mix of steps), measured after 3 steps at up to 2e-8 absolute (4e-7 relative, at elements
+near zero). rtol 1e-6 / atol 1e-8 for the parameters (and rtol 1e-6 for the float32 norms)
+covers that with a margin of ~5x and stays far below a real mistake: expert gradients at the
+wrong scale (the mean over expert-DP, EP times too large: 1.7e-5 absolute, 2e-3 relative,
+the control below), experts sharded and averaged over DP x CP, or an expert norm counted once
+per expert-DP replica each fail this comparison (checked by editing the optimizer).
 """
 
 from __future__ import annotations
@@ -141,7 +143,10 @@ def _reference(batches: Batches) -> tuple[nn.Module, list[torch.Tensor], list[to
 
 
 def _my_rows() -> slice:
-    rank = ps.get_data_parallel_rank()
+    """This rank's rows: its position in the DP x CP group (the model has no attention, so a
+    context-parallel rank is one more replica feeding its own tokens)."""
+    state = ps.get_parallel_state()
+    rank = state.data_context_parallel_ranks.index(state.rank)
     return slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)
 
 
@@ -163,28 +168,28 @@ def _ep_zero1(model: nn.Module, grad_reduction: str) -> NeuronEPZero1Optimizer:
         _param_groups(model),
         torch.optim.AdamW,
         max_norm=MAX_NORM,
-        sharding_groups=ps.get_data_parallel_group(as_list=True),  # NxD's trainer passes it
+        sharding_groups=ps.get_parallel_state().layout.data_context_parallel_groups(),
         grad_reduction=grad_reduction,
         use_grad_acc_hook=True,  # accumulate micro-batches in the optimizer dtype (float64)
         **HYPER,
     )
 
 
-def ep_zero1_parity(world: int, grad_reduction: str) -> None:
-    """Runs on each of ``world`` ranks (EP = 2, DP = world); asserts parity."""
+def ep_zero1_parity(world: int, grad_reduction: str, cp: int) -> None:
+    """Runs on each of ``world`` ranks (EP = 2, DP x CP = world); asserts parity."""
     batches = _batches(world)
     ref, ref_losses, ref_norms = _reference(batches)
 
-    ps.initialize_model_parallel(expert_model_parallel_size=EP)
+    ps.initialize_model_parallel(expert_model_parallel_size=EP, context_parallel_size=cp)
     # 1. The class itself, micro-batches scaled by scale_gradients.
     model = DenseThenMoE()
     opt = _ep_zero1(model, grad_reduction)
     assert opt.ep_zero_optimizer is not None
     assert opt.non_ep_zero_optimizer is not None
     assert opt.ep_zero_optimizer.sharding_size == world // EP  # expert-DP
-    assert opt.non_ep_zero_optimizer.sharding_size == world  # DP
+    assert opt.non_ep_zero_optimizer.sharding_size == world  # DP x CP
     losses, norms = _train(model, opt, batches, _my_rows(), micro=MICRO)
-    dp_group = ps.get_data_parallel_group()
+    dp_group = ps.get_parallel_state().data_context_parallel_group
     for step, (loss, norm) in enumerate(zip(losses, norms, strict=True)):
         mean = collectives.all_reduce(loss.clone(), dp_group) / world  # equal-sized slices
         torch.testing.assert_close(mean, ref_losses[step], **LOSS_TOL)
@@ -216,16 +221,17 @@ def ep_zero1_parity(world: int, grad_reduction: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("world", "grad_reduction"),
+    ("world", "grad_reduction", "cp"),
     [
-        (2, "auto"),
-        (4, "auto"),
-        (4, "reduce_scatter"),
-        pytest.param(8, "auto", marks=pytest.mark.slow),
+        (2, "auto", 1),
+        (4, "auto", 1),
+        (4, "reduce_scatter", 1),
+        (4, "reduce_scatter", 2),  # DP 2 x CP 2: expert-DP = (DP/EP) x CP = 2
+        pytest.param(8, "auto", 1, marks=pytest.mark.slow),
     ],
 )
-def test_ep_zero1_equals_one_process_and_plain_ep(world: int, grad_reduction: str) -> None:
-    run_distributed(ep_zero1_parity, world, world, grad_reduction)
+def test_ep_zero1_equals_one_process_and_plain_ep(world: int, grad_reduction: str, cp: int) -> None:
+    run_distributed(ep_zero1_parity, world, world, grad_reduction, cp)
 
 
 def wrong_scale_is_caught(world: int) -> str:
@@ -335,7 +341,8 @@ def test_ep_zero1_state_round_trip(tmp_path: object) -> None:
 
 
 def measure_only(world: int) -> None:
-    """``max_norm=inf``: the norm is measured (the one-process one) and nothing is scaled."""
+    """``max_norm=inf``: the norm is measured (the one-process one) and nothing is scaled;
+    built with ``lazy_init=True``."""
     batches = _batches(world, steps=1)
     ref = DenseThenMoE()
     ref_opt = torch.optim.AdamW(_param_groups(ref), **HYPER)
@@ -350,8 +357,11 @@ def measure_only(world: int) -> None:
     ps.initialize_model_parallel(expert_model_parallel_size=EP)
     model = DenseThenMoE()
     opt = NeuronEPZero1Optimizer(
-        _param_groups(model), torch.optim.AdamW, max_norm=math.inf, **HYPER
+        _param_groups(model), torch.optim.AdamW, max_norm=math.inf, lazy_init=True, **HYPER
     )
+    assert not opt.inited  # the halves are built at init_zero()
+    assert opt.ep_zero_optimizer is None
+    opt.init_zero()
     _, norms = _train(model, opt, batches, _my_rows())
     torch.testing.assert_close(norms[0], ref_norms[0].to(torch.float32), **NORM_TOL)
     _assert_params(model, ref, "unclipped", **PARAM_TOL)
