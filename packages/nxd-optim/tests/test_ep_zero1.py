@@ -370,3 +370,37 @@ def measure_only(world: int) -> None:
 
 def test_ep_zero1_measure_only() -> None:
     run_distributed(measure_only, 4, 4)
+
+
+def ep1_is_plain_zero1() -> None:
+    """At EP = 1 every param goes to the dense half: the steps equal plain ZeRO-1's bit for
+    bit and the one-layout attributes are that half's. At EP = 2 they name both halves."""
+    batches = _batches(2, steps=2)
+    ps.initialize_model_parallel()
+    plain_model, ep_model = DenseThenMoE(), DenseThenMoE()
+    plain = NeuronZero1Optimizer(
+        _param_groups(plain_model), torch.optim.AdamW, max_norm=MAX_NORM, **HYPER
+    )
+    ep = NeuronEPZero1Optimizer(
+        _param_groups(ep_model), torch.optim.AdamW, max_norm=MAX_NORM, **HYPER
+    )
+    assert ep.ep_zero_optimizer is None
+    assert ep.non_ep_zero_optimizer is not None
+    assert ep.sharding_size == plain.sharding_size == 2
+    assert len(ep.dtype_buckets) == len(plain.dtype_buckets)
+    _train(plain_model, plain, batches, _my_rows())
+    _train(ep_model, ep, batches, _my_rows())
+    for (name, a), b in zip(plain_model.named_parameters(), ep_model.parameters(), strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+    ps.destroy_model_parallel()
+
+    ps.initialize_model_parallel(expert_model_parallel_size=EP)
+    two = NeuronEPZero1Optimizer(DenseThenMoE().parameters(), torch.optim.AdamW, **HYPER)
+    for name in ("sharding_size", "dtype_buckets", "base_optimizer"):
+        with pytest.raises(RuntimeError, match=r"non_ep_zero_optimizer.* and ep_zero_optimizer"):
+            getattr(two, name)
+    ps.destroy_model_parallel()
+
+
+def test_ep1_is_plain_zero1() -> None:
+    run_distributed(ep1_is_plain_zero1, 2)
