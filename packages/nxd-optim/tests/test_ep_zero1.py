@@ -6,13 +6,16 @@ dropless), float64, trained 3 steps with AdamW (weight decay) and gradient clipp
 world 2 (expert-DP 1), world 4 (expert-DP 2; ``"auto"`` then all-reduces the expert buckets
 and reduce-scatters the dense ones, and the forced ``"reduce_scatter"`` variant sums the
 experts' norm pieces over DP), world 4 as DP 2 x CP 2 (expert-DP = (DP/EP) x CP = 2; the
-model has no attention, so a CP rank is one more replica on its own tokens) and, ``-m slow``,
+model has no attention, so a CP rank is one more replica on its own tokens), world 4 as TP 2 x
+DP 2 (the experts TP-sharded inside, expert-DP 1; the dense linear and the router replicated
+over TP) and, ``-m slow``,
 world 8 (expert-DP 4). Each rank feeds its own rows of the batch (its DP x CP rank order =
 the one-process batch order), in two micro-batches whose summed gradients
 ``scale_gradients(1/2)`` turns into the mean, ZeRO-1's accumulation scaling.
 Compared on every rank: every parameter after the 3 steps (experts against this rank's slice
-of the one-process experts), every step's loss (averaged over DP) and clipped gradient norm;
-and every parameter against ``NxDOptimizer`` without ZeRO-1 at the same EP.
+of the one-process experts, and this TP rank's shard of each), every step's loss (averaged
+over DP x CP) and clipped gradient norm; and every parameter against ``NxDOptimizer``
+without ZeRO-1 at the same EP.
 
 Tolerance: float64 everywhere; the parallel run computes the same products, summed in another
 order (the all-to-all regroups tokens, gradients are reduce-scattered or all-reduced), so
@@ -150,16 +153,33 @@ def _my_rows() -> slice:
     return slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)
 
 
+def _tp_slices() -> dict[str, tuple[int, torch.Tensor]]:
+    """Per expert weight, (dim, indices) of this TP rank's shard: TP rank t holds intermediate
+    columns t of the gate and of the up projection, rows t of the down projection."""
+    tp = ps.get_tensor_model_parallel_size()
+    t, width = ps.get_tensor_model_parallel_rank(), INTERMEDIATE // tp
+    inner = torch.arange(t * width, (t + 1) * width)
+    return {
+        "moe.expert_mlps.gate_up_proj.weight": (2, torch.cat([inner, inner + INTERMEDIATE])),
+        "moe.expert_mlps.down_proj.weight": (1, inner),
+    }
+
+
 def _assert_params(model: nn.Module, reference: nn.Module, what: str, **tol: float) -> None:
-    """Every param equals the one-process one (experts: this EP rank's slice)."""
+    """Every param equals the one-process one (experts: this EP rank's experts, this TP
+    rank's shard of each)."""
     ep_rank = ps.get_expert_model_parallel_rank()
     local = EXPERTS // ps.get_expert_model_parallel_size()
     mine = slice(ep_rank * local, (ep_rank + 1) * local)
+    tp_slices = _tp_slices()
     expected_by_name = dict(reference.named_parameters())
     for name, param in model.named_parameters():
         expected = expected_by_name[name]
         if getattr(param, "expert_model_parallel", False):
             expected = expected[mine]
+        if name in tp_slices:
+            dim, index = tp_slices[name]
+            expected = expected.index_select(dim, index)
         torch.testing.assert_close(param, expected, **tol, msg=lambda m, n=name: f"{what} {n}: {m}")
 
 
@@ -175,23 +195,26 @@ def _ep_zero1(model: nn.Module, grad_reduction: str) -> NeuronEPZero1Optimizer:
     )
 
 
-def ep_zero1_parity(world: int, grad_reduction: str, cp: int) -> None:
-    """Runs on each of ``world`` ranks (EP = 2, DP x CP = world); asserts parity."""
-    batches = _batches(world)
+def ep_zero1_parity(world: int, grad_reduction: str, cp: int, tp: int) -> None:
+    """Runs on each of ``world`` ranks (EP = 2, DP x CP = world / TP); asserts parity."""
+    replicas = world // tp
+    batches = _batches(replicas)
     ref, ref_losses, ref_norms = _reference(batches)
 
-    ps.initialize_model_parallel(expert_model_parallel_size=EP, context_parallel_size=cp)
+    ps.initialize_model_parallel(
+        expert_model_parallel_size=EP, context_parallel_size=cp, tensor_model_parallel_size=tp
+    )
     # 1. The class itself, micro-batches scaled by scale_gradients.
     model = DenseThenMoE()
     opt = _ep_zero1(model, grad_reduction)
     assert opt.ep_zero_optimizer is not None
     assert opt.non_ep_zero_optimizer is not None
-    assert opt.ep_zero_optimizer.sharding_size == world // EP  # expert-DP
-    assert opt.non_ep_zero_optimizer.sharding_size == world  # DP x CP
+    assert opt.ep_zero_optimizer.sharding_size == replicas // EP  # expert-DP
+    assert opt.non_ep_zero_optimizer.sharding_size == replicas  # DP x CP
     losses, norms = _train(model, opt, batches, _my_rows(), micro=MICRO)
     dp_group = ps.get_parallel_state().data_context_parallel_group
     for step, (loss, norm) in enumerate(zip(losses, norms, strict=True)):
-        mean = collectives.all_reduce(loss.clone(), dp_group) / world  # equal-sized slices
+        mean = collectives.all_reduce(loss.clone(), dp_group) / replicas  # equal-sized slices
         torch.testing.assert_close(mean, ref_losses[step], **LOSS_TOL)
         assert norm is not None
         torch.testing.assert_close(norm, ref_norms[step].to(torch.float32), **NORM_TOL)
@@ -221,17 +244,20 @@ def ep_zero1_parity(world: int, grad_reduction: str, cp: int) -> None:
 
 
 @pytest.mark.parametrize(
-    ("world", "grad_reduction", "cp"),
+    ("world", "grad_reduction", "cp", "tp"),
     [
-        (2, "auto", 1),
-        (4, "auto", 1),
-        (4, "reduce_scatter", 1),
-        (4, "reduce_scatter", 2),  # DP 2 x CP 2: expert-DP = (DP/EP) x CP = 2
-        pytest.param(8, "auto", 1, marks=pytest.mark.slow),
+        (2, "auto", 1, 1),
+        (4, "auto", 1, 1),
+        (4, "reduce_scatter", 1, 1),
+        (4, "reduce_scatter", 2, 1),  # DP 2 x CP 2: expert-DP = (DP/EP) x CP = 2
+        (4, "reduce_scatter", 1, 2),  # TP 2 inside the experts x DP 2: expert-DP 1
+        pytest.param(8, "auto", 1, 1, marks=pytest.mark.slow),
     ],
 )
-def test_ep_zero1_equals_one_process_and_plain_ep(world: int, grad_reduction: str, cp: int) -> None:
-    run_distributed(ep_zero1_parity, world, world, grad_reduction, cp)
+def test_ep_zero1_equals_one_process_and_plain_ep(
+    world: int, grad_reduction: str, cp: int, tp: int
+) -> None:
+    run_distributed(ep_zero1_parity, world, world, grad_reduction, cp, tp)
 
 
 def wrong_scale_is_caught(world: int) -> str:
