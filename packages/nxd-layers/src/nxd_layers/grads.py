@@ -20,8 +20,9 @@ Which groups are reduced over (NxD's rules, with nxd's explicit groups on top):
 Expert parallelism: parameters marked ``expert_model_parallel`` (the experts of
 :mod:`nxd_layers.moe`) hold disjoint experts on the ranks of the EP group, so when the current
 state has EP > 1 their share of ``||g||_p^p`` is first summed (max for inf) over the EP group,
-then added to the rest. Under ZeRO-1 arguments such parameters are refused (no EP-aware
-ZeRO-1 yet).
+then added to the rest. Under ZeRO-1 arguments (``zero1_optimizer``) such parameters are
+refused: this function cannot tell which shard of an expert a ZeRO-1 rank holds;
+``nxd_optim.NeuronEPZero1Optimizer`` measures its own norm with each expert counted once.
 """
 
 from __future__ import annotations
@@ -308,7 +309,8 @@ def _expert_parallel_group(zero1: bool) -> ProcessGroup | None:
     if zero1:
         raise NotImplementedError(
             f"gradient norm under ZeRO-1 with expert_model_parallel_size="
-            f"{state.expert_model_parallel_size}: nxd has no EP-aware ZeRO-1 yet"
+            f"{state.expert_model_parallel_size}: expert shards of ZeRO-1 are not known here; "
+            f"use nxd_optim.NeuronEPZero1Optimizer, which measures its own norm"
         )
     return state.expert_model_parallel_group
 
