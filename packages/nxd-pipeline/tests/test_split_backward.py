@@ -11,7 +11,8 @@ from nxd_pipeline import _backward as split
 from nxd_pipeline import backward_full, backward_input, backward_weight
 from nxd_pipeline.testing import TinyGPT
 
-# fp32, same ops in another grouping: W's linear GEMM dYᵀX is the engine's, so round-off only.
+# fp32, same ops in another grouping: W's linear GEMM dYᵀX and layer-norm kernel are the
+# engine's, so round-off only.
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 
 
@@ -44,9 +45,12 @@ def test_input_then_weight_pass_equals_full_backward(bias: bool, first_stage: bo
     dx, state = backward_input(outputs, [dy], inputs, params)
     linear = [g for g, b in state.branches if split._is_linear_branch(g, b)]
     assert len(linear) == 12  # 6 linear layers per block, all through the direct GEMM
+    norms = [g for g, b in state.branches if split._is_layer_norm_branch(g, b)]
+    assert len(norms) == 4  # ln_1 and ln_2 per block: γ and β from the norm's kernel
+    assert all(len(group) == 2 for group in norms)
     for x_grad, expected in zip(dx, full_dx):
         torch.testing.assert_close(x_grad, expected, **TOL)
-    assert all(p.grad is None for group in linear for p in group)  # deferred to W
+    assert all(p.grad is None for group in linear + norms for p in group)  # deferred to W
     backward_weight(state)
     expected = dict(full.named_parameters())
     for name, param in parts.named_parameters():
