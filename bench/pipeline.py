@@ -34,6 +34,7 @@ import argparse
 import copy
 import json
 import logging
+import os
 import statistics
 import time
 from pathlib import Path
@@ -160,6 +161,31 @@ def replay(schedule: PipelineSchedule, seconds: dict[tuple[int, str], float]) ->
     return 1.0 - busy / (p * max(free))
 
 
+def where_time_goes(timeline: Any) -> dict[str, float]:
+    """One rank's step split into compute per action kind (F, B, I, W: seconds and count),
+    waits for a receive still in flight (``wait ...`` entries), the posting of sends and
+    receives (comm entries) and the rest (gaps between entries: the runtime's bookkeeping)."""
+    out: dict[str, float] = {"wall_s": timeline.wall_s}
+    for entry in timeline.entries:
+        seconds = entry.end - entry.start
+        if entry.compute:
+            kind = "".join(c for c in entry.action if c.isalpha())  # "1W3" -> "W"
+            out[f"{kind}_s"] = out.get(f"{kind}_s", 0.0) + seconds
+            out[f"{kind}_n"] = out.get(f"{kind}_n", 0) + 1
+        elif entry.action.startswith("wait"):
+            out["recv_wait_s"] = out.get("recv_wait_s", 0.0) + seconds
+        else:
+            out["comm_post_s"] = out.get("comm_post_s", 0.0) + seconds
+    listed = sum(e.end - e.start for e in timeline.entries)
+    out["gaps_s"] = timeline.wall_s - listed
+    return out
+
+
+def _median_fields(rounds: list[dict[str, float]]) -> dict[str, float]:
+    keys = sorted({k for r in rounds for k in r})
+    return {k: statistics.median(r.get(k, 0.0) for r in rounds) for k in keys}
+
+
 def split_backward_cost(hidden: int, layers: int, pairs: int) -> dict[str, float]:
     """What splitting the backward costs on its own: B against I + W, one thread, no pipeline.
 
@@ -212,6 +238,10 @@ def split_backward_cost(hidden: int, layers: int, pairs: int) -> dict[str, float
 def bench_rank(
     hidden: int, layers: int, microbatches: int, repeats: int, only: list[str] | None = None
 ) -> dict[str, Any]:
+    # run_distributed gives each rank one intra-op thread; checked, not assumed: two ranks on
+    # two cores, and torch's peers run in these same processes, round-robin with nxd's
+    if torch.get_num_threads() != 1:
+        raise RuntimeError(f"rank runs {torch.get_num_threads()} intra-op threads, expected 1")
     state = nxd_state.initialize_model_parallel(
         pipeline_model_parallel_size=torch.distributed.get_world_size()
     )
@@ -221,6 +251,7 @@ def bench_rank(
     ids = torch.randint(0, MODEL["vocab"], (MICRO_BATCH * microbatches, SEQ))
     steps: dict[str, Any] = {}
     bubbles: dict[str, list[float]] = {}
+    breakdowns: dict[str, list[list[dict[str, float]]]] = {}  # label -> round -> per rank
     replays: dict[str, list[float]] = {}
     after: dict[str, Any] = {}
     theory: dict[str, float] = {}
@@ -249,7 +280,7 @@ def bench_rank(
         if key == "zb_h1_fill_waits":
             model._step_runner().fill_waits = True
             label += " fill waits"
-        bubbles[label], replays[label] = [], []
+        bubbles[label], replays[label], breakdowns[label] = [], [], []
 
         def step(model: NxDPPModel = model) -> None:
             model.run_train(input_ids=ids, labels=ids)
@@ -261,6 +292,7 @@ def bench_rank(
             bubbles: list[float] = bubbles[label],
             replays: list[float] = replays[label],
             label: str = label,
+            breakdown: list[list[dict[str, float]]] = breakdowns[label],
         ) -> None:
             timeline = model.timeline
             assert timeline is not None
@@ -276,6 +308,7 @@ def bench_rank(
                 if e.compute
             }
             replays.append(replay(model.schedule, seconds))
+            breakdown.append([where_time_goes(t) for t in gathered])
             # the measured timeline of the latest round, as the schedule grid with real times
             grids[label] = format_timeline(gathered, title=label).splitlines()
 
@@ -299,6 +332,10 @@ def bench_rank(
             results[label]["bubble_theory"] = theory[label]
             results[label]["bubble_of_schedule_unit_costs"] = scheduled[label]
             results[label]["timeline_last_round"] = grids[label]
+            rounds = breakdowns[label][1:]  # the warm-up's first step left out, as above
+            results[label]["where_time_goes_per_rank_median"] = [
+                _median_fields([r[rank] for r in rounds]) for rank in range(p)
+            ]
     return results
 
 
@@ -372,6 +409,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     by_size: dict[str, Any] = {}
+    load_before = os.getloadavg()
     for hidden in args.hidden:
         logger.info(
             "hidden %d: %d ranks, %d layers, m=%d",
@@ -435,7 +473,11 @@ def main() -> None:
             "micro_batch": MICRO_BATCH,
             **MODEL,
             "torch": torch.__version__,
-            "threads_per_rank": 1,
+            "threads_per_rank": 1,  # checked on every rank (bench_rank)
+            "peers": "torch's schedules in the same rank processes, one step of each per round",
+            "cpus": os.cpu_count(),
+            "load_average_before": load_before,
+            "load_average_after": os.getloadavg(),
         },
         "results": by_size,
     }

@@ -58,3 +58,51 @@ def test_input_then_weight_pass_equals_full_backward(bias: bool, first_stage: bo
             assert param.grad is None, name
             continue
         torch.testing.assert_close(param.grad, expected[name].grad, **TOL, msg=name)
+
+
+@pytest.mark.parametrize("hooked", [False, True])
+def test_weight_pass_accumulates_like_autograd(
+    hooked: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three microbatches: W of the later ones adds the linear gradients into ``.grad`` in
+    place (``addmm_``) when no hook must see them, and through AccumulateGrad when a
+    post-accumulate-grad hook is registered (the hook then sees every new gradient, as in
+    a plain backward); either way the accumulated gradients are the full backward's."""
+    torch.manual_seed(0)
+    model = TinyGPT(layers=2, hidden=32)
+    xs = [torch.randn(2, 8, 32) for _ in range(3)]
+    dys = [torch.randn(2, 8, 32) for _ in range(3)]
+    full, parts = copy.deepcopy(model), copy.deepcopy(model)
+    seen: dict[str, int] = {}
+    if hooked:
+        for name, param in parts.named_parameters():
+            param.register_post_accumulate_grad_hook(
+                lambda p, name=name: seen.__setitem__(name, seen.get(name, 0) + 1)
+            )
+    in_place = 0
+    original = split._add_linear_grads_in_place
+
+    def counting(node: object, grad: torch.Tensor) -> None:
+        nonlocal in_place
+        in_place += 1
+        original(node, grad)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(split, "_add_linear_grads_in_place", counting)
+    for x0, dy in zip(xs, dys):
+        x = x0.clone().requires_grad_(True)
+        backward_full([full.h[1](full.h[0](x))], [dy], [x])
+        x = x0.clone().requires_grad_(True)
+        params = [p for p in parts.parameters() if p.requires_grad]
+        _, state = backward_input([parts.h[1](parts.h[0](x))], [dy], [x], params)
+        backward_weight(state)
+    # 12 linear layers per microbatch; the first microbatch has no .grad to add to
+    assert in_place == (0 if hooked else 2 * 12)
+    if hooked:  # every block parameter's hook ran once per microbatch
+        assert seen and all(count == 3 for count in seen.values()), seen
+    expected = dict(full.named_parameters())
+    for name, param in parts.named_parameters():
+        if expected[name].grad is None:
+            assert param.grad is None, name
+            continue
+        # fp32: addmm_ rounds G + dYᵀX once where AccumulateGrad rounds dYᵀX, then the sum
+        torch.testing.assert_close(param.grad, expected[name].grad, **TOL, msg=name)

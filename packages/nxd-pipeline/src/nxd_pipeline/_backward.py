@@ -264,7 +264,12 @@ def backward_weight(state: WeightGradState) -> None:
     ``mm(X, Wᵀ)`` with the weight behind one transpose: ``dW = α dYᵀ X``, ``db = β Σ_rows dY``)
     and a layer norm (``native_layer_norm(X, γ, β)``: ``dγ = Σ_rows dY ⊙ (X - μ) σ⁻¹``,
     ``dβ = Σ_rows dY``, through ``aten.native_layer_norm_backward`` with only those two
-    outputs, the kernel a full backward runs). Any other branch is replayed by the autograd
+    outputs, the kernel a full backward runs). A linear layer whose parameters already hold
+    a ``.grad`` and have no gradient hooks (a later microbatch, no DP capture or optimizer
+    hook) accumulates in place instead, ``G_W <- G_W + α dYᵀ X`` in one ``addmm_``: what
+    AccumulateGrad's ``G += g`` does, without the temporary ``g`` (the temporaries of a whole
+    stage, alive together, and their extra pass over memory made W cost as much as B on a
+    CPU). Any other branch is replayed by the autograd
     engine, one call per group: each call walks the whole graph below its node, ~1-1.5 ms a
     group on one CPU core whatever the model's width, W's fixed cost beyond its arithmetic.
     """
@@ -273,7 +278,10 @@ def backward_weight(state: WeightGradState) -> None:
         if _direct_branch(group, branches):
             node, grads = branches[0]
             assert grads[0] is not None
-            direct.append((group, node, grads[0]))
+            if node.name() != _LAYER_NORM and _accumulates_in_place(group):
+                _add_linear_grads_in_place(node, grads[0])
+            else:
+                direct.append((group, node, grads[0]))
             continue
         edges, grads = [], []
         for node, node_grads in branches:
@@ -429,3 +437,39 @@ def _layer_norm_grads(
     )
     by_id = {id(weight): weight_grad, id(bias): bias_grad}
     return [by_id[id(t)] for t in group]
+
+
+def _accumulates_in_place(group: list[torch.Tensor]) -> bool:
+    """Whether W may add ``group``'s gradients straight into ``.grad``: each parameter has a
+    dense ``.grad`` like itself, and no tensor or post-accumulate-grad hook that must see the
+    new gradient through AccumulateGrad (hooks registered on the AccumulateGrad node itself,
+    from C++, are not visible here; nxd's own use ``register_post_accumulate_grad_hook``)."""
+    for param in group:
+        grad = param.grad
+        if (
+            grad is None
+            or grad.requires_grad
+            or grad.layout != torch.strided
+            or grad.dtype != param.dtype
+            or grad.device != param.device
+            or grad.shape != param.shape
+            or not grad.is_contiguous()
+            or getattr(param, "_post_accumulate_grad_hooks", None)
+            or getattr(param, "_backward_hooks", None)
+        ):
+            return False
+    return True
+
+
+@torch.no_grad()
+def _add_linear_grads_in_place(node: Node, grad: torch.Tensor) -> None:
+    """``G_W += α dYᵀ X`` (one GEMM with β = 1) and ``G_b += β Σ_rows dY``."""
+    x, alpha, beta, transpose, bias = _linear_operands(node)
+    assert transpose is not None
+    weight = _accumulated_variable(transpose.next_functions[0][0])
+    assert weight is not None
+    assert weight.grad is not None
+    weight.grad.addmm_(grad.t(), x, alpha=alpha)
+    if bias is not None:
+        assert bias.grad is not None
+        bias.grad.add_(grad.sum(0), alpha=beta)
