@@ -186,12 +186,16 @@ def _median_fields(rounds: list[dict[str, float]]) -> dict[str, float]:
     return {k: statistics.median(r.get(k, 0.0) for r in rounds) for k in keys}
 
 
-def split_backward_cost(hidden: int, layers: int, pairs: int) -> dict[str, float]:
+def split_backward_cost(
+    hidden: int, layers: int, pairs: int, accumulate: bool = False
+) -> dict[str, float]:
     """What splitting the backward costs on its own: B against I + W, one thread, no pipeline.
 
     The second half of the blocks (one p = 2 stage, with an input X), the same microbatch, B
     and I + W alternating so load hits both alike. ZB-H1 can beat 1F1B by at most
     ``(1 - bubble_1f1b) / (1 - bubble_zb)`` (25/27 = 0.926 at p = 2, m = 8) times this ratio.
+    ``accumulate``: the parameters keep their ``.grad`` (microbatches 2..m of a step, where
+    both add into it); else both start from no gradient (the first microbatch).
     """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -213,7 +217,7 @@ def split_backward_cost(hidden: int, layers: int, pairs: int) -> dict[str, float
         start = time.perf_counter()
         backward_full([y], [dy], [x])
         full_s = time.perf_counter() - start
-        for param in params:  # both start from no gradient (no accumulation into .grad)
+        for param in params if not accumulate else ():  # both from no gradient
             param.grad = None
         x, y = forward()
         start = time.perf_counter()
@@ -222,7 +226,7 @@ def split_backward_cost(hidden: int, layers: int, pairs: int) -> dict[str, float
         start = time.perf_counter()
         backward_weight(state)
         weight_s = time.perf_counter() - start
-        for param in params:
+        for param in params if not accumulate else ():
             param.grad = None
         if index >= 2:  # warm-up
             for key, value in zip(seconds, [forward_s, full_s, input_s, weight_s]):
@@ -461,6 +465,9 @@ def main() -> None:
                     "step_time_at_or_below_torch": ratio <= 1.0,
                 }
         results["split_backward_cost"] = split_backward_cost(hidden, args.layers, 15)
+        results["split_backward_cost_accumulating"] = split_backward_cost(
+            hidden, args.layers, 15, accumulate=True
+        )
         by_size[f"hidden_{hidden}"] = results
     report = {
         "config": {
