@@ -116,8 +116,11 @@ def _reference(
     return loss.detach(), outputs, grads, reference
 
 
-def pipeline_expert_parity(schedule: str, capacity_factor: float | None) -> dict[str, Any]:
-    """Runs on 4 ranks (PP2 x DP2, EP2); asserts parity, returns what was compared."""
+def pipeline_expert_parity(
+    schedule: str, capacity_factor: float | None, virtual: int = 1
+) -> dict[str, Any]:
+    """Runs on 4 ranks (PP2 x DP2, EP2); asserts parity, returns what was compared.
+    ``virtual`` = 2: interleaved, four one-block chunks (two per rank)."""
     generator = torch.Generator().manual_seed(5)
     dp = 2
     batch = torch.randint(0, VOCAB, (dp * M * ROWS, SEQ), generator=generator)
@@ -133,7 +136,8 @@ def pipeline_expert_parity(schedule: str, capacity_factor: float | None) -> dict
         TinyMoENet(capacity_factor),
         transformer_layer_cls=MoEBlock,
         num_microbatches=M,
-        pipeline_cuts=["mix.1"],
+        pipeline_cuts=["mix.1"] if virtual == 1 else ["mix.0", "mix.1", "mix.2"],
+        virtual_pipeline_size=virtual,
         schedule=schedule,
     )
     seen = _record_blocks(model)
@@ -177,15 +181,17 @@ def test_pipeline_with_expert_parallel_matches_one_process() -> None:
 
 
 def expert_schedules() -> int:
-    """The other schedules (ZB-H1's split backward; GPipe) and capacity routing."""
+    """The other schedules (ZB-H1's split backward; GPipe; interleaved, v = 2) and capacity
+    routing."""
     count = 0
     for schedule, capacity in (("zb_h1", None), ("gpipe", None), ("1f1b", 1.0)):
         count += len(pipeline_expert_parity(schedule, capacity)["experts"])
+    count += len(pipeline_expert_parity("interleaved_1f1b", None, virtual=2)["experts"])
     return count
 
 
 def test_expert_parallel_under_other_schedules_and_capacity() -> None:
-    assert run_distributed(expert_schedules, 4) == [12] * 4
+    assert run_distributed(expert_schedules, 4) == [16] * 4  # 4 expert weights per run
 
 
 def reduce_markers() -> tuple[list[float], list[float]]:
