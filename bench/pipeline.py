@@ -34,6 +34,7 @@ import argparse
 import copy
 import json
 import logging
+import os
 import statistics
 import time
 from pathlib import Path
@@ -160,12 +161,41 @@ def replay(schedule: PipelineSchedule, seconds: dict[tuple[int, str], float]) ->
     return 1.0 - busy / (p * max(free))
 
 
-def split_backward_cost(hidden: int, layers: int, pairs: int) -> dict[str, float]:
+def where_time_goes(timeline: Any) -> dict[str, float]:
+    """One rank's step split into compute per action kind (F, B, I, W: seconds and count),
+    waits for a receive still in flight (``wait ...`` entries), the posting of sends and
+    receives (comm entries) and the rest (gaps between entries: the runtime's bookkeeping)."""
+    out: dict[str, float] = {"wall_s": timeline.wall_s}
+    for entry in timeline.entries:
+        seconds = entry.end - entry.start
+        if entry.compute:
+            kind = "".join(c for c in entry.action if c.isalpha())  # "1W3" -> "W"
+            out[f"{kind}_s"] = out.get(f"{kind}_s", 0.0) + seconds
+            out[f"{kind}_n"] = out.get(f"{kind}_n", 0) + 1
+        elif entry.action.startswith("wait"):
+            out["recv_wait_s"] = out.get("recv_wait_s", 0.0) + seconds
+        else:
+            out["comm_post_s"] = out.get("comm_post_s", 0.0) + seconds
+    listed = sum(e.end - e.start for e in timeline.entries)
+    out["gaps_s"] = timeline.wall_s - listed
+    return out
+
+
+def _median_fields(rounds: list[dict[str, float]]) -> dict[str, float]:
+    keys = sorted({k for r in rounds for k in r})
+    return {k: statistics.median(r.get(k, 0.0) for r in rounds) for k in keys}
+
+
+def split_backward_cost(
+    hidden: int, layers: int, pairs: int, accumulate: bool = False
+) -> dict[str, float]:
     """What splitting the backward costs on its own: B against I + W, one thread, no pipeline.
 
     The second half of the blocks (one p = 2 stage, with an input X), the same microbatch, B
     and I + W alternating so load hits both alike. ZB-H1 can beat 1F1B by at most
     ``(1 - bubble_1f1b) / (1 - bubble_zb)`` (25/27 = 0.926 at p = 2, m = 8) times this ratio.
+    ``accumulate``: the parameters keep their ``.grad`` (microbatches 2..m of a step, where
+    both add into it); else both start from no gradient (the first microbatch).
     """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -187,7 +217,7 @@ def split_backward_cost(hidden: int, layers: int, pairs: int) -> dict[str, float
         start = time.perf_counter()
         backward_full([y], [dy], [x])
         full_s = time.perf_counter() - start
-        for param in params:  # both start from no gradient (no accumulation into .grad)
+        for param in params if not accumulate else ():  # both from no gradient
             param.grad = None
         x, y = forward()
         start = time.perf_counter()
@@ -196,7 +226,7 @@ def split_backward_cost(hidden: int, layers: int, pairs: int) -> dict[str, float
         start = time.perf_counter()
         backward_weight(state)
         weight_s = time.perf_counter() - start
-        for param in params:
+        for param in params if not accumulate else ():
             param.grad = None
         if index >= 2:  # warm-up
             for key, value in zip(seconds, [forward_s, full_s, input_s, weight_s]):
@@ -212,6 +242,10 @@ def split_backward_cost(hidden: int, layers: int, pairs: int) -> dict[str, float
 def bench_rank(
     hidden: int, layers: int, microbatches: int, repeats: int, only: list[str] | None = None
 ) -> dict[str, Any]:
+    # run_distributed gives each rank one intra-op thread; checked, not assumed: two ranks on
+    # two cores, and torch's peers run in these same processes, round-robin with nxd's
+    if torch.get_num_threads() != 1:
+        raise RuntimeError(f"rank runs {torch.get_num_threads()} intra-op threads, expected 1")
     state = nxd_state.initialize_model_parallel(
         pipeline_model_parallel_size=torch.distributed.get_world_size()
     )
@@ -221,6 +255,7 @@ def bench_rank(
     ids = torch.randint(0, MODEL["vocab"], (MICRO_BATCH * microbatches, SEQ))
     steps: dict[str, Any] = {}
     bubbles: dict[str, list[float]] = {}
+    breakdowns: dict[str, list[list[dict[str, float]]]] = {}  # label -> round -> per rank
     replays: dict[str, list[float]] = {}
     after: dict[str, Any] = {}
     theory: dict[str, float] = {}
@@ -249,7 +284,7 @@ def bench_rank(
         if key == "zb_h1_fill_waits":
             model._step_runner().fill_waits = True
             label += " fill waits"
-        bubbles[label], replays[label] = [], []
+        bubbles[label], replays[label], breakdowns[label] = [], [], []
 
         def step(model: NxDPPModel = model) -> None:
             model.run_train(input_ids=ids, labels=ids)
@@ -261,6 +296,7 @@ def bench_rank(
             bubbles: list[float] = bubbles[label],
             replays: list[float] = replays[label],
             label: str = label,
+            breakdown: list[list[dict[str, float]]] = breakdowns[label],
         ) -> None:
             timeline = model.timeline
             assert timeline is not None
@@ -276,6 +312,7 @@ def bench_rank(
                 if e.compute
             }
             replays.append(replay(model.schedule, seconds))
+            breakdown.append([where_time_goes(t) for t in gathered])
             # the measured timeline of the latest round, as the schedule grid with real times
             grids[label] = format_timeline(gathered, title=label).splitlines()
 
@@ -299,6 +336,10 @@ def bench_rank(
             results[label]["bubble_theory"] = theory[label]
             results[label]["bubble_of_schedule_unit_costs"] = scheduled[label]
             results[label]["timeline_last_round"] = grids[label]
+            rounds = breakdowns[label][1:]  # the warm-up's first step left out, as above
+            results[label]["where_time_goes_per_rank_median"] = [
+                _median_fields([r[rank] for r in rounds]) for rank in range(p)
+            ]
     return results
 
 
@@ -372,6 +413,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     by_size: dict[str, Any] = {}
+    load_before = os.getloadavg()
     for hidden in args.hidden:
         logger.info(
             "hidden %d: %d ranks, %d layers, m=%d",
@@ -423,6 +465,9 @@ def main() -> None:
                     "step_time_at_or_below_torch": ratio <= 1.0,
                 }
         results["split_backward_cost"] = split_backward_cost(hidden, args.layers, 15)
+        results["split_backward_cost_accumulating"] = split_backward_cost(
+            hidden, args.layers, 15, accumulate=True
+        )
         by_size[f"hidden_{hidden}"] = results
     report = {
         "config": {
@@ -435,7 +480,11 @@ def main() -> None:
             "micro_batch": MICRO_BATCH,
             **MODEL,
             "torch": torch.__version__,
-            "threads_per_rank": 1,
+            "threads_per_rank": 1,  # checked on every rank (bench_rank)
+            "peers": "torch's schedules in the same rank processes, one step of each per round",
+            "cpus": os.cpu_count(),
+            "load_average_before": load_before,
+            "load_average_after": os.getloadavg(),
         },
         "results": by_size,
     }

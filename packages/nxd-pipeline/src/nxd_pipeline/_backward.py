@@ -259,18 +259,29 @@ def _ancestors_of_two(
 def backward_weight(state: WeightGradState) -> None:
     """W: accumulate the parameter gradients that :func:`backward_input` deferred.
 
-    A linear layer's branch (``addmm(b, X, Wᵀ)`` or ``mm(X, Wᵀ)`` with the weight behind one
-    transpose) is computed directly, ``dW = α dYᵀ X`` and ``db = β Σ_rows dY`` from the node's
-    saved X, and all of them are accumulated in one autograd call; any other branch is
-    replayed by the autograd engine, one call per group (each call walks the graph below its
-    node: ~0.5 ms a group on one CPU core, most of W's cost beyond its GEMMs).
+    Two kinds of branch are computed directly from their node's saved tensors, and all of
+    them accumulated in one autograd call: a linear layer (``addmm(b, X, Wᵀ)`` or
+    ``mm(X, Wᵀ)`` with the weight behind one transpose: ``dW = α dYᵀ X``, ``db = β Σ_rows dY``)
+    and a layer norm (``native_layer_norm(X, γ, β)``: ``dγ = Σ_rows dY ⊙ (X - μ) σ⁻¹``,
+    ``dβ = Σ_rows dY``, through ``aten.native_layer_norm_backward`` with only those two
+    outputs, the kernel a full backward runs). A linear layer whose parameters already hold
+    a ``.grad`` and have no gradient hooks (a later microbatch, no DP capture or optimizer
+    hook) accumulates in place instead, ``G_W <- G_W + α dYᵀ X`` in one ``addmm_``: what
+    AccumulateGrad's ``G += g`` does, without the temporary ``g`` (the temporaries of a whole
+    stage, alive together, and their extra pass over memory made W cost as much as B on a
+    CPU). Any other branch is replayed by the autograd
+    engine, one call per group: each call walks the whole graph below its node, ~1-1.5 ms a
+    group on one CPU core whatever the model's width, W's fixed cost beyond its arithmetic.
     """
     direct: list[tuple[list[torch.Tensor], Node, torch.Tensor]] = []
     for group, branches in state.branches:
-        if _is_linear_branch(group, branches):
+        if _direct_branch(group, branches):
             node, grads = branches[0]
             assert grads[0] is not None
-            direct.append((group, node, grads[0]))
+            if node.name() != _LAYER_NORM and _accumulates_in_place(group):
+                _add_linear_grads_in_place(node, grads[0])
+            else:
+                direct.append((group, node, grads[0]))
             continue
         edges, grads = [], []
         for node, node_grads in branches:
@@ -283,13 +294,20 @@ def backward_weight(state: WeightGradState) -> None:
     if direct:  # one autograd call; the gradients are made inside it, so AccumulateGrad
         params = [p for group, _, _ in direct for p in group]  # can take them without a copy
         with torch.enable_grad():
-            root = _LinearWeightGrads.apply(direct, *params)
+            root = _DirectWeightGrads.apply(direct, *params)
         torch.autograd.backward(root)
     state.branches.clear()
 
 
-class _LinearWeightGrads(torch.autograd.Function):
-    """Backward-only: returns the linear branches' parameter gradients (made in ``backward``,
+def _direct_branch(
+    group: list[torch.Tensor], branches: list[tuple[Node, list[torch.Tensor | None]]]
+) -> bool:
+    """Whether W computes ``group``'s gradients itself: a linear or layer-norm branch."""
+    return _is_linear_branch(group, branches) or _is_layer_norm_branch(group, branches)
+
+
+class _DirectWeightGrads(torch.autograd.Function):
+    """Backward-only: returns the direct branches' parameter gradients (made in ``backward``,
     so nothing else holds them when AccumulateGrad receives them)."""
 
     @staticmethod
@@ -303,7 +321,10 @@ class _LinearWeightGrads(torch.autograd.Function):
     def backward(ctx: Any, _: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         out: list[torch.Tensor | None] = [None]
         for group, node, grad in ctx.direct:
-            out += _linear_grads(group, node, grad)
+            if node.name() == _LAYER_NORM:
+                out += _layer_norm_grads(group, node, grad)
+            else:
+                out += _linear_grads(group, node, grad)
         ctx.direct = None
         return tuple(out)
 
@@ -365,3 +386,90 @@ def _linear_grads(group: list[torch.Tensor], node: Node, grad: torch.Tensor) -> 
         bias_grad = grad.sum(0)
         by_id[id(bias)] = bias_grad * beta if beta != 1 else bias_grad
     return [by_id[id(t)] for t in group]
+
+
+_LAYER_NORM = "NativeLayerNormBackward0"
+
+
+def _layer_norm_params(node: Node) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(γ, β) leaves right behind a ``native_layer_norm`` node (None where absent)."""
+    edges = [edge for edge, _ in node.next_functions]
+    return _accumulated_variable(edges[1]), _accumulated_variable(edges[2])
+
+
+def _is_layer_norm_branch(
+    group: list[torch.Tensor], branches: list[tuple[Node, list[torch.Tensor | None]]]
+) -> bool:
+    """Whether ``group``'s branch is one layer norm's node with its affine parameters (the
+    leaves right behind it, all of them in ``group``) and one recorded output gradient."""
+    if len(branches) != 1:
+        return False
+    node, node_grads = branches[0]
+    if node.name() != _LAYER_NORM or len(node_grads) != 1 or node_grads[0] is None:
+        return False
+    present = [t for t in _layer_norm_params(node) if t is not None]
+    grad = node_grads[0]
+    return (
+        bool(present)
+        and {id(t) for t in group} == {id(t) for t in present}
+        and len(group) == len(present)
+        and grad.shape == node._saved_input.shape  # type: ignore[attr-defined]
+        and grad.layout == torch.strided
+    )
+
+
+def _layer_norm_grads(
+    group: list[torch.Tensor], node: Node, grad: torch.Tensor
+) -> list[torch.Tensor]:
+    """``dγ`` and ``dβ`` of a layer norm from its saved input, mean and 1/σ, in ``group``'s
+    order (the full backward's kernel, asked for those two outputs only)."""
+    weight, bias = _layer_norm_params(node)
+    saved: Any = node
+    _, weight_grad, bias_grad = torch.ops.aten.native_layer_norm_backward(
+        grad,
+        saved._saved_input,
+        saved._saved_normalized_shape,
+        saved._saved_result1,  # mean
+        saved._saved_result2,  # 1/σ
+        saved._saved_weight,
+        saved._saved_bias,
+        [False, weight is not None, bias is not None],
+    )
+    by_id = {id(weight): weight_grad, id(bias): bias_grad}
+    return [by_id[id(t)] for t in group]
+
+
+def _accumulates_in_place(group: list[torch.Tensor]) -> bool:
+    """Whether W may add ``group``'s gradients straight into ``.grad``: each parameter has a
+    dense ``.grad`` like itself, and no tensor or post-accumulate-grad hook that must see the
+    new gradient through AccumulateGrad (hooks registered on the AccumulateGrad node itself,
+    from C++, are not visible here; nxd's own use ``register_post_accumulate_grad_hook``)."""
+    for param in group:
+        grad = param.grad
+        if (
+            grad is None
+            or grad.requires_grad
+            or grad.layout != torch.strided
+            or grad.dtype != param.dtype
+            or grad.device != param.device
+            or grad.shape != param.shape
+            or not grad.is_contiguous()
+            or getattr(param, "_post_accumulate_grad_hooks", None)
+            or getattr(param, "_backward_hooks", None)
+        ):
+            return False
+    return True
+
+
+@torch.no_grad()
+def _add_linear_grads_in_place(node: Node, grad: torch.Tensor) -> None:
+    """``G_W += α dYᵀ X`` (one GEMM with β = 1) and ``G_b += β Σ_rows dY``."""
+    x, alpha, beta, transpose, bias = _linear_operands(node)
+    assert transpose is not None
+    weight = _accumulated_variable(transpose.next_functions[0][0])
+    assert weight is not None
+    assert weight.grad is not None
+    weight.grad.addmm_(grad.t(), x, alpha=alpha)
+    if bias is not None:
+        assert bias.grad is not None
+        bias.grad.add_(grad.sum(0), alpha=beta)

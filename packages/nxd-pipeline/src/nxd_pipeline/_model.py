@@ -6,8 +6,9 @@ and runs a schedule in ``run_train`` / ``run_eval``. With ``manual_pp_partition=
 is a list of layers instead, split into stages without any capture (:mod:`nxd_pipeline._manual`).
 After a training step the gradients of parameters shared by several pipeline ranks (tied
 embeddings) are summed over the pipeline group and, unless an optimizer wrapper or ZeRO-1 takes
-over, averaged over the data-parallel group; each call reduces only its own gradients, so
-calls accumulate (:mod:`nxd_pipeline._reduce`).
+over, averaged over the data-parallel group (expert weights at EP > 1 over the expert-DP
+group, with the same divisor DP x CP); each call reduces only its own gradients, so calls
+accumulate (:mod:`nxd_pipeline._reduce`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from typing import Any, cast
 
 import torch
 from torch import fx, nn
-from torch.distributed import ProcessGroup
 
 from nxd_pipeline._arguments import check_arguments
 from nxd_pipeline._build import PartitionFn, build_manual, build_traced
@@ -27,7 +27,7 @@ from nxd_pipeline._inputs import signature, split_manual, split_traced
 from nxd_pipeline._local import LocalStagesMixin
 from nxd_pipeline._loss import LossSpec, select_loss
 from nxd_pipeline._materialize import move_local_tensors
-from nxd_pipeline._reduce import GradientReducer, sync_tied_weights
+from nxd_pipeline._reduce import DataParallelReduction, GradientReducer, sync_tied_weights
 from nxd_pipeline._runtime import Stage, StepRunner
 from nxd_pipeline._schedules import build_schedule, stage_to_rank
 from nxd_pipeline._timeline import Timeline
@@ -261,14 +261,20 @@ class NxDPPModel(LocalStagesMixin, nn.Module):
         assert state is not None  # a step runner exists only with process groups
         return state
 
-    def _data_parallel_reduction(self, state: ParallelState) -> ProcessGroup | None:
-        """The group ``run_train`` averages gradients over: DP x CP (context-parallel ranks hold
-        replicas too; the DP group when CP = 1), unless ZeRO-1 or an optimizer wrapper does it
-        (read at every call: a wrapper may set the flag later)."""
+    def _data_parallel_reduction(self, state: ParallelState) -> DataParallelReduction | None:
+        """How ``run_train`` averages gradients: over DP x CP (context-parallel ranks hold
+        replicas too; the DP group when CP = 1), expert weights at EP > 1 summed over the
+        expert-DP group and divided by DP x CP; nothing when ZeRO-1 or an optimizer wrapper
+        does it (read at every call: a wrapper may set the flag later)."""
         if self.use_zero1_optimizer or self.use_optimizer_wrapper:
             return None
         replicas = state.data_parallel_size * state.context_parallel_size
-        return state.data_context_parallel_group if replicas > 1 else None
+        if replicas == 1:  # EP divides DP: no expert parallelism either
+            return None
+        group = state.data_context_parallel_group
+        assert group is not None  # built with the state
+        experts = state.expert_data_parallel_group if state.expert_model_parallel_size > 1 else None
+        return DataParallelReduction(group=group, size=replicas, expert_group=experts)
 
     def _all_local_names(self) -> dict[str, nn.Parameter]:
         """Every name of every local parameter (a tied one may have several)."""
@@ -282,10 +288,7 @@ class NxDPPModel(LocalStagesMixin, nn.Module):
         state = self._groups()
         self.move_model_to_device()
         assert self._reducer is not None
-        group = self._data_parallel_reduction(state)
-        if group is not None:
-            _refuse_expert_parameters(self._all_local_names(), state.expert_model_parallel_size)
-        self._reducer.configure(self._all_local_names(), group)
+        self._reducer.configure(self._all_local_names(), self._data_parallel_reduction(state))
         if not self._tied_synced:
             sync_tied_weights(
                 self._built.tied,
@@ -384,20 +387,4 @@ class NxDPPModel(LocalStagesMixin, nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(
             "NxDPPModel runs whole pipeline steps: call run_train(**inputs) or run_eval(**inputs)"
-        )
-
-
-def _refuse_expert_parameters(named: dict[str, nn.Parameter], ep: int) -> None:
-    """At EP > 1 the ranks of a DP group hold different experts: the DP average ``run_train``
-    makes would mix them, so a model with expert weights refuses it (NxDOptimizer averages
-    them over the expert-DP group instead)."""
-    if ep == 1:
-        return
-    experts = [n for n, p in named.items() if getattr(p, "expert_model_parallel", False)]
-    if experts:
-        raise NotImplementedError(
-            f"NxDPPModel at expert_model_parallel_size={ep}: its data-parallel gradient average "
-            f"would mix different experts' gradients ({experts[0]!r} and {len(experts) - 1} "
-            "more); pass use_optimizer_wrapper=True and step an nxd_optim.NxDOptimizer, which "
-            "averages expert gradients over the expert-data-parallel group"
         )

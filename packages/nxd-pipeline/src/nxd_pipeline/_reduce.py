@@ -2,9 +2,21 @@
 
 A ``run_train`` call produces gradients ``g`` on each rank. Weights held by several pipeline
 ranks (tied embeddings) need ``Σ_PP g`` on every copy, and, unless an optimizer wrapper or
-ZeRO-1 does it at its step, every gradient is averaged over the n data-parallel ranks:
+ZeRO-1 does it at its step, every gradient is averaged over the n = DP x CP data-parallel
+ranks:
 
     R(g) = (1/n) Σ_DP Σ_PP g          (Σ_PP only for tied weights)
+
+Expert weights at expert parallelism EP > 1 (``expert_model_parallel``, set by
+``nxd_layers.moe``): the EP ranks of a DP group hold different experts, and the all-to-all
+backward has already summed into ``g_e`` the gradient of every token of the EP group. The
+ranks holding the same experts (the expert-DP group, n / EP ranks) together saw each token
+once, so the global batch's mean-loss gradient is
+
+    R(g_e) = (1/n) Σ_expert-DP g_e    (= (1/EP) mean_expert-DP g_e)
+
+the scale of ``nxd_optim.NxDOptimizer`` and ``nxd_layers.bucket_allreduce_gradients``, so the
+pipeline's reduction and the optimizer's give the same update.
 
 Each call reduces exactly what it produced and adds the result to what ``.grad`` already held:
 ``G <- G + R(g_c)``. After k calls, ``G = Σ_c R(g_c) = R(Σ_c g_c)`` (R is linear): gradient
@@ -31,7 +43,13 @@ from torch.distributed import ProcessGroup
 
 from nxd_state import collectives
 
-__all__ = ["GradientReducer", "TiedWeight", "sync_tied_weights"]
+__all__ = [
+    "DataParallelReduction",
+    "GradientReducer",
+    "TiedWeight",
+    "is_expert",
+    "sync_tied_weights",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +64,25 @@ class TiedWeight:
     dtype: torch.dtype
     first_rank: int
     """The lowest pipeline rank holding a copy: its value is the one every copy starts from."""
+
+
+@dataclass(frozen=True)
+class DataParallelReduction:
+    """Where a step's gradients are averaged: ``g <- (1/size) Σ_group g`` for dense weights,
+    ``g_e <- (1/size) Σ_expert_group g_e`` for expert weights (see the module docstring)."""
+
+    group: ProcessGroup
+    """DP x CP: the replicas of this rank's slice (the DP group when CP = 1)."""
+    size: int
+    """n = DP x CP, the divisor of both sums."""
+    expert_group: ProcessGroup | None = None
+    """The expert-DP group (the ranks holding this rank's experts) at EP > 1; None at EP = 1,
+    where expert weights are replicated over DP and reduced as dense ones."""
+
+
+def is_expert(param: torch.Tensor) -> bool:
+    """True for an expert weight of ``nxd_layers.moe`` (marked ``expert_model_parallel``)."""
+    return bool(getattr(param, "expert_model_parallel", False))
 
 
 def _locals(tied: Sequence[TiedWeight], params: dict[str, nn.Parameter]) -> list:
@@ -76,9 +113,9 @@ class GradientReducer:
 
     ``tied``: the tied weights (in the same order on every pipeline rank), summed over
     ``pipeline_group``; ``params``: the local parameters under every name. Before each call,
-    :meth:`configure` says whether every local gradient is then averaged over a
-    data-parallel group (the flags may change between calls, and parameters may be added,
-    e.g. adapters).
+    :meth:`configure` says whether every local gradient is then averaged over the
+    data-parallel groups (a :class:`DataParallelReduction`; the flags may change between
+    calls, and parameters may be added, e.g. adapters).
     """
 
     def __init__(
@@ -92,7 +129,7 @@ class GradientReducer:
         self.tied = list(tied)
         self.tied_locals = _locals(self.tied, params)
         self.pipeline_group = pipeline_group
-        self.data_parallel_group: ProcessGroup | None = None
+        self.reduction: DataParallelReduction | None = None
         self.device = device
         self.params: list[nn.Parameter] = []
         self._current: set[int] = set()
@@ -103,15 +140,15 @@ class GradientReducer:
         self.configure(params, None)
 
     def configure(
-        self, params: dict[str, nn.Parameter], data_parallel_group: ProcessGroup | None
+        self, params: dict[str, nn.Parameter], reduction: DataParallelReduction | None
     ) -> None:
         """The parameters this call reduces: the tied ones, and all of ``params`` when
-        ``data_parallel_group`` averages them. Hooks are registered once per parameter, the
-        first time it is reduced (at construction for the model's own: before an
-        optimizer's)."""
-        self.data_parallel_group = data_parallel_group
+        ``reduction`` averages them over data parallelism. Hooks are registered once per
+        parameter, the first time it is reduced (at construction for the model's own: before
+        an optimizer's)."""
+        self.reduction = reduction
         wanted = [p for p in self.tied_locals if p is not None]
-        if data_parallel_group is not None:
+        if reduction is not None:
             wanted += list(params.values())
         self.params = [p for p in dict.fromkeys(wanted) if p.requires_grad]
         self._current = {id(p) for p in self.params}
@@ -156,13 +193,26 @@ class GradientReducer:
             collectives.all_reduce(grad, group=self.pipeline_group)
             if local is not None and local.requires_grad:
                 fresh[local] = grad
-        if self.data_parallel_group is not None:
-            # Every DP rank runs the same graph, so the same parameters got gradients.
-            grads = [fresh[p] for p in self.params if p in fresh]
-            collectives.all_reduce_bucketed(grads, self.data_parallel_group, average=True)
+        if self.reduction is not None:
+            self._average(fresh)
         for param, grad in self._saved.items():
             param.grad = grad
         self._saved, self._fresh = {}, {}
         delivered = [p for p in self.params if p in fresh]
         if delivered:  # through AccumulateGrad: .grad += R(g); later hooks see it
             torch.autograd.backward(delivered, [fresh[p] for p in delivered])
+
+    def _average(self, fresh: dict[nn.Parameter, torch.Tensor]) -> None:
+        """Dense: ``(1/n) Σ_DPxCP g``; experts at EP > 1: ``(1/n) Σ_expert-DP g_e``. Every DP
+        rank runs the same graph, so the same parameters got gradients, in the same order."""
+        reduction = self.reduction
+        assert reduction is not None
+        grads = [(p, fresh[p]) for p in self.params if p in fresh]
+        split = reduction.expert_group is not None
+        dense = [g for p, g in grads if not (split and is_expert(p))]
+        experts = [g for p, g in grads if split and is_expert(p)]
+        collectives.all_reduce_bucketed(dense, reduction.group, average=True)
+        if experts:
+            assert reduction.expert_group is not None
+            collectives.all_reduce_bucketed(experts, reduction.expert_group, average=False)
+            torch._foreach_div_(experts, float(reduction.size))

@@ -55,14 +55,17 @@ logger = logging.getLogger(__name__)
 
 
 def nxd_parallel_classes() -> tuple[type, ...]:
-    """The nxd parallel layers (linear, GQA QKV, embedding, convolution), always module calls:
-    their collectives are custom autograd Functions, whose backward a traced graph drops."""
+    """The nxd parallel layers (linear, GQA QKV, embedding, convolution) and the MoE block,
+    always module calls: their collectives are custom autograd Functions, whose backward a
+    traced graph drops (the MoE block's dispatch also has data-dependent shapes)."""
     try:
         import nxd_layers
+        from nxd_layers.moe import MoE
     except ImportError:  # pragma: no cover - nxd-layers is a dependency
         return ()
     names = ["BaseParallelLinear", "ParallelEmbedding", "BaseParallelConv"]
-    return tuple(getattr(nxd_layers, name) for name in names if hasattr(nxd_layers, name))
+    found = tuple(getattr(nxd_layers, name) for name in names if hasattr(nxd_layers, name))
+    return (*found, MoE)
 
 
 def _make_tracer(
