@@ -87,6 +87,7 @@ FIGURES: dict[str, list[Figure]] = {
         Figure("results.hidden_512.nxd zb_h1.step_ratio_vs_torch.median", 0.95),
         Figure("results.hidden_512.nxd zb_h1.bubble_measured_median", 0.06),
         Figure("results.hidden_512.split_backward_cost.I+W over B median", None),
+        Figure("results.hidden_512.split_backward_cost_accumulating.I+W over B median", None),
     ],
 }
 
