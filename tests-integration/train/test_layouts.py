@@ -1,5 +1,7 @@
 """``nxd-train`` at other layouts, each following the one-process reference (``_run.py``):
-TP=2 x PP=2 on 4 ranks (1F1B, 2 micro-batches; ``-m slow``), and two "nodes" on localhost
+TP=2 x PP=2 on 4 ranks (1F1B, 2 micro-batches; ``-m slow``), PP=2 with full activation
+checkpointing (``-m slow``; the layers' recompute is checked bitwise by the trainer API's
+test), and two "nodes" on localhost
 (two launchers, one process each, a static rendezvous on the loopback) training one TP=2
 model together.
 
@@ -38,6 +40,14 @@ def test_tp2_pp2_on_four_ranks(tmp_path: Path) -> None:
     R.nxd_train([*R.TINY, *layout, "--steps", "3", "--runs-dir", str(tmp_path)], tmp_path)
     _check(tmp_path / "tiny", 3)
     assert (tmp_path / "tiny" / "hf" / "config.json").is_file()  # exported from PP=2 shards
+
+
+@pytest.mark.slow
+def test_pp2_with_activation_checkpointing(tmp_path: Path) -> None:
+    layout = ["--tp", "1", "--pp", "2", "--nproc-per-node", "2", "--microbatches", "2",
+              "--activation-checkpointing", "full", "--no-export"]  # fmt: skip
+    R.nxd_train([*R.TINY, *layout, "--steps", "2", "--runs-dir", str(tmp_path)], tmp_path)
+    _check(tmp_path / "tiny", 2)
 
 
 def test_two_nodes_on_localhost(tmp_path: Path) -> None:

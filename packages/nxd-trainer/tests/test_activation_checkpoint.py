@@ -1,5 +1,6 @@
 """Activation checkpointing ("full", selective, None) gives the same loss and gradients as no
-checkpointing, with dropout on, at TP=2 and PP=2, and for a Hugging Face model's layers.
+checkpointing, with dropout on, at TP=2 and PP=2, and for a Hugging Face model's layers (at
+PP=1, and at PP=2 where the pipeline's ``torch.export`` capture keeps them as module calls).
 
 Exactness: a recomputed forward runs the same kernels on the same inputs with the same random
 masks, so gradients are bitwise equal (tolerance 0). The masks of dropout inside the TP region
@@ -160,9 +161,79 @@ def check_hf_full() -> None:
         torch.testing.assert_close(grads_ckpt[name], grads[name], **EXACT, msg=name)
 
 
+def _llama_pp_step(
+    checkpoint: Any,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[str], dict[str, int]]:
+    """A 4-layer HF Llama with attention dropout at PP=2 (``torch.export`` capture, 2
+    micro-batches): loss, gradients, the checkpointed modules and the decoder layers'
+    forward calls."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama import modeling_llama
+
+    import nxd_state
+    import nxd_trainer as nxd
+
+    def get_model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        config = LlamaConfig(
+            vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, attention_dropout=DROPOUT,
+        )  # fmt: skip
+        return LlamaForCausalLM(config)
+
+    nxd_state.destroy_model_parallel()
+    config = nxd.neuronx_distributed_config(
+        pipeline_parallel_size=2,
+        pipeline_config={"num_microbatches": 2, "input_names": ["input_ids", "labels"],
+                         "tracer_cls": "hf",
+                         "auto_partition": True, "broadcast_and_average_loss": True},
+        activation_checkpoint_config=checkpoint,
+    )  # fmt: skip
+    model = nxd.initialize_parallel_model(config, get_model)
+    layers = {id(m): n for n, m in model.local_module().named_modules()
+              if isinstance(m, modeling_llama.LlamaDecoderLayer)}  # fmt: skip
+    calls = dict.fromkeys(layers.values(), 0)
+    original = modeling_llama.LlamaDecoderLayer.forward
+
+    def counting(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls[layers[id(self)]] += 1
+        return original(self, *args, **kwargs)
+
+    modeling_llama.LlamaDecoderLayer.forward = counting  # type: ignore[method-assign]
+    try:
+        torch.manual_seed(7)
+        ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
+        loss = model.run_train(input_ids=ids, labels=ids)
+    finally:
+        modeling_llama.LlamaDecoderLayer.forward = original  # type: ignore[method-assign]
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return loss, grads, nxd.checkpointed_modules(model.local_module()), calls
+
+
+def check_hf_pp2() -> None:
+    """Hugging Face layers kept as module calls by the pipeline's capture are checkpointed at
+    PP=2 and recomputed in backward: the same loss and gradients bit for bit (dropout masks
+    replayed), each local layer run twice per micro-batch with "full", once without."""
+    from transformers.models.llama import modeling_llama
+
+    loss, grads, none, calls = _llama_pp_step(None)
+    assert none == []
+    assert set(calls.values()) == {2}, calls  # each layer once per micro-batch (2)
+    for checkpoint in ("full", [modeling_llama.LlamaAttention]):
+        loss_ckpt, grads_ckpt, names, calls_ckpt = _llama_pp_step(checkpoint)
+        assert len(names) == 2, names  # the 2 local layers, or their 2 attention modules
+        torch.testing.assert_close(loss_ckpt, loss, **EXACT)
+        for name in grads:
+            torch.testing.assert_close(grads_ckpt[name], grads[name], **EXACT, msg=name)
+        if checkpoint == "full":  # the recompute calls the layer's forward again
+            assert set(calls_ckpt.values()) == {4}, calls_ckpt
+
+
 def two_rank_checks() -> list[str]:
-    return run_named_checks({"tp2": check_tp2, "pp2": check_pp2, "hf full": check_hf_full})
+    return run_named_checks(
+        {"tp2": check_tp2, "pp2": check_pp2, "hf full": check_hf_full, "hf pp2": check_hf_pp2}
+    )
 
 
 def test_activation_checkpointing_gives_the_same_gradients() -> None:
-    assert run_distributed(two_rank_checks, 2) == [["tp2", "pp2", "hf full"]] * 2
+    assert run_distributed(two_rank_checks, 2) == [["tp2", "pp2", "hf full", "hf pp2"]] * 2

@@ -273,8 +273,8 @@ def _check_pipeline_reachable(stages: Iterable[nn.Module], names: list[str]) -> 
         raise ValueError(
             f"activation checkpointing cannot apply to {inlined[:4]}: the pipeline traced "
             f"through them (their operations are in the stage graph, not a module call). Add "
-            f"their class to pipeline_config['leaf_module_cls'] (torch.fx tracing); the "
-            f"torch.export route (tracer_cls='hf') keeps no module calls"
+            f"their class to pipeline_config['leaf_module_cls'] (both routes keep it as a call "
+            f"where they can; the torch.export route warned about any it had to inline)"
         )
 
 

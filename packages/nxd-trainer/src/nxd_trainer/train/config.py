@@ -376,11 +376,6 @@ class TrainConfig:
             )
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("sequence_parallel needs tp > 1 (it splits the sequence over TP)")
-        if self.pp > 1 and self.activation_checkpointing != "none":
-            raise ConfigError(
-                f"activation_checkpointing={self.activation_checkpointing!r} with pp={self.pp}: "
-                "the pipeline's torch.export capture inlines the decoder layers; use pp=1"
-            )
         if self.pp > 1 and self.lora_rank > 0:
             raise ConfigError(f"LoRA (lora_rank={self.lora_rank}) needs pp=1, got pp={self.pp}")
         if self.pp == 1 and self.microbatches > 1:
