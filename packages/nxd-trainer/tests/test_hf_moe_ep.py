@@ -30,33 +30,12 @@ import torch
 
 from nxd_state.testing import load_sibling, run_distributed
 
-R = load_sibling(__file__, "_registry")
+M = load_sibling(__file__, "_moe")
+R = M.R
 OUT_TOL = {"rtol": 1e-5, "atol": 1e-6}
 GRAD_TOL = {"rtol": 1e-4, "atol": 1e-6}
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
-NORM_TOPK = {"qwen2_moe": False, "qwen3_moe": True}
-"""Each Qwen family with the other routing normalisation than its sibling's."""
-
-
-def moe_model(family: str) -> torch.nn.Module:
-    """The family's tiny model (``_registry.build``: 4 experts, top-2, 2 layers), the router's
-    logits returned and its auxiliary loss added to the loss."""
-    model = R.build(family)
-    model.config.output_router_logits = True
-    if family in NORM_TOPK:
-        for module in model.modules():
-            if hasattr(module, "norm_topk_prob"):
-                module.norm_topk_prob = NORM_TOPK[family]
-    return model
-
-
-def batches(count: int) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(7)
-    return [torch.randint(0, R.VOCAB, (R.BATCH, R.SEQ), generator=g) for _ in range(count)]
-
-
-def _is_expert(param: torch.Tensor) -> bool:
-    return bool(getattr(param, "expert_model_parallel", False))
+MOE_FAMILIES = M.MOE_FAMILIES
+moe_model, batches = M.moe_model, M.batches
 
 
 def _ep_parity(families: tuple[str, ...], tp: int, ep: int) -> list[str]:
@@ -69,7 +48,7 @@ def _ep_parity(families: tuple[str, ...], tp: int, ep: int) -> list[str]:
     )
     state = nxd_state.get_parallel_state()
     dp, dp_rank = state.data_parallel_size, state.data_parallel_rank
-    local_experts = 4 // ep
+    local_experts = M.EXPERTS // ep
     first = state.expert_model_parallel_rank * local_experts
     checked = []
     for family in families:
@@ -83,7 +62,7 @@ def _ep_parity(families: tuple[str, ...], tp: int, ep: int) -> list[str]:
 
         parallelizer = ParallelizersManager.parallelizer_for_model(parallel)
         parallel = parallelizer.parallelize(parallel, device=torch.device("cpu"))
-        assert any(_is_expert(p) for p in parallel.parameters()), "no expert was sharded"
+        assert any(M.is_expert(p) for p in parallel.parameters()), "no expert was sharded"
         out = parallel(input_ids=ids[dp_rank], labels=ids[dp_rank])
         out.loss.backward()
         case = f"{family} tp={tp} ep={ep} rank={state.rank}"
@@ -95,14 +74,14 @@ def _ep_parity(families: tuple[str, ...], tp: int, ep: int) -> list[str]:
         names = set()
         for name, param in parallel.named_parameters():
             grad = param.grad.clone()
-            if _is_expert(param):
+            if M.is_expert(param):
                 collectives.all_reduce(grad, state.expert_data_parallel_group)
             else:
                 collectives.all_reduce(grad, state.data_parallel_group)
             value = R.H.full(param, param.detach(), name, reference.config)
             grad = R.H.full(param, grad, name, reference.config)
             ref, ref_grad = ref_params[name].detach(), ref_params[name].grad
-            if _is_expert(param):  # this rank's experts: a slice along dim 0
+            if M.is_expert(param):  # this rank's experts: a slice along dim 0
                 assert param.shape[0] == local_experts, (name, param.shape)
                 ref, ref_grad = (
                     ref[first : first + local_experts],

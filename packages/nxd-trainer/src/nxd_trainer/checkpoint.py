@@ -103,6 +103,22 @@ def _note_zero1_dcp(use_zero1_dcp: bool) -> None:
 _ZERO1_DCP_NOTED = False
 
 
+def refuse_expert_parallel_save(where: str) -> None:
+    """Saving at expert parallelism > 1 is refused (not skipped): each EP rank holds other
+    experts, and the checkpoint format does not shard them over EP yet."""
+    import nxd_state
+
+    if not nxd_state.model_parallel_is_initialized():
+        return
+    ep = nxd_state.get_expert_model_parallel_size()
+    if ep > 1:
+        raise NotImplementedError(
+            f"{where} at expert_parallel_size={ep} is not supported yet: each expert-parallel "
+            f"rank holds other experts and checkpoints do not shard experts over EP yet "
+            f"(issue #30); nothing was saved. Train at expert_parallel_size=1 to save"
+        )
+
+
 def _kept(num_kept_ckpts: Any) -> Any:
     """NxD's ``num_kept_ckpts``: None or -1 (its scripts' default) keep every tag, N >= 1 the
     newest N; 0 and other negatives say neither and are refused."""
@@ -153,6 +169,7 @@ def save_checkpoint(
     import nxd_ckpt
 
     _check_types(model, optimizer, scheduler)
+    refuse_expert_parallel_save("save_checkpoint")
     _note_zero1_dcp(use_zero1_dcp)
     zero1 = _check_config(nxd_config, optimizer, zero1_optimizer)
     nxd_ckpt.save_checkpoint(

@@ -49,7 +49,7 @@ from nxd_state import collectives
 from nxd_trainer.hf._rules import UnsupportedModelError, forward_signature
 from nxd_trainer.hf._sources import Source
 
-__all__ = ["ExpertParallelExperts", "check_experts", "expert_paths", "swap_experts"]
+__all__ = ["MOE_FAMILIES", "ExpertParallelExperts", "check_experts", "expert_paths", "swap_experts"]
 
 KNOWN_EXPERTS = (
     ("mixtral", "MixtralExperts"),
@@ -57,6 +57,9 @@ KNOWN_EXPERTS = (
     ("qwen3_moe", "Qwen3MoeExperts"),
 )
 """transformers' experts modules whose forward is the module docstring's formula."""
+
+MOE_FAMILIES = tuple(family for family, _ in KNOWN_EXPERTS)
+"""Their families: parallelised by their tensor-parallel plan, experts sharded at EP > 1."""
 
 EXPERT_ATTRIBUTES = {"expert_model_parallel": True, "expert_partition_dim": 0}
 """nxd-optim's marks of an expert weight (dim 0 split over the EP group)."""
