@@ -94,6 +94,19 @@ def test_trainer_at_ep2_follows_one_process(tmp_path: pytest.TempPathFactory) ->
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_trainer_at_tp2_ep2_follows_one_process(
+    family: str, tmp_path: pytest.TempPathFactory
+) -> None:
+    """TP2 x EP2 on 4 ranks: attention heads and each expert's features over TP, experts
+    over EP (the gradient norm sums TP shards and counts each expert once)."""
+    ranks = run_distributed(_trained, 4, family, 2, 2, str(tmp_path))
+    assert ranks[0]["losses"] == ranks[1]["losses"]  # TP ranks of one DP rank
+    assert ranks[0]["losses"] != ranks[2]["losses"]
+    assert os.listdir(tmp_path) == []
+
+
 def test_zero1_at_ep2_is_refused() -> None:
     """ZeRO-1 would average different experts' gradients: refused naming it."""
     from nxd_trainer import NxDConfig
