@@ -14,6 +14,7 @@ average, expert partial sums), amplified by AdamW's division by the root of the 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -85,7 +86,7 @@ def _trained(family: str, tp: int, ep: int, root: str) -> dict[str, Any]:
     return {"losses": losses, "refusal": refusal}
 
 
-def test_trainer_at_ep2_follows_one_process(tmp_path: pytest.TempPathFactory) -> None:
+def test_trainer_at_ep2_follows_one_process(tmp_path: Path) -> None:
     """Qwen2-MoE (shared expert with its sigmoid gate, router auxiliary loss) at EP2 = DP2."""
     ranks = run_distributed(_trained, 2, "qwen2_moe", 1, 2, str(tmp_path))
     assert ranks[0]["losses"] != ranks[1]["losses"]  # each DP rank trained on its own batch
@@ -97,7 +98,7 @@ def test_trainer_at_ep2_follows_one_process(tmp_path: pytest.TempPathFactory) ->
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
 def test_trainer_at_tp2_ep2_follows_one_process(
-    family: str, tmp_path: pytest.TempPathFactory
+    family: str, tmp_path: Path
 ) -> None:
     """TP2 x EP2 on 4 ranks: attention heads and each expert's features over TP, experts
     over EP (the gradient norm sums TP shards and counts each expert once)."""

@@ -27,6 +27,7 @@ from typing import Any
 
 from torch import nn
 
+from nxd_trainer._checks import refuse_expert_parallel_save
 from nxd_trainer.config import NxDConfig
 from nxd_trainer.model import NxDModel
 
@@ -101,22 +102,6 @@ def _note_zero1_dcp(use_zero1_dcp: bool) -> None:
 
 
 _ZERO1_DCP_NOTED = False
-
-
-def refuse_expert_parallel_save(where: str) -> None:
-    """Saving at expert parallelism > 1 is refused (not skipped): each EP rank holds other
-    experts, and the checkpoint format does not shard them over EP yet."""
-    import nxd_state
-
-    if not nxd_state.model_parallel_is_initialized():
-        return
-    ep = nxd_state.get_expert_model_parallel_size()
-    if ep > 1:
-        raise NotImplementedError(
-            f"{where} at expert_parallel_size={ep} is not supported yet: each expert-parallel "
-            f"rank holds other experts and checkpoints do not shard experts over EP yet "
-            f"(issue #30); nothing was saved. Train at expert_parallel_size=1 to save"
-        )
 
 
 def _kept(num_kept_ckpts: Any) -> Any:
