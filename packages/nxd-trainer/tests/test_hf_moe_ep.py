@@ -116,6 +116,14 @@ def test_moe_families_at_tp2_ep2() -> None:
     assert all(len(r) == len(MOE_FAMILIES) for r in ranks)
 
 
+@pytest.mark.slow
+def test_moe_families_at_dp4_ep2() -> None:
+    """EP2 inside DP4 (4 ranks): two EP groups, expert gradients summed over the expert-DP
+    group of 2 ranks holding the same experts."""
+    ranks = run_distributed(_ep_parity, 4, MOE_FAMILIES, 1, 2)
+    assert all(len(r) == len(MOE_FAMILIES) for r in ranks)
+
+
 def _refusal(family: str, ep: int) -> str:
     import nxd_state
     from nxd_trainer.hf import ParallelizersManager

@@ -97,9 +97,7 @@ def test_trainer_at_ep2_follows_one_process(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
-def test_trainer_at_tp2_ep2_follows_one_process(
-    family: str, tmp_path: Path
-) -> None:
+def test_trainer_at_tp2_ep2_follows_one_process(family: str, tmp_path: Path) -> None:
     """TP2 x EP2 on 4 ranks: attention heads and each expert's features over TP, experts
     over EP (the gradient norm sums TP shards and counts each expert once)."""
     ranks = run_distributed(_trained, 4, family, 2, 2, str(tmp_path))
