@@ -75,6 +75,14 @@ FIGURES: dict[str, list[Figure]] = {
         Figure("load_speed_vs_dcp.median", None, lower_is_better=False),
         Figure("async_peak_extra_memory_over_state.median", 1.1),
     ],
+    "gpu": [  # bench/gpu/main_job.py on one GPU (issue 28: MFU >= 55% for the 0.9B model)
+        Figure("main_job.nxd.mfu.palm", 0.55, lower_is_better=False),
+        Figure("main_job.ratio_vs_peer_amp", 1.0, lower_is_better=False),
+        Figure("main_job.ratio_vs_peer_bf16_master", 1.0, lower_is_better=False),
+        Figure("main_job.nxd.share_of_measured_matmul_rate.palm", None, lower_is_better=False),
+        Figure("sweep.fp32_accum4.vs_fp32.loss_rel_max", 1e-4),
+        Figure("sweep.resume.vs_fp32_after_resume.loss_rel_max", 1e-4),
+    ],
     "pipeline": [  # issue 28: ZB-H1 within 0.02 of its bubble (theory 0.04 at p=2, m=8)
         Figure("results.hidden_512.nxd zb_h1.step_ratio_vs_torch.median", 0.95),
         Figure("results.hidden_512.nxd zb_h1.bubble_measured_median", 0.06),

@@ -4,6 +4,7 @@
 # benchmark; its files go to $OUT (the tool's output folder), else bench/results/gpu.
 #
 #     bash bench/gpu/run.sh [main_job.py flags, e.g. --budget-s 420 --only main,peer-amp]
+#     NXD_BENCH_PROFILE=1 bash bench/gpu/run.sh ...   # then profile_step.py (where a step goes)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 wheels=bench/gpu/.wheels
@@ -22,4 +23,9 @@ nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv
 out=${OUT:-bench/results/gpu}
 mkdir -p "$out"
 python3 bench/gpu/main_job.py --out "$out" "$@" 2>&1 | tee "$out/console.log"
-exit "${PIPESTATUS[0]}"
+rc=${PIPESTATUS[0]}
+if [ "${NXD_BENCH_PROFILE:-0}" = 1 ]; then
+    python3 bench/gpu/profile_step.py --out "$out" 2>&1 | tee "$out/profile.log"
+    [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+fi
+exit "$rc"

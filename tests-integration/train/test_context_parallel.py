@@ -1,8 +1,9 @@
 """``nxd-train --cp 2``: the tiny model with every sequence split over two ranks follows the
 one-process reference (``_run.py``) step by step, with ring attention (TP=1 x CP=2) and
-all-to-all attention (``-m slow``); a run saved at CP=2 resumes at CP=1 (checkpoints do not
-depend on CP), and TP=2 x CP=2 with ZeRO-1 on 4 ranks then TP=2 x DP=1 (``-m slow``). The flags,
-their TOML keys, ``--dry-run``'s CP column and the refusals, without training.
+all-to-all attention (``-m slow``); LoRA at CP=2 equals LoRA at CP=1 (``-m slow``); a run saved
+at CP=2 resumes at CP=1 (checkpoints do not depend on CP), and TP=2 x CP=2 with ZeRO-1 on 4
+ranks then TP=2 x DP=1 (``-m slow``). The flags, their TOML keys, ``--dry-run``'s CP column and
+the refusals, without training.
 
 Tolerances as in ``test_train.py``: rtol 1e-4 / atol 1e-5 on losses (fp32; CP re-associates
 the attention's softmax sums, merged block by block, and the loss sum over ranks: ~1e-7
@@ -62,7 +63,7 @@ def test_cp_flags_dry_run_and_bad_values(
             "--cp", "4", "--cp-algorithm", "all-to-all", "--seq-len", "30"],
         "tp(2) x pp(1) x cp(2) = 4 does not divide the world size 2": ["--cp", "2"],
         "cp=2 with pp=2 is not supported yet": ["--cp", "2", "--pp", "2"],
-        "cp=2 with lora_rank=4 is not supported yet": ["--cp", "2", "--lora-rank", "4"],
+        "cp=2 with compile=True is not supported yet": ["--cp", "2", "--compile"],
         "the model has 1 key/value heads per tensor-parallel rank (tp=2)": [
             "--cp", "2", "--cp-algorithm", "all-to-all", "--nproc-per-node", "4"],
         "argument --cp-algorithm: invalid choice: 'ulysses'": ["--cp-algorithm", "ulysses"],
@@ -117,3 +118,16 @@ def test_tp2_cp2_zero1_on_four_ranks_then_cp1(tmp_path: Path) -> None:
     more = ["--steps", "3", "--tp", "2", "--zero1", "--nproc-per-node", "2"]
     R.nxd_train([*R.TINY, *QUICK, *more, "--runs-dir", str(tmp_path)], tmp_path)
     _check(run, [1, 2, 3], [(2, first), (3, ["--steps", "3"])])
+
+
+@pytest.mark.slow  # the parity of LoRA x CP: packages/nxd-trainer/tests/test_context_parallel.py
+def test_cp2_lora_equals_cp1_lora(tmp_path: Path) -> None:
+    lora = [*R.TINY, *QUICK, "--steps", "2", "--tp", "1", "--lora-rank", "4"]
+    runs = {"cp2": ["--cp", "2", "--nproc-per-node", "2"], "cp1": ["--nproc-per-node", "1"]}
+    for name, flags in runs.items():
+        R.nxd_train([*lora, *flags, "--name", name, "--runs-dir", str(tmp_path)], tmp_path)
+    got, want = R.losses(tmp_path / "cp2"), R.losses(tmp_path / "cp1")
+    assert sorted(got) == sorted(want) == [1, 2]
+    torch.testing.assert_close(
+        torch.tensor([got[s] for s in (1, 2)]), torch.tensor([want[s] for s in (1, 2)]), **TOL
+    )

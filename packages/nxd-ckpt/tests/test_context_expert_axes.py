@@ -3,8 +3,11 @@
 * CP=2: both ranks hold the same weights (replicated over DP x CP), so one of them writes each
   file (before, both CP ranks named themselves DP rank 0 and wrote the same file at once); the
   folder loads back bitwise on both ranks and in one process.
-* EP=2: expert parameters differ between the EP ranks of a DP group, which nxd-ckpt does not
-  shard yet: saving is refused, naming the degree, before anything is written.
+* EP=2: ``save_checkpoint`` shards expert parameters over EP (test_expert_parallel.py). The
+  legacy ``parallel_layers.save`` / ``load`` with ``master_dp_only=True`` (DP rank 0's folder
+  per TP/PP rank) would keep EP rank 0's experts only: refused, naming the degree, before
+  anything is written or read; with ``master_dp_only=False`` (a folder per DP rank) they
+  round-trip.
 """
 
 from __future__ import annotations
@@ -49,16 +52,28 @@ def test_cp2_saves_one_replica_and_loads_back(tmp_path: Path) -> None:
         torch.testing.assert_close(value, results[0]["saved"][name], rtol=0, atol=0)
 
 
-def _ep2_save(path: str) -> str:
+def _ep2_legacy(path: str) -> dict[str, Any]:
     import nxd_state
+    from nxd_ckpt import legacy
 
     nxd_state.initialize_model_parallel(expert_model_parallel_size=2)
-    with pytest.raises(NotImplementedError, match=r"expert_model_parallel_size=2") as error:
-        save_checkpoint(path, "ep2", model=_model(0))
-    return str(error.value)
+    state = {"w": torch.full((2,), float(nxd_state.get_expert_model_parallel_rank()))}
+    legacy.save(state, f"{path}/every_dp", master_dp_only=False)
+    messages = []
+    for call in (
+        lambda: legacy.save(state, f"{path}/dp0"),
+        lambda: legacy.load(f"{path}/every_dp"),
+    ):
+        with pytest.raises(NotImplementedError, match=r"expert_model_parallel_size=2") as error:
+            call()
+        messages.append(str(error.value))
+    loaded = legacy.load(f"{path}/every_dp", model_key=None, master_dp_only=False)
+    return {"messages": messages, "saved": state, "loaded": loaded}
 
 
-def test_ep2_save_is_refused_before_writing(tmp_path: Path) -> None:
-    messages = run_distributed(_ep2_save, 2, str(tmp_path))
-    assert all("issue #30" in message for message in messages)
-    assert not (tmp_path / "ep2").exists()
+def test_ep2_legacy_save_of_dp_rank_0_only_is_refused(tmp_path: Path) -> None:
+    results = run_distributed(_ep2_legacy, 2, str(tmp_path))
+    for result in results:
+        assert all("master_dp_only=False" in message for message in result["messages"])
+        torch.testing.assert_close(result["loaded"]["w"], result["saved"]["w"], rtol=0, atol=0)
+    assert not (tmp_path / "dp0").exists()

@@ -8,6 +8,7 @@ import math
 import os
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -15,7 +16,9 @@ from torch import nn
 
 from nxd_ckpt import FormatError, save_checkpoint
 from nxd_ckpt._boxes import Box, flat_range_boxes, linear_index
+from nxd_ckpt._context import RankContext
 from nxd_ckpt._jsonstate import decode, encode
+from nxd_ckpt._plan import build_plan
 from nxd_ckpt._sharding import spec_for_tensor
 from nxd_ckpt._stfile import plan_file, write_planned
 from nxd_ckpt._stread import FileReader
@@ -65,6 +68,98 @@ def test_partition_specs_rebuild_the_global_tensor(dim: int, stride: int, tp: in
         for block in spec.blocks:
             rebuilt[block.global_box.slices()] = shard[block.local.slices()]
     assert torch.equal(rebuilt, full)
+
+
+def _expert_shard(full: torch.Tensor, ep_rank: int, ep: int, tp_rank: int, tp: int) -> torch.Tensor:
+    """EP rank ``ep_rank``'s experts of ``full`` (E, H, 2I), TP-split along dim 2 with
+    stride 2 (gate and up halves), marked as ``nxd_layers.moe`` marks them."""
+    from nxd_layers import set_tensor_model_parallel_attributes, shard_for_rank
+
+    local = full.shape[0] // ep
+    shard = shard_for_rank(full[ep_rank * local : (ep_rank + 1) * local], 2, tp_rank, tp, 2)
+    set_tensor_model_parallel_attributes(shard, tp > 1, 2, 2)
+    shard.expert_model_parallel = True  # type: ignore[attr-defined]
+    shard.expert_partition_dim = 0  # type: ignore[attr-defined]
+    shard.expert_model_parallel_size = ep  # type: ignore[attr-defined]
+    return shard
+
+
+@pytest.mark.parametrize(("ep", "tp"), [(1, 1), (2, 1), (4, 1), (2, 2)])
+def test_expert_specs_rebuild_the_all_experts_tensor(ep: int, tp: int) -> None:
+    full = torch.randn(4, 3, 8)  # 4 experts, hidden 3, 2 x intermediate 4
+    rebuilt = torch.full_like(full, float("nan"))
+    for ep_rank in range(ep):
+        for tp_rank in range(tp):
+            shard = _expert_shard(full, ep_rank, ep, tp_rank, tp)
+            spec = spec_for_tensor(
+                shard, tp_rank=tp_rank, tp_size=tp, ep_rank=ep_rank, ep_size=ep, local_name="w"
+            )
+            assert spec.global_shape == tuple(full.shape)
+            assert spec.expert_parallel
+            assert spec.info["expert_model_parallel_size"] == ep
+            for block in spec.blocks:
+                rebuilt[block.global_box.slices()] = shard[block.local.slices()]
+    assert torch.equal(rebuilt, full)
+
+
+def test_expert_spec_refuses_a_degree_other_than_the_marked_one() -> None:
+    shard = _expert_shard(torch.randn(4, 3, 8), 0, 2, 0, 1)
+    with pytest.raises(ValueError, match=r"marked expert_model_parallel_size=2.* is 1"):
+        spec_for_tensor(shard, tp_rank=0, tp_size=1, ep_rank=0, ep_size=1, local_name="w")
+    shard.expert_partition_dim = 1  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="expert_partition_dim=1"):
+        spec_for_tensor(shard, tp_rank=0, tp_size=1, ep_rank=0, ep_size=2, local_name="w")
+
+
+def _rank_context(layout: Any, rank: int) -> RankContext:
+    """What ``current_context`` says on ``rank`` of ``layout`` (without processes)."""
+    coords = layout.coordinates(rank)
+    (group,) = [g for g in layout.data_context_parallel_groups() if rank in g]
+    return RankContext(
+        rank=rank,
+        world_size=layout.world_size,
+        tp_rank=coords.tp,
+        tp_size=layout.tensor_parallel_size,
+        pp_rank=coords.pp,
+        pp_size=layout.pipeline_parallel_size,
+        dp_rank=group.index(rank),
+        dp_size=layout.data_context_parallel_size,
+        local_rank=rank,
+        distributed=True,
+        ep_rank=layout.expert_model_parallel_rank(rank),
+        ep_size=layout.expert_model_parallel_size,
+        edp_rank=layout.expert_data_parallel_rank(rank),
+        edp_size=layout.expert_data_parallel_size,
+    )
+
+
+@pytest.mark.parametrize(
+    ("world", "tp", "cp", "ep"), [(4, 1, 1, 2), (8, 1, 1, 4), (8, 2, 1, 2), (8, 2, 2, 2)]
+)
+def test_each_expert_and_dense_box_is_written_by_exactly_one_rank(
+    world: int, tp: int, cp: int, ep: int
+) -> None:
+    from nxd_state.layout import ParallelLayout
+
+    layout = ParallelLayout(
+        world_size=world,
+        tensor_parallel_size=tp,
+        context_parallel_size=cp,
+        expert_model_parallel_size=ep,
+    )
+    experts, dense = torch.randn(4, 3, 8), torch.randn(5)
+    written: dict[str, list[Box]] = {"e": [], "d": []}
+    for rank in range(world):
+        ctx = _rank_context(layout, rank)
+        replicated = dense.clone()
+        replicated.tensor_model_parallel = False  # type: ignore[attr-defined]
+        state = {"e": _expert_shard(experts, ctx.ep_rank, ep, ctx.tp_rank, tp), "d": replicated}
+        for chunk in build_plan(ctx, model=state, save_rng=False).chunks:
+            written[chunk.name].append(chunk.box)
+    for name, full in (("e", experts), ("d", dense)):
+        boxes = written[name]
+        assert len(set(boxes)) == len(boxes), f"{name}: a box written twice"
+        assert sum(box.numel for box in boxes) == full.numel(), f"{name}: not covered"
 
 
 class _FakeGQA(nn.Module):

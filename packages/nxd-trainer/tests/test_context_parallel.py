@@ -1,8 +1,9 @@
 """Context parallelism through the trainer API: a tiny Hugging Face Llama (GQA, 2 layers)
 built by ``initialize_parallel_model`` at ``context_parallel_size`` 2 (ring and all-to-all),
 TP2 x CP2 (with sequence parallelism and full activation checkpointing) and CP2 x DP2 with
-ZeRO-1, one SGD step through ``initialize_parallel_optimizer``, against the unmodified model in
-one process.
+ZeRO-1, and LoRA adapters at CP2 and CP2 x DP2, one SGD step through
+``initialize_parallel_optimizer``, against the unmodified model (with the same adapters) in one
+process.
 
 ``NxDModel.run_train`` gets the whole sequences and splits them itself. Some labels are
 ``-100`` (ignored), unevenly over the CP ranks: the loss averaged over CP must still be the
@@ -38,15 +39,39 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
     return ids, labels
 
 
+LORA = {
+    "enable_lora": True,
+    "lora_rank": 4,
+    "lora_alpha": 8.0,
+    "target_modules": ["q_proj", "v_proj", "o_proj"],
+}
+
+
 def _model() -> torch.nn.Module:
     model = H.model("llama")
     model.config.use_cache = False
     return model
 
 
-def _reference(dp: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _fill_adapters(model: torch.nn.Module) -> None:
+    """Deterministic adapter weights (B non-zero too, so A gets a gradient), keyed by module
+    name: the same in the one-process and the CP model."""
+    from nxd_trainer.testing import deterministic_init
+
+    for name, module in model.named_modules():
+        if ".lora_" in name:
+            module.init_key = 1000 + 7 * len(name) + sum(map(ord, name))
+            deterministic_init(module)
+
+
+def _reference(dp: int, lora: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The mean over DP replicas of each replica's loss (token mean), and its gradients."""
     model = _model()
+    if lora:
+        from nxd_lora import LoraConfig, LoRAModel
+
+        model = LoRAModel(model, LoraConfig(**LORA))
+        _fill_adapters(model)
     ids, labels = _data()
     per = BATCH // dp
     loss = (
@@ -59,7 +84,7 @@ def _reference(dp: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         / dp
     )
     loss.backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
 
 
 def step(tp: int, cp: int, algorithm: str, extra: dict[str, Any]) -> list[str]:
@@ -67,6 +92,11 @@ def step(tp: int, cp: int, algorithm: str, extra: dict[str, Any]) -> list[str]:
     import nxd_trainer as nxd
 
     zero1 = extra.pop("zero1", False)
+    lora = extra.pop("lora", False)
+    if lora:
+        from nxd_lora import LoraConfig
+
+        extra["lora_config"] = LoraConfig(**LORA)
     cfg = nxd.neuronx_distributed_config(
         tensor_parallel_size=tp,
         context_parallel_size=cp,
@@ -75,10 +105,12 @@ def step(tp: int, cp: int, algorithm: str, extra: dict[str, Any]) -> list[str]:
         **extra,
     )
     model = nxd.initialize_parallel_model(cfg, _model)
+    if lora:
+        _fill_adapters(model.local_module())
     optimizer = nxd.initialize_parallel_optimizer(cfg, torch.optim.SGD, model.parameters(), lr=1.0)
     state = nxd_state.get_parallel_state()
     dp, dp_rank = state.data_parallel_size, state.data_parallel_rank
-    ref_loss, ref_grads = _reference(dp)
+    ref_loss, ref_grads = _reference(dp, lora)
     ids, labels = _data()
     rows = slice(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -89,9 +121,15 @@ def step(tp: int, cp: int, algorithm: str, extra: dict[str, Any]) -> list[str]:
     mean /= state.data_context_parallel_size
     bad = []
     checks = [("loss", mean, ref_loss)]
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    if trained != set(ref_grads):
+        bad.append(f"trainable parameters differ: {sorted(trained ^ set(ref_grads))}")
     for name, param in model.named_parameters():
         update = H.full(param, before[name] - param.detach(), name, model.config)
-        checks.append((f"grad {name}", update, ref_grads[name]))
+        if name in trained:
+            checks.append((f"grad {name}", update, ref_grads.get(name, torch.zeros(()))))
+        else:  # frozen (the base weights under LoRA): not moved at all
+            checks.append((f"frozen {name}", update, torch.zeros_like(update)))
     for what, got, want in checks:
         try:
             torch.testing.assert_close(got, want, **TOL)
@@ -107,6 +145,8 @@ CASES = {
         4, 2, 2, "ring", {"sequence_parallel": True, "activation_checkpoint_config": "full"}
     ),
     "cp2xdp2-zero1-all-to-all": (4, 1, 2, "all_to_all", {"zero1": True}),
+    "cp2-lora-ring": (2, 1, 2, "ring", {"lora": True}),
+    "cp2xdp2-lora-all-to-all": (4, 1, 2, "all_to_all", {"lora": True}),
 }  # fmt: skip
 
 

@@ -147,3 +147,51 @@ def test_help_needs_no_source_files(tmp_path: Path) -> None:
     )  # fmt: skip
     assert shown.stdout.startswith(str(package))  # the compiled copy was imported
     assert "Tensor-parallel degree" in shown.stdout
+
+
+def test_bf16_sums_gradients_in_fp32_only_where_they_are_summed() -> None:
+    from nxd_trainer.train.model import fp32_gradient_sums
+
+    one = TrainConfig(tp=1, bf16=True)
+    assert not fp32_gradient_sums(one, world=1)  # one backward per step: nothing summed
+    assert fp32_gradient_sums(one, world=2)  # a reduction over ranks
+    assert fp32_gradient_sums(TrainConfig(tp=1, bf16=True, grad_accum=2), world=1)  # micro-steps
+    assert fp32_gradient_sums(TrainConfig(tp=1, bf16=True, zero1=True), world=1)  # ZeRO-1's own
+
+
+def _bf16_steps(fp32_accumulation: bool) -> dict[str, torch.Tensor]:
+    """Three AdamW steps with clipping on a tiny bf16 Llama in one process, fp32 masters."""
+    import nxd_trainer as nxd
+    from nxd_state.testing import load_sibling
+
+    hf = load_sibling(__file__, "_hf")
+    cfg = nxd.neuronx_distributed_config(
+        tensor_parallel_size=1,
+        optimizer_config={"zero_one_enabled": False, "max_grad_norm": 0.5},
+        mixed_precision_config={
+            "use_master_weights": True, "use_fp32_grad_acc": fp32_accumulation},
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = nxd.initialize_parallel_model(cfg, lambda: hf.model("llama").to(torch.bfloat16))
+    optimizer = nxd.initialize_parallel_optimizer(cfg, torch.optim.AdamW, model.parameters())
+    ids = torch.randint(0, hf.VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    for _ in range(3):
+        model.run_train(input_ids=ids, labels=ids)
+        optimizer.step()
+        optimizer.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _both_bf16_runs() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    return _bf16_steps(True), _bf16_steps(False)
+
+
+def test_one_process_bf16_without_fp32_buffers_is_bitwise_the_same() -> None:
+    """What ``fp32_gradient_sums`` relies on: with one backward per step, casting the bf16
+    gradient at the step gives exactly the fp32 buffer's values (bitwise: rtol=atol=0)."""
+    from nxd_state.testing import run_distributed
+
+    ((buffered, cast),) = run_distributed(_both_bf16_runs, 1)
+    assert buffered.keys() == cast.keys()
+    for name, value in buffered.items():
+        torch.testing.assert_close(cast[name], value, rtol=0, atol=0, msg=name)

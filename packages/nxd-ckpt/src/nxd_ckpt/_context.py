@@ -1,7 +1,10 @@
-"""Where this process sits (TP/PP/DP coordinates) and the few collectives saving needs.
+"""Where this process sits (TP/PP/DP/EP coordinates) and the few collectives saving needs.
 
 Works without torch.distributed (a world of one) and without an nxd parallel state (every
-rank is a data-parallel replica). Errors found on some ranks are made collective with
+rank is a data-parallel replica). With expert parallelism (EP) the EP group is carved out of
+DP x CP: a non-expert tensor is replicated over the n = DP x CP ranks of its (TP, PP)
+coordinate, an expert tensor (``expert_model_parallel``) only over the n / EP ranks of its
+expert-DP group, which hold the same experts. Errors found on some ranks are made collective with
 :func:`agree` before anyone raises, so no rank is left waiting in a later collective.
 """
 
@@ -30,6 +33,28 @@ class RankContext:
     dp_size: int
     local_rank: int
     distributed: bool
+    ep_rank: int = 0
+    """Position in the EP group: this rank holds experts [ep_rank E/ep, (ep_rank+1) E/ep)."""
+    ep_size: int = 1
+    edp_rank: int | None = None
+    """Position among the replicas of this rank's experts (None: ``dp_rank``, EP = 1)."""
+    edp_size: int | None = None
+    """Replicas of this rank's experts, DP x CP / EP (None: ``dp_size``, EP = 1)."""
+
+    @property
+    def expert_dp_rank(self) -> int:
+        return self.dp_rank if self.edp_rank is None else self.edp_rank
+
+    @property
+    def expert_dp_size(self) -> int:
+        return self.dp_size if self.edp_size is None else self.edp_size
+
+    def refuse_expert_parallel(self, what: str, reason: str) -> None:
+        """Raise for ``what`` at EP > 1 (a path that would drop or mix up experts)."""
+        if self.ep_size > 1:
+            raise NotImplementedError(
+                f"{what} at expert_model_parallel_size={self.ep_size}: {reason}"
+            )
 
     def parallel_dict(self, zero1: bool) -> dict[str, object]:
         return {
@@ -37,6 +62,7 @@ class RankContext:
             "tensor_parallel_size": self.tp_size,
             "pipeline_parallel_size": self.pp_size,
             "data_parallel_size": self.dp_size,
+            "expert_model_parallel_size": self.ep_size,
             "zero1": zero1,
         }
 
@@ -54,16 +80,9 @@ def current_context() -> RankContext:
 
     if distributed and model_parallel_is_initialized():
         state = get_parallel_state()
-        if state.expert_model_parallel_size > 1:
-            # Expert parameters differ along the EP ranks of a DP group, so "one DP replica
-            # writes" would drop every expert but rank 0's: refuse rather than lose them.
-            raise NotImplementedError(
-                f"checkpoints at expert_model_parallel_size={state.expert_model_parallel_size}: "
-                "expert parameters are not replicated over data parallelism and nxd-ckpt "
-                "does not shard them over EP yet (issue #30); save at EP=1"
-            )
         # The replica axis is DP x CP: weights are replicated over both alike and ZeRO-1
-        # shards its state over both (so the DP x CP rank names a replica's files).
+        # shards its state over both (so the DP x CP rank names a replica's files). Expert
+        # weights are replicated over the expert-DP group only (EP ranks hold other experts).
         return RankContext(
             rank=rank,
             world_size=world,
@@ -75,6 +94,10 @@ def current_context() -> RankContext:
             dp_size=state.data_context_parallel_size,
             local_rank=local_rank,
             distributed=True,
+            ep_rank=state.expert_model_parallel_rank,
+            ep_size=state.expert_model_parallel_size,
+            edp_rank=state.expert_data_parallel_rank,
+            edp_size=state.expert_data_parallel_size,
         )
     return RankContext(rank, world, 0, 1, 0, 1, rank, world, local_rank, distributed)
 

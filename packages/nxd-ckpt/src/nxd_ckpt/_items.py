@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from nxd_ckpt._boxes import Box, flat_range_boxes, linear_index
+from nxd_ckpt._context import RankContext
 from nxd_ckpt._sharding import ShardSpec
 
 __all__ = ["DenseSource", "FlatSource", "Piece", "TensorItem", "pieces"]
@@ -95,17 +96,23 @@ def pieces(item: TensorItem) -> list[Piece]:
     return out
 
 
-def is_writer(
-    item: TensorItem, piece: Piece, tp_rank: int, tp_size: int, dp_rank: int, dp_size: int
-) -> bool:
+def is_writer(item: TensorItem, piece: Piece, ctx: RankContext) -> bool:
     """Whether this rank writes ``piece``: one rank among those holding the same data,
-    picked by a hash of the tensor name and box, so writes spread over TP x DP replicas."""
+    picked by a hash of the tensor name and box, so writes spread over TP x DP replicas.
+
+    The DP replicas of an expert tensor (``spec.expert_parallel``) are its expert-DP group
+    (DP x CP / EP ranks holding the same experts): the other ranks of the DP group hold
+    other experts, i.e. other global boxes, which they write themselves."""
     if not piece.primary:
         return False
-    tp_count = tp_size if item.spec.tp_replicated else 1
+    if item.spec.expert_parallel:
+        dp_rank, dp_size = ctx.expert_dp_rank, ctx.expert_dp_size
+    else:
+        dp_rank, dp_size = ctx.dp_rank, ctx.dp_size
+    tp_count = ctx.tp_size if item.spec.tp_replicated else 1
     dp_count = dp_size if item.dp_replicated else 1
     mine = (dp_rank if item.dp_replicated else 0) * tp_count + (
-        tp_rank if item.spec.tp_replicated else 0
+        ctx.tp_rank if item.spec.tp_replicated else 0
     )
     key = f"{item.category}/{item.name}@{piece.global_box.offsets}".encode()
     return zlib.crc32(key) % (tp_count * dp_count) == mine

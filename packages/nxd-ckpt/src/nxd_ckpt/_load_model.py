@@ -24,7 +24,7 @@ from nxd_ckpt._items import DenseSource, TensorItem, pieces
 from nxd_ckpt._model_tensors import model_tensors
 from nxd_ckpt._plan import rank_local_name
 from nxd_ckpt._reader import CheckpointReader
-from nxd_ckpt._sharding import spec_for_stored_shape
+from nxd_ckpt._sharding import shape_mismatch, spec_for_stored_shape
 
 __all__ = [
     "ModelReads",
@@ -124,10 +124,7 @@ def model_reads(model: Any, reader: CheckpointReader, ctx: RankContext, strict: 
             used.add(target)
             spec = spec_for_stored_shape(part_spec, tuple(record.shape))
             if spec is None:
-                mismatched.append(
-                    f"{part}: checkpoint {tuple(record.shape)}, model "
-                    f"{tuple(part_spec.global_shape)}"
-                )
+                mismatched.append(shape_mismatch(part, part_spec, tuple(record.shape)))
                 continue
             requested.append((local, target, spec))
     for alias, first in aliases.items():  # tied names: present in the checkpoint or not
@@ -159,7 +156,8 @@ def rng_names(reader: CheckpointReader, ctx: RankContext) -> list[str]:
     """This rank's stored RNG states, if the checkpoint was saved at the same layout."""
     saved = reader.index.parallel
     now = ctx.parallel_dict(zero1=bool(saved.get("zero1")))
-    same = all(saved.get(k) == now[k] for k in now if k != "zero1")
+    defaults = {"expert_model_parallel_size": 1}  # not recorded before EP > 1 was saved
+    same = all(saved.get(k, defaults.get(k)) == now[k] for k in now if k != "zero1")
     prefix = f"rank{ctx.rank:05d}/"
     names = [n for n in reader.index.category("rng") if n.startswith(prefix)]
     if not same or not names:

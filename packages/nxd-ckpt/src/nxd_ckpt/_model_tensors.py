@@ -172,6 +172,9 @@ def model_tensors(
                 tp_size=ctx.tp_size,
                 module=modules.get(prefix),
                 local_name=local,
+                ep_rank=ctx.ep_rank,
+                ep_size=ctx.ep_size,
+                what=name,
             )
             parts = declared_parts(modules.get(prefix), prefix, local, spec)
             out.append(LocalTensor(name, tensor, spec, parts))
@@ -185,10 +188,18 @@ def _dict_tensors(state: Mapping[str, Any], ctx: RankContext) -> list[LocalTenso
             raise TypeError(
                 f"model state dict entry {name!r} is a {type(value).__name__}, not a tensor"
             )
-        if getattr(value, "tensor_model_parallel", None) is not None:
-            spec = spec_for_tensor(value, tp_rank=ctx.tp_rank, tp_size=ctx.tp_size)
-        elif ctx.tp_size == 1 and ctx.pp_size == 1:
-            spec = spec_for_tensor(value, tp_rank=0, tp_size=1)  # one process: it is global
+        marked = getattr(value, "tensor_model_parallel", None) is not None or getattr(
+            value, "expert_model_parallel", False
+        )
+        if marked or (ctx.tp_size == 1 and ctx.pp_size == 1):  # unmarked: it is global
+            spec = spec_for_tensor(
+                value,
+                tp_rank=ctx.tp_rank,
+                tp_size=ctx.tp_size,
+                ep_rank=ctx.ep_rank,
+                ep_size=ctx.ep_size,
+                local_name=name,
+            )
         else:
             spec = rank_local_spec(value)
         out.append(LocalTensor(name, value, spec))

@@ -45,6 +45,11 @@ __all__ = [
 MASTER_KEY = "master"
 
 
+def is_expert(tensor: torch.Tensor) -> bool:
+    """Marked ``expert_model_parallel`` (``nxd_layers.moe``'s expert weights)."""
+    return bool(getattr(tensor, "expert_model_parallel", False))
+
+
 @dataclass(frozen=True)
 class FlatPiece:
     """Elements ``[param_start, +numel)`` of vec(p_index) sit at ``[shard_start, +numel)``."""
@@ -229,7 +234,14 @@ def _param_names(
     for index, param in enumerate(optimizer_params):  # positions: same layout only
         name = f"pp{ctx.pp_rank}.param{index}"
         names[id(param)] = name
-        spec = spec_for_tensor(param, tp_rank=ctx.tp_rank, tp_size=ctx.tp_size)
+        spec = spec_for_tensor(
+            param,
+            tp_rank=ctx.tp_rank,
+            tp_size=ctx.tp_size,
+            ep_rank=ctx.ep_rank,
+            ep_size=ctx.ep_size,
+            local_name=name,
+        )
         described[name] = LocalTensor(name, param, spec)
     return names, described
 
@@ -247,6 +259,14 @@ def resolve_optimizer(optimizer: Any, model: Any, ctx: RankContext) -> Optimizer
     core = wrapper.optimizer if wrapper is not None else optimizer
     if isinstance(core, NeuronZero1Optimizer):
         params = [p for group in core.param_groups for p in group["params"]]
+        if type(core) is not NeuronZero1Optimizer or any(map(is_expert, params)):
+            # An EP-aware ZeRO-1 cuts expert shards over the expert-DP group: a layout this
+            # module does not read yet. Dense params alone are sharded over DP x CP as at EP=1.
+            ctx.refuse_expert_parallel(
+                f"checkpointing the ZeRO-1 optimizer {type(core).__name__} over expert parameters",
+                "nxd-ckpt does not read ZeRO-1 shards cut over the expert-DP group yet; use "
+                "NxDOptimizer with zero_one_enabled=False, whose state nxd-ckpt shards over EP",
+            )
         names, tensors = _param_names(model, params, ctx)
         return _view(
             "zero1", core, names, tensors, masters_in_ckpt=bool(core.use_master_weights_in_ckpt)

@@ -36,7 +36,7 @@ from nxd_ckpt._optim_common import (
     zero1_inner,
 )
 from nxd_ckpt._reader import CheckpointReader
-from nxd_ckpt._sharding import spec_for_stored_shape
+from nxd_ckpt._sharding import shape_mismatch, spec_for_stored_shape
 from nxd_ckpt._stfile import dtype_from_name
 
 __all__ = ["OptimizerReads", "load_optimizer", "optimizer_reads"]
@@ -109,9 +109,7 @@ def _check(view: OptimizerView, saved: _Saved, names: list[str], strict: bool) -
                 shape = tuple(saved.reader.record("optimizer", f"{stored}/{key}").shape)
                 fitted = spec_for_stored_shape(spec, shape)
                 if fitted is None:
-                    mismatched.append(
-                        f"{stored}/{key}: checkpoint {shape}, model {tuple(spec.global_shape)}"
-                    )
+                    mismatched.append(shape_mismatch(f"{stored}/{key}", spec, shape))
                 else:
                     targets[position] = (stored, fitted)
     check_keys(

@@ -4,7 +4,9 @@ Every rank declares every global tensor it holds a piece of (shape, dtype, shard
 merged index knows each tensor even where another rank wrote the data. Each piece is written
 by exactly one of the ranks holding it (:func:`nxd_ckpt._items.is_writer`): replicas over
 data parallelism (and over tensor parallelism for replicated tensors) share the work and
-write nothing twice; ZeRO-1 shards are written by their owners.
+write nothing twice; ZeRO-1 shards are written by their owners. At expert parallelism > 1
+the EP ranks of a DP group hold different boxes of an expert tensor (its experts), each
+written by one rank of the expert-DP group holding it.
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ class RankPlan:
         self.declared.setdefault(item.category, {})[item.name] = entry
         ctx = self.ctx
         for piece in pieces(item):
-            if is_writer(item, piece, ctx.tp_rank, ctx.tp_size, ctx.dp_rank, ctx.dp_size):
+            if is_writer(item, piece, ctx):
                 data = piece.local
                 stable = item.stable
                 if data.dtype != item.dtype:

@@ -17,6 +17,16 @@ A parameter padded by ``nxd_layers.pad_model`` (marked ``tensor_parallel_padding
 real data the mark names and moved to unpadded coordinates, and the zeros belong to no block
 (written nowhere, zero-filled on load). So it loads at any TP degree, padded or not, and
 exports without the padding.
+
+An expert parameter (``expert_model_parallel``, NxD's ``nxd_layers.moe`` marks) holds the
+experts of its EP rank along dim 0, inside which the TP split above applies. With EP size e,
+EP rank q and n local experts, every TP block moves to its experts' rows of the global tensor
+(all E = n·e experts):
+
+    local[i] (within a block)  =  global[q·n + i]     along dim 0, i < n,
+
+so its global shape is (E, …) and loads at any EP degree dividing E. It is replicated over
+the expert-DP group only (``ShardSpec.expert_parallel``), which picks its writers.
 """
 
 from __future__ import annotations
@@ -33,10 +43,12 @@ from nxd_ckpt._boxes import Box
 __all__ = [
     "Block",
     "ShardSpec",
+    "expert_parallel_degree",
     "gqa_spec",
     "is_gqa",
     "part_spec",
     "rank_local_spec",
+    "shape_mismatch",
     "spec_for_stored_shape",
     "spec_for_tensor",
 ]
@@ -71,6 +83,8 @@ class ShardSpec:
     padded: ShardSpec | None = None
     """For a padded parameter (whose global tensor is the unpadded one): the spec of the
     padded tensor, which checkpoints written before padding was recorded hold."""
+    expert_parallel: bool = False
+    """Dim 0 holds experts split over EP: replicated over the expert-DP group only."""
 
 
 def spec_for_stored_shape(spec: ShardSpec, shape: tuple[int, ...]) -> ShardSpec | None:
@@ -81,6 +95,19 @@ def spec_for_stored_shape(spec: ShardSpec, shape: tuple[int, ...]) -> ShardSpec 
     if spec.padded is not None and tuple(spec.padded.global_shape) == tuple(shape):
         return spec.padded
     return None
+
+
+def shape_mismatch(name: str, spec: ShardSpec, stored: tuple[int, ...]) -> str:
+    """Why a stored tensor of global shape ``stored`` does not fit ``spec``: for an expert
+    tensor whose stored experts the EP degree does not divide, that, naming both."""
+    ep = int(spec.info.get("expert_model_parallel_size", 1))
+    if spec.expert_parallel and stored and stored[0] % ep:
+        return (
+            f"{name}: the checkpoint holds {stored[0]} experts (shape {tuple(stored)}), which "
+            f"expert_model_parallel_size={ep} does not divide (the model holds "
+            f"{spec.global_shape[0]})"
+        )
+    return f"{name}: checkpoint {tuple(stored)}, model {tuple(spec.global_shape)}"
 
 
 def _rows_blocks(shape: tuple[int, ...], runs: list[tuple[int, int, int, bool]]) -> list[Block]:
@@ -252,7 +279,15 @@ def _unpadded(spec: ShardSpec, padding: Any, what: str) -> ShardSpec:
     shape = list(spec.global_shape)
     shape[dim] = int(padding.unpadded_size)
     info = {**spec.info, "padding": padding.to_dict()}
-    return ShardSpec(tuple(shape), blocks, spec.tp_replicated, info, spec.rank_local, padded=spec)
+    return ShardSpec(
+        tuple(shape),
+        blocks,
+        spec.tp_replicated,
+        info,
+        spec.rank_local,
+        padded=spec,
+        expert_parallel=spec.expert_parallel,
+    )
 
 
 def is_gqa(module: object) -> TypeGuard[GQALayout]:
@@ -269,15 +304,65 @@ def spec_for_tensor(
     tp_size: int,
     module: nn.Module | None = None,
     local_name: str = "",
+    ep_rank: int = 0,
+    ep_size: int = 1,
+    what: str = "",
 ) -> ShardSpec:
     """The spec of a parameter or buffer from its sharding attributes (and, for the GQA QKV
     projection, its owning ``module``; ``local_name`` is its name inside that module). A
-    tensor marked ``tensor_parallel_padding`` gets the spec of its unpadded tensor."""
+    tensor marked ``tensor_parallel_padding`` gets the spec of its unpadded tensor; one
+    marked ``expert_model_parallel`` has its experts placed at EP rank ``ep_rank`` of
+    ``ep_size`` (see the module docstring). ``what`` names it in errors."""
+    what = what or local_name or f"tensor of shape {tuple(tensor.shape)}"
     spec = _padded_spec(tensor, tp_rank, tp_size, module, local_name)
+    if getattr(tensor, "expert_model_parallel", False):
+        spec = _expert_spec(spec, tensor, ep_rank, ep_size, what)
     padding = getattr(tensor, "tensor_parallel_padding", None)
     if padding is None:
         return spec
-    return _unpadded(spec, padding, local_name or f"tensor of shape {tuple(tensor.shape)}")
+    if spec.expert_parallel and int(padding.dim) == 0:
+        raise ValueError(f"{what}: an expert parameter padded along dim 0 (its experts)")
+    return _unpadded(spec, padding, what)
+
+
+def expert_parallel_degree(tensor: torch.Tensor) -> int:
+    """The EP degree an ``expert_model_parallel`` tensor says it was split over (1 if
+    unmarked)."""
+    if not getattr(tensor, "expert_model_parallel", False):
+        return 1
+    return int(getattr(tensor, "expert_model_parallel_size", 1))
+
+
+def _expert_spec(
+    spec: ShardSpec, tensor: torch.Tensor, ep_rank: int, ep_size: int, what: str
+) -> ShardSpec:
+    """``spec`` (the TP blocks of the local experts) with dim 0 placed at EP rank
+    ``ep_rank`` of ``ep_size``: global rows ``[ep_rank·n, (ep_rank+1)·n)``, n local experts."""
+    dim = int(getattr(tensor, "expert_partition_dim", 0))
+    declared = expert_parallel_degree(tensor)
+    if dim != 0:
+        raise ValueError(
+            f"{what}: expert_partition_dim={dim}; nxd-ckpt shards experts along dim 0 only"
+        )
+    if declared != ep_size:
+        raise ValueError(
+            f"{what}: marked expert_model_parallel_size={declared}, but the parallel state's "
+            f"expert_model_parallel_size is {ep_size}: its experts' place in the global tensor "
+            f"is unknown (build the model after initialize_model_parallel)"
+        )
+    if not spec.global_shape or spec.rank_local:
+        raise ValueError(f"{what}: an expert parameter needs dim 0 (experts), got a 0-d tensor")
+    if spec.info.get("partition_dim") == 0:
+        raise ValueError(f"{what}: an expert parameter split over TP along dim 0 (its experts)")
+    local = int(tensor.shape[0])
+    shift = ep_rank * local
+    blocks = [
+        Block(b.local, (b.global_offsets[0] + shift, *b.global_offsets[1:]), b.primary)
+        for b in spec.blocks
+    ]
+    shape = (local * ep_size, *spec.global_shape[1:])
+    info = {**spec.info, "expert_partition_dim": 0, "expert_model_parallel_size": ep_size}
+    return ShardSpec(shape, blocks, spec.tp_replicated, info, spec.rank_local, expert_parallel=True)
 
 
 def _padded_spec(
@@ -330,7 +415,9 @@ def part_spec(spec: ShardSpec, start: int, rows: int, what: str) -> ShardSpec:
         local = Box(tuple(local_offsets), tuple(local_shape))
         blocks.append(Block(local, global_offsets, block.primary))
     shape = (rows, *spec.global_shape[1:])
-    return ShardSpec(shape, blocks, spec.tp_replicated, dict(spec.info))
+    return ShardSpec(
+        shape, blocks, spec.tp_replicated, dict(spec.info), expert_parallel=spec.expert_parallel
+    )
 
 
 def rank_local_spec(tensor: torch.Tensor) -> ShardSpec:

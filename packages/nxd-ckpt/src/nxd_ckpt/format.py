@@ -71,7 +71,8 @@ class CheckpointIndex:
     save_id: str
     parallel: dict[str, Any]
     """``world_size``, ``tensor_parallel_size``, ``pipeline_parallel_size``,
-    ``data_parallel_size``, ``zero1`` at save time."""
+    ``data_parallel_size``, ``expert_model_parallel_size`` (absent before nxd-ckpt saved at
+    EP > 1: 1), ``zero1`` at save time."""
     files: dict[str, FileRecord] = field(default_factory=dict)
     tensors: dict[str, dict[str, TensorRecord]] = field(default_factory=dict)
     """Category (``model``, ``optimizer``, ``rng``, ``scheduler``, ``user_content``) -> name."""

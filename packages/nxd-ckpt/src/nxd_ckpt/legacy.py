@@ -80,6 +80,13 @@ def save(
     is always written tensor by tensor. Collective."""
     del save_xser
     ctx = current_context()
+    if master_dp_only:  # DP rank 0 alone would write only EP rank 0's experts
+        ctx.refuse_expert_parallel(
+            "parallel_layers.save(master_dp_only=True)",
+            "DP rank 0 would write EP rank 0's experts only; pass master_dp_only=False "
+            "(every DP rank writes its own folder) or use save_checkpoint, which shards "
+            "experts over EP",
+        )
     folder = _rank_folder(Path(output_dir), ctx, master_dp_only)
     writes = ctx.dp_rank == 0 or not master_dp_only
     if not save_serially:
@@ -231,7 +238,15 @@ def load(
                 "load(sharded=False) needs model_or_optimizer: the model to shard into"
             )
         return _load_unsharded(target, path, model_key, strict)
-    checkpoint = _read_rank_file(path, current_context(), master_dp_only)
+    ctx = current_context()
+    if master_dp_only:  # one folder per TP/PP rank: EP rank 0's experts for every EP rank
+        ctx.refuse_expert_parallel(
+            "parallel_layers.load(master_dp_only=True)",
+            "every EP rank would read DP rank 0's experts; load per-DP-rank folders "
+            "(master_dp_only=False), one unsharded state dict (sharded=False) or a "
+            "save_checkpoint folder",
+        )
+    checkpoint = _read_rank_file(path, ctx, master_dp_only)
     if target is None:
         return checkpoint
     state = checkpoint[model_key] if model_key is not None else checkpoint

@@ -65,6 +65,9 @@ def lora_tensors(model: Any, ctx: RankContext, *, for_load: bool = False) -> lis
             tp_size=ctx.tp_size,
             module=modules.get(prefix),
             local_name=leaf,
+            ep_rank=ctx.ep_rank,
+            ep_size=ctx.ep_size,
+            what=wrapped,
         )
         out.append(LocalTensor(model.original_name(wrapped), tensor, spec))
     if mode == "merged" and not for_load and not model.is_lora_merged:

@@ -353,6 +353,11 @@ def load_nxd_checkpoint(
     degree for the optimizer); returns the user content (only with ``allow_pickle``)."""
     tag_dir = Path(tag_dir)
     ctx = current_context()
+    ctx.refuse_expert_parallel(
+        "loading NxD's checkpoint layout",
+        "its per-TP-rank files do not say which experts they hold; load it at EP=1 and "
+        "save it with save_checkpoint, which loads at any EP degree",
+    )
     if model is None:
         raise ValueError("loading an NxD checkpoint needs model= (partition dims come from it)")
     index, sources, size, modules, layouts = _model_index(tag_dir, model, ctx)

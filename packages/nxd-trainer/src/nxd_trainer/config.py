@@ -101,7 +101,7 @@ class NxDConfig:
     ranks (the ``[PP, DP, CP, TP]`` layout), for a Hugging Face causal LM of a registered
     family (Llama, Mistral, Qwen2, Qwen3): ``NxDModel`` splits its inputs, positions and labels,
     its attention runs over the whole sequence, its loss is the whole sequence's mean, and the
-    optimizer wrapper averages gradients over DP x CP. PP = 1, no LoRA."""
+    optimizer wrapper averages gradients over DP x CP (LoRA adapters too). PP = 1."""
 
     context_parallel_algorithm: str = "ring"
     """nxd: the context-parallel attention, ``"ring"`` (K/V blocks passed around the ring,
@@ -215,11 +215,6 @@ class NxDConfig:
                 f"context_parallel_size={cp} with pipeline_parallel_size={pp} is not supported "
                 f"yet: context parallelism runs at pipeline_parallel_size=1 (with any TP, DP, "
                 f"ZeRO-1, sequence parallelism)"
-            )
-        if cp > 1 and self.lora_enabled:
-            raise ValueError(
-                f"lora_config with context_parallel_size={cp} is not supported yet: LoRA runs "
-                f"at context_parallel_size=1"
             )
         init = self.model_init_config
         pipe = self.pipeline_config

@@ -217,7 +217,7 @@ class TrainConfig:
     cp: int = setting(
         1,
         """Context-parallel degree: every sequence split over ``cp`` ranks (attention over the
-        whole sequence by ``cp_algorithm``); ``pp`` = 1 and no LoRA.""",
+        whole sequence by ``cp_algorithm``); ``pp`` = 1.""",
     )
 
     cp_algorithm: str = setting(
@@ -255,8 +255,8 @@ class TrainConfig:
 
     bf16: bool = setting(
         False,
-        """bf16 parameters and activations; the optimizer keeps fp32 master weights and
-        accumulates gradients in fp32.""",
+        """bf16 parameters and activations; the optimizer keeps fp32 master weights and sums
+        gradients in fp32 wherever they are summed (micro-steps, micro-batches, ranks).""",
     )
 
     compile: bool = setting(
@@ -409,12 +409,11 @@ class TrainConfig:
                 f" tokens (seq_len {self.seq_len} / cp {self.cp}) over tp({self.tp}), which "
                 f"does not divide them"
             )
-        for name, bad in (("pp", self.pp > 1), ("lora_rank", self.lora_rank > 0),
-                          ("compile", self.compile)):  # fmt: skip
+        for name, bad in (("pp", self.pp > 1), ("compile", self.compile)):
             if bad:
                 raise ConfigError(
                     f"cp={self.cp} with {name}={getattr(self, name)!r} is not supported yet: "
-                    f"context parallelism runs at pp=1, without LoRA, without --compile"
+                    f"context parallelism runs at pp=1, without --compile"
                 )
 
     @property

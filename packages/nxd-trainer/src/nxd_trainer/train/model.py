@@ -17,7 +17,14 @@ import torch
 
 from nxd_trainer.train.config import PRESETS, ConfigError, TrainConfig
 
-__all__ = ["PRESET_SHAPES", "build_nxd_config", "hf_config", "make_model_fn", "model_source"]
+__all__ = [
+    "PRESET_SHAPES",
+    "build_nxd_config",
+    "fp32_gradient_sums",
+    "hf_config",
+    "make_model_fn",
+    "model_source",
+]
 
 # hidden, layers, heads, kv heads, MLP width. Tiny: ~0.8 M parameters at a 2048 vocabulary.
 # Values typed Any: they are keyword arguments of transformers.LlamaConfig (of many types).
@@ -161,8 +168,9 @@ def _cuts(layers: int, pp: int) -> list[str]:
     return [f"model.layers.{-(-layers * i // pp) - 1}" for i in range(1, pp)]
 
 
-def build_nxd_config(cfg: TrainConfig, config: Any) -> dict[str, Any]:
-    """NxD's config dict for the run (initialises model parallelism; collective-free)."""
+def build_nxd_config(cfg: TrainConfig, config: Any, world: int) -> dict[str, Any]:
+    """NxD's config dict for the run at ``world`` processes (initialises model parallelism;
+    collective-free)."""
     import nxd_trainer as nxd
 
     pipeline_config = None
@@ -190,8 +198,11 @@ def build_nxd_config(cfg: TrainConfig, config: Any) -> dict[str, Any]:
             lora_alpha=cfg.lora_alpha,
             target_modules=list(cfg.lora_targets),
         )
-    # bf16: fp32 master weights and fp32 gradient accumulation (Megatron's bf16 default).
-    mixed = {"use_master_weights": True, "use_fp32_grad_acc": True} if cfg.bf16 else None
+    mixed = (
+        {"use_master_weights": True, "use_fp32_grad_acc": fp32_gradient_sums(cfg, world)}
+        if cfg.bf16
+        else None
+    )
     return nxd.neuronx_distributed_config(
         tensor_parallel_size=cfg.tp,
         pipeline_parallel_size=cfg.pp,
@@ -209,6 +220,18 @@ def build_nxd_config(cfg: TrainConfig, config: Any) -> dict[str, Any]:
         lora_config=lora_config,
         mixed_precision_config=mixed,
     )
+
+
+def fp32_gradient_sums(cfg: TrainConfig, world: int) -> bool:
+    """bf16: whether gradients are summed in fp32 (Megatron's bf16 default), G = Σ float32(g).
+
+    Wherever a step's gradient is a sum (micro-steps, pipeline micro-batches, or a reduction
+    over ranks), each term is added into an fp32 buffer, so the sum is rounded once instead of
+    once per addition in bf16. One process with one micro-step sums nothing: its gradient is
+    one backward's bf16 tensor, and casting it to fp32 at the step gives the same values
+    bit for bit, without the buffer's 4 bytes per parameter and its add and zeroing each step.
+    """
+    return world > 1 or cfg.grad_accum > 1 or cfg.zero1
 
 
 def describe(config: Any) -> str:

@@ -81,7 +81,7 @@ class Trainer:
         self.tokenizer, train_blocks, self.valid_blocks = data
         torch.manual_seed(cfg.seed)
         self.hf_config = hf_config(cfg, len(self.tokenizer), self.tokenizer)
-        self.nxd_config = build_nxd_config(cfg, self.hf_config)
+        self.nxd_config = build_nxd_config(cfg, self.hf_config, self.world)
         state = nxd_state.get_parallel_state()
         self.parallel_state = state
         self.model = nxd.initialize_parallel_model(
