@@ -24,6 +24,9 @@ add_preload(
     "transformers.models.mistral.modeling_mistral",
     "transformers.models.qwen2.modeling_qwen2",
     "transformers.models.qwen3.modeling_qwen3",
+    "transformers.models.mixtral.modeling_mixtral",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe",
 )
 
 

@@ -136,7 +136,26 @@ def test_dict_round_trip_keeps_every_setting() -> None:
         ),
         ({"activation_checkpoint_config": Block(8, 2, False, False, 0.0)}, TypeError, "classes"),
         ({"lora_config": {"enable_lora": True}}, TypeError, "nxd_lora.LoraConfig"),
-        ({"expert_parallel_size": 2}, ValueError, "no expert parallelism"),
+        ({"expert_parallel_size": 0}, ValueError, "expert_parallel_size'] must be a positive"),
+        (
+            {"expert_parallel_size": 2, "optimizer_config": {"zero_one_enabled": True}},
+            ValueError,
+            r"expert_parallel_size=2 with ZeRO-1 \(optimizer_config\['zero_one_enabled'\]",
+        ),
+        (
+            {
+                "expert_parallel_size": 2,
+                "pipeline_parallel_size": 2,
+                "pipeline_config": {"pipeline_cuts": ["blocks.0"]},
+            },
+            ValueError,
+            "expert_parallel_size=2 with pipeline_parallel_size=2 is not supported yet",
+        ),
+        (
+            {"expert_parallel_size": 2, "context_parallel_size": 2},
+            ValueError,
+            "expert_parallel_size=2 with context_parallel_size=2 is not supported yet",
+        ),
         # the issue's bad inputs the config can see
         (
             {"model_init_config": {"meta_device_init": True}},
@@ -228,6 +247,11 @@ def test_degrees_must_divide_the_world() -> None:
     with pytest.raises(ValueError, match=re.escape("= 3 does not divide world_size(8)")):
         config.check_world(8)
     assert config.check_world(6).data_parallel_size == 2
+    experts = NxDConfig(tensor_parallel_size=2, expert_parallel_size=2)
+    with pytest.raises(ValueError, match=re.escape("expert_model_parallel_size(2) does not")):
+        experts.check_world(6)  # DP = 3
+    assert experts.check_world(8).expert_data_parallel_size == 2
+    assert NxDConfig.from_nxd(experts.to_nxd()).expert_parallel_size == 2
 
 
 def test_nxds_newer_keywords() -> None:

@@ -3,8 +3,11 @@
 At ``tensor_parallel_size > 1`` a model of a supported family that ``model_fn`` returns with
 plain ``nn.Linear`` layers would otherwise be replicated on every TP rank. Unless the config
 says ``parallelize_hf_models=False``, its layers are swapped for parallel ones (sequence
-parallel with ``sequence_parallel``), then filled like any meta-device model: by the
-``param_init_fn`` the trainer hands to the materialisation (PP = 1) or to ``NxDPPModel``
+parallel with ``sequence_parallel``), then filled like any meta-device model. The MoE
+families (Mixtral, Qwen2-MoE, Qwen3-MoE) are parallelised too, at TP > 1 or
+``expert_parallel_size > 1`` (their experts sharded over EP, :mod:`nxd_trainer.hf._experts`);
+at EP > 1 only they are (a dense model has no experts to shard). The new layers are filled by
+the ``param_init_fn`` the trainer hands to the materialisation (PP = 1) or to ``NxDPPModel``
 (PP > 1), which here reads each rank's part of the model's own weights, or of the folder a
 model built under ``lazy_load_for_parallelism`` came from; tensors without a source (a
 model built on ``meta`` by ``meta_device_init``) go to the config's ``param_init_fn``.
@@ -53,23 +56,29 @@ def prepare_hf_model(config: NxDConfig, model: nn.Module, info: ModelInfo) -> An
 
 
 def _prepare_tp(config: NxDConfig, model: nn.Module, info: ModelInfo) -> Any:
-    if not (config.parallelize_hf_models and info.is_hf and config.tensor_parallel_size > 1):
+    tp, ep = config.tensor_parallel_size, config.expert_parallel_size
+    if not (config.parallelize_hf_models and info.is_hf and (tp > 1 or ep > 1)):
         return None
     if _already_parallel(model):
         return None
     from nxd_trainer.hf import ParallelizersManager
+    from nxd_trainer.hf._experts import MOE_FAMILIES
     from nxd_trainer.hf._sources import FolderStore
     from nxd_trainer.hf._swap import make_meta
     from nxd_trainer.hf.parallelizer import LAZY_FOLDER
 
     model_type = getattr(model.config, "model_type", None)
-    if model_type not in ParallelizersManager.get_supported_model_types():
+    supported = [*ParallelizersManager.get_supported_model_types(), *MOE_FAMILIES]
+    if ep > 1:  # only the MoE families have experts to shard
+        supported = list(MOE_FAMILIES)
+    if model_type not in supported:
         raise ValueError(
-            f"tensor_parallel_size={config.tensor_parallel_size} with a Hugging Face "
-            f"{info.class_name} (model_type {model_type!r}): nxd parallelises "
-            f"{ParallelizersManager.get_supported_model_types()}; build the model from nxd's "
-            f"TP layers, or set parallelize_hf_models=False to use it replicated as returned"
+            f"tensor_parallel_size={tp}, expert_parallel_size={ep} with a Hugging Face "
+            f"{info.class_name} (model_type {model_type!r}): nxd parallelises {supported} "
+            f"here; build the model from nxd's parallel layers, or set "
+            f"parallelize_hf_models=False to use it replicated as returned"
         )
+
     if config.pad_model:
         raise ValueError(
             "pad_model with a Hugging Face model that nxd parallelises: its heads must divide "

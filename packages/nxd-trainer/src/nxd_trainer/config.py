@@ -89,7 +89,12 @@ class NxDConfig:
     """PP: ranks holding consecutive slices of the layer stack; > 1 needs ``pipeline_config``."""
 
     expert_parallel_size: int = 1
-    """Newer NxD's expert parallelism: accepted for compatibility, only 1 is supported."""
+    """Newer NxD's expert parallelism (EP): the experts of every MoE layer split over EP
+    consecutive data-parallel ranks (EP divides DP; expert DP = DP / EP). A Hugging Face
+    Mixtral, Qwen2-MoE or Qwen3-MoE model is parallelised by :mod:`nxd_trainer.hf` (experts
+    sharded over EP, TP inside each expert); a model built from ``nxd_layers.moe`` shards its
+    experts itself. The optimizer averages expert gradients over the expert-DP group. EP > 1
+    needs ZeRO-1 off, PP = 1, CP = 1 and no LoRA; saving a checkpoint is refused at EP > 1."""
 
     context_parallel_size: int = 1
     """Newer NxD's context parallelism: every sequence split over ``context_parallel_size``
@@ -154,12 +159,7 @@ class NxDConfig:
         self.mixed_precision_config = MixedPrecisionConfig.from_nxd(self.mixed_precision_config)
         check_positive_int("config", "tensor_parallel_size", self.tensor_parallel_size)
         check_positive_int("config", "pipeline_parallel_size", self.pipeline_parallel_size)
-        if self.expert_parallel_size != 1:
-            raise ValueError(
-                f"expert_parallel_size={self.expert_parallel_size!r}: the trainer has no expert "
-                f"parallelism yet, only 1 is supported (nxd_state, nxd_layers.moe and "
-                f"nxd_optim.NxDOptimizer support EP > 1 in a loop of your own)"
-            )
+        check_positive_int("config", "expert_parallel_size", self.expert_parallel_size)
         check_positive_int("config", "context_parallel_size", self.context_parallel_size)
         from nxd_trainer._context_parallel import ALGORITHMS
 
@@ -209,6 +209,7 @@ class NxDConfig:
                 f"got pipeline_parallel_size={pp}"
             )
         cp = self.context_parallel_size
+        self._check_expert_parallel()
         if cp > 1 and pp > 1:
             raise ValueError(
                 f"context_parallel_size={cp} with pipeline_parallel_size={pp} is not supported "
@@ -268,6 +269,34 @@ class NxDConfig:
                 "'transformer_layer_cls'"
             )
 
+    def _check_expert_parallel(self) -> None:
+        """EP > 1 runs with NxDOptimizer without ZeRO-1, at PP = 1, CP = 1, without LoRA."""
+        ep = self.expert_parallel_size
+        if ep == 1:
+            return
+        if self.optimizer_config.zero_one_enabled:
+            raise ValueError(
+                f"expert_parallel_size={ep} with ZeRO-1 (optimizer_config['zero_one_enabled']"
+                f"=True) is not supported: ZeRO-1 would average different experts' gradients; "
+                f"set zero_one_enabled=False (NxDOptimizer averages expert gradients over the "
+                f"expert data-parallel group)"
+            )
+        others = {
+            "pipeline_parallel_size": self.pipeline_parallel_size,
+            "context_parallel_size": self.context_parallel_size,
+        }
+        for name, value in others.items():
+            if value > 1:
+                raise ValueError(
+                    f"expert_parallel_size={ep} with {name}={value} is not supported yet: "
+                    f"expert parallelism runs with {name}=1 (any TP and DP)"
+                )
+        if self.lora_enabled:
+            raise ValueError(
+                f"lora_config with expert_parallel_size={ep} is not supported yet: LoRA runs "
+                f"at expert_parallel_size=1"
+            )
+
     # Derived settings ---------------------------------------------------------------------
     @property
     def param_init_fn(self) -> Any:
@@ -288,6 +317,7 @@ class NxDConfig:
             tensor_parallel_size=self.tensor_parallel_size,
             pipeline_parallel_size=self.pipeline_parallel_size,
             context_parallel_size=self.context_parallel_size,
+            expert_model_parallel_size=self.expert_parallel_size,
         )
 
     # NxD's dict ---------------------------------------------------------------------------
@@ -384,8 +414,9 @@ def neuronx_distributed_config(
     ``"ring"`` or ``"all_to_all"``), ``sequential_move_factor`` (fills
     ``model_init_config['sequential_move_factor']`` when the section lacks it; a different
     non-default value in both is an error) and ``lnc_size`` (validated; no effect off
-    Trainium). nxd's keywords: ``expert_parallel_size`` (1 only) and ``parallelize_hf_models``
-    (see :attr:`NxDConfig.parallelize_hf_models`).
+    Trainium). nxd's keywords: ``expert_parallel_size`` (see
+    :attr:`NxDConfig.expert_parallel_size`) and ``parallelize_hf_models`` (see
+    :attr:`NxDConfig.parallelize_hf_models`).
     """
     if unknown:
         reject_unknown_keys("neuronx_distributed_config argument", unknown, NXD_KEYS, TypeError)
@@ -441,4 +472,5 @@ def initialize_model_parallel(config: NxDConfig) -> nxd_state.ParallelState:
         pipeline_model_parallel_size=config.pipeline_parallel_size,
         lnc_size=config.lnc_size,
         context_parallel_size=config.context_parallel_size,
+        expert_model_parallel_size=config.expert_parallel_size,
     )

@@ -58,15 +58,21 @@ def _model_parallel_state(config: NxDConfig) -> nxd_state.ParallelState:
     """The current parallel state, created from ``config`` if there is none yet."""
     if nxd_state.model_parallel_is_initialized():
         state = nxd_state.get_parallel_state()
-        if (state.tensor_parallel_size, state.pipeline_parallel_size) != (
+        if (
+            state.tensor_parallel_size,
+            state.pipeline_parallel_size,
+            state.expert_model_parallel_size,
+        ) != (
             config.tensor_parallel_size,
             config.pipeline_parallel_size,
+            config.expert_parallel_size,
         ):
             raise ValueError(
                 f"nxd_config says tensor_parallel_size={config.tensor_parallel_size}, "
-                f"pipeline_parallel_size={config.pipeline_parallel_size}, but model parallelism "
-                f"is initialised with {state.tensor_parallel_size} and "
-                f"{state.pipeline_parallel_size}"
+                f"pipeline_parallel_size={config.pipeline_parallel_size}, expert_parallel_size="
+                f"{config.expert_parallel_size}, but model parallelism is initialised with "
+                f"{state.tensor_parallel_size}, {state.pipeline_parallel_size} and "
+                f"{state.expert_model_parallel_size}"
             )
         return state
     return initialize_model_parallel(config)

@@ -14,8 +14,10 @@ API on nxd): tensor, sequence and pipeline parallelism, lazy loading, sharded ch
 Registered families (``ParallelizersManager.get_supported_model_types()``, TP/SP/PP): Llama,
 Mistral, Qwen2, Qwen3, each a :class:`ModelSpec` (module names) in
 :mod:`nxd_trainer.hf.families`. Every other family with a tensor-parallel plan declared by
-transformers: TP by that plan (:mod:`nxd_trainer.hf.plan`). A model either parallelizer would
-not reproduce exactly is refused (:class:`UnsupportedModelError`, naming family and feature).
+transformers: TP by that plan (:mod:`nxd_trainer.hf.plan`); Mixtral, Qwen2-MoE and Qwen3-MoE
+also at ``expert_model_parallel_size > 1``, their experts sharded over EP
+(:mod:`nxd_trainer.hf._experts`). A model either parallelizer would not reproduce exactly is
+refused (:class:`UnsupportedModelError`, naming family and feature).
 """
 
 from nxd_trainer.hf._rules import UnsupportedModelError

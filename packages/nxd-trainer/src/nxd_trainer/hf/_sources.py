@@ -7,7 +7,10 @@ A parallelised model's tensor is a piece of an original (Hugging Face) tensor ``
   ``padded`` (a vocabulary not divisible by TP): chunk ``[r·n, (r+1)·n)`` with
   ``n = padded / size``; only its real part ``[r·n, min((r+1)·n, len))`` is read;
 * ``rows``: the listed rows of ``W`` (GQA K/V heads replicated ``kv_size_multiplier`` times:
-  a rank's rows are copies of a few original heads), read as runs of consecutive rows.
+  a rank's rows are copies of a few original heads), read as runs of consecutive rows;
+* ``blocks``: boxes of ``W`` (a ``[start, stop)`` per leading dim, the other dims whole),
+  concatenated along ``dim``: packed MoE experts, ``W[e0:e1, gate rows] ++ W[e0:e1, up rows]``
+  (this EP rank's experts, this TP rank's gate and up features).
 
 The original tensors are read from a *store*: the model's own tensors in memory (an eagerly
 built model) or a Hugging Face folder's safetensors files, where ``get_slice`` reads only the
@@ -42,7 +45,7 @@ class Source:
 
     name: str
     kind: str = "whole"
-    """``"whole"``, ``"shard"`` or ``"rows"``."""
+    """``"whole"``, ``"shard"``, ``"rows"`` or ``"blocks"``."""
     dim: int = 0
     rank: int = 0
     size: int = 1
@@ -50,6 +53,9 @@ class Source:
     """Length of ``dim`` after padding (``shard``; None: no padding)."""
     rows: tuple[int, ...] = ()
     """Original rows, in local order (``rows``)."""
+    blocks: tuple[tuple[tuple[int, int], ...], ...] = ()
+    """Boxes of ``W``, one ``(start, stop)`` per leading dim each, concatenated along ``dim``
+    (``blocks``)."""
     memory: bool = False
     """Read from the in-memory store even when a folder is given (non-persistent buffers)."""
 
@@ -59,6 +65,9 @@ class Source:
             return view[...] if not shape else view[:]
         if self.kind == "rows":
             return torch.cat([view[a:b] for a, b in _runs(self.rows)], dim=0)
+        if self.kind == "blocks":
+            boxes = [view[tuple(slice(a, b) for a, b in box)] for box in self.blocks]
+            return torch.cat(boxes, dim=self.dim)
         length = shape[self.dim]
         padded = self.padded if self.padded is not None else length
         n = padded // self.size

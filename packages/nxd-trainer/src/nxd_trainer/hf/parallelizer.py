@@ -91,6 +91,18 @@ class Parallelizer:
     ) -> None:
         """Refuse (:class:`~nxd_trainer.hf.UnsupportedModelError`, naming the family and the
         feature) a model whose results this parallelizer would not reproduce exactly."""
+        ep = nxd_state.get_expert_model_parallel_size()
+        if ep > 1:
+            from nxd_trainer.hf._experts import check_experts
+            from nxd_trainer.hf._rules import UnsupportedModelError
+
+            tp = nxd_state.get_tensor_model_parallel_size()
+            check_experts(model, cls.spec.model_type, ep, tp)  # refuses a dense model
+            raise UnsupportedModelError(
+                cls.spec.model_type,
+                f"expert_model_parallel_size={ep}: the registered ModelSpec path does not "
+                f"shard experts (unregister it: transformers' tensor-parallel plan path does)",
+            )
         inspect_fast_path(
             model,
             cls.spec,

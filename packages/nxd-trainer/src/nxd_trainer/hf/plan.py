@@ -6,7 +6,10 @@
     model = parallelizer.parallelize(model)  # refuses what it would not reproduce exactly
 
 Tensor parallelism only (sequence and pipeline parallelism are the Llama-family path's); the
-K/V heads must split over TP (no replication); MoE experts are kept whole on every TP rank.
+K/V heads must split over TP (no replication). MoE experts are kept whole on every TP rank at
+expert parallelism 1; at ``expert_model_parallel_size > 1`` transformers' packed experts
+(Mixtral, Qwen2-MoE, Qwen3-MoE) are sharded over the EP group, TP inside each expert
+(:mod:`nxd_trainer.hf._experts`).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 from torch import nn
 
 import nxd_state
+from nxd_trainer.hf._experts import check_experts, swap_experts
 from nxd_trainer.hf._rules import UnsupportedModelError, _head_dim, inspect_model, resolve_plan
 from nxd_trainer.hf._swap import Layout, swap_layers
 from nxd_trainer.hf.parallelizer import Parallelizer
@@ -75,6 +79,9 @@ class PlanParallelizer(Parallelizer):
         plan = resolve_plan(model, family, text_tp_plan(family, model.config))
         tp = nxd_state.get_tensor_model_parallel_size()
         inspect_model(model, family, plan, tp, gather_output=gather_output)
+        ep = nxd_state.get_expert_model_parallel_size()
+        if ep > 1:
+            check_experts(model, family, ep, tp)
 
     @classmethod
     def layout(cls, config: Any, tp: int, kv_size_multiplier: int | None) -> Layout:
@@ -124,6 +131,10 @@ class PlanParallelizer(Parallelizer):
             blocks=plan.blocks,
             gather_output=gather_output,
         )
+        if nxd_state.get_expert_model_parallel_size() > 1:
+            fill = model.__dict__["_nxd_plan"]
+            swap_experts(model, family, fill.sources)
+            fill.index(model)
         return model
 
 
