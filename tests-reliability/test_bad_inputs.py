@@ -102,7 +102,12 @@ CASES: list[tuple[str, Callable[[str], Any], type[BaseException], tuple[str, ...
         ValueError,
         ("'2'", "positive integer"),
     ),
-    ("cfg-ep", lambda d: _cfg(expert_parallel_size=2), ValueError, ("expert_parallel_size",)),
+    (
+        "cfg-ep-pp",
+        lambda d: _cfg(expert_parallel_size=2, pipeline_parallel_size=2),
+        ValueError,
+        ("expert_parallel_size=2", "pipeline_parallel_size"),
+    ),
     # config keys and values
     (
         "cfg-unknown-key",

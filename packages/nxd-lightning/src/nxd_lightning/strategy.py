@@ -125,9 +125,9 @@ class NxDStrategy(ParallelStrategy):
         config, tp, pp = _sizes(nxd_config, tensor_parallel_size, pipeline_parallel_size)
         if expert_parallel_size != 1:
             raise ValueError(
-                f"expert_parallel_size={expert_parallel_size!r}: the trainer has no expert "
-                f"parallelism yet, only 1 is supported (nxd_state, nxd_layers.moe and "
-                f"nxd_optim.NxDOptimizer support EP > 1 in a loop of your own)"
+                f"expert_parallel_size={expert_parallel_size!r}: NxDStrategy has no expert "
+                f"parallelism yet, only 1 is supported (the trainer API has it: "
+                f"neuronx_distributed_config(expert_parallel_size=...), and nxd-train --ep)"
             )
         if start_method not in _START_METHODS:
             raise ValueError(f"start_method must be one of {_START_METHODS}, got {start_method!r}")
