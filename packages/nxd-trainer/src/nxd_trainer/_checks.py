@@ -17,7 +17,6 @@ __all__ = [
     "check_choice",
     "check_positive_int",
     "closest",
-    "refuse_expert_parallel_save",
     "reject_unknown_keys",
     "section_fields",
 ]
@@ -85,19 +84,3 @@ def check_choice(section: str, name: str, value: Any, choices: Iterable[Any]) ->
         hint = closest(str(value), [str(c) for c in choices]) if isinstance(value, str) else None
         suggestion = f" (did you mean {hint!r}?)" if hint else ""
         raise ValueError(f"{section}[{name!r}] must be one of {choices}, got {value!r}{suggestion}")
-
-
-def refuse_expert_parallel_save(where: str) -> None:
-    """Saving at expert parallelism > 1 is refused (not skipped): each EP rank holds other
-    experts, and the checkpoint format does not shard them over EP yet."""
-    import nxd_state
-
-    if not nxd_state.model_parallel_is_initialized():
-        return
-    ep = nxd_state.get_expert_model_parallel_size()
-    if ep > 1:
-        raise NotImplementedError(
-            f"{where} at expert_parallel_size={ep} is not supported yet: each expert-parallel "
-            f"rank holds other experts and checkpoints do not shard experts over EP yet "
-            f"(issue #30); nothing was saved. Train at expert_parallel_size=1 to save"
-        )

@@ -27,7 +27,6 @@ from typing import Any
 
 from torch import nn
 
-from nxd_trainer._checks import refuse_expert_parallel_save
 from nxd_trainer.config import NxDConfig
 from nxd_trainer.model import NxDModel
 
@@ -154,7 +153,6 @@ def save_checkpoint(
     import nxd_ckpt
 
     _check_types(model, optimizer, scheduler)
-    refuse_expert_parallel_save("save_checkpoint")
     _note_zero1_dcp(use_zero1_dcp)
     zero1 = _check_config(nxd_config, optimizer, zero1_optimizer)
     nxd_ckpt.save_checkpoint(

@@ -37,9 +37,7 @@ def save_model_sharded_checkpoint(
     accepted (the format writes tensor by tensor); ``num_local_ranks_per_step`` ranks of a
     host write at once (1-32)."""
     import nxd_ckpt
-    from nxd_trainer._checks import refuse_expert_parallel_save
 
-    refuse_expert_parallel_save("save_model_sharded_checkpoint")
     workers = min(max(int(num_local_ranks_per_step), 1), 32)
     nxd_ckpt.save_checkpoint(
         output_dir,
