@@ -18,11 +18,21 @@ A tiny Mixtral / Qwen2-MoE (4 experts, top-2; ``_moe``) is parallelised by
   expert slice is cut here from them by hand (gate rows then up rows of its features), so the
   test checks nxd-ckpt's reassembly and not a gather that could share its mistake.
 
-Loading copies bytes (same dtype): every comparison is exact (rtol = atol = 0).
+* **sharded checkpoint and export**: ``save_model_sharded_checkpoint`` at EP2 loads back with
+  ``load_model_sharded_checkpoint`` (parameters and logits bitwise); ``export_hf`` writes the
+  experts per expert under the names transformers' ``save_pretrained`` writes (Mixtral's
+  ``block_sparse_moe.experts.N.w1/w3/w2``, Qwen's ``mlp.experts.N.gate_proj/up_proj/down_proj``),
+  in one file and in several shards (the index maps each name to its file), and
+  ``AutoModelForCausalLM.from_pretrained`` loads both folders, no tensor missing or left over,
+  with the trained EP model's logits (``LOGITS_TOL``).
+
+Loading copies bytes (same dtype): every comparison but the exported logits is exact
+(rtol = atol = 0).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -199,3 +209,100 @@ def test_ep2_checkpoint_loads_at_tp2_ep2(family: str, tmp_path: Path) -> None:
         want = _expect(full, experts, rank, 2)
         case = f"{family} tp=2 ep=2 tp_rank={rank['tp_rank']} ep_rank={rank['ep_rank']}"
         _assert_equal(rank["tensors"], want, case)
+
+
+EVAL_SEED = 99
+LOGITS_TOL = {"rtol": 1e-5, "atol": 1e-6}
+"""fp32: the EP run adds each token's expert outputs after an all-to-all, in the same expert
+order; the one-process model's matmuls run on other row blocks (~1e-7 relative on O(1) logits).
+A wrong expert, or gate and up rows swapped, is off by O(1)."""
+
+
+def _eval_logits(model: Any) -> torch.Tensor:
+    """Logits of one fixed batch (the same on every rank), in eval mode."""
+    ids = M.batches(1, seed=EVAL_SEED)[0]
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits.detach().clone()
+    model.train()
+    return logits
+
+
+def _sharded(family: str, root: str) -> dict[str, Any]:
+    """EP2 = DP2: train two steps, ``save_model_sharded_checkpoint`` the model (and its
+    optimizer), load it into a fresh model with ``load_model_sharded_checkpoint``; the trained
+    model's logits of the eval batch."""
+    from nxd_trainer.hf import load_model_sharded_checkpoint, save_model_sharded_checkpoint
+
+    _, model, optimizer = _setup(family, 1, 2, seed=0)
+    for step in range(STEPS):
+        _step(model, optimizer, step)
+    save_model_sharded_checkpoint(model.module, root, optimizer=optimizer)
+    logits = _eval_logits(model)
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    _, fresh, _ = _setup(family, 1, 2, seed=1)
+    load_model_sharded_checkpoint(fresh.module, root)
+    for name, param in fresh.named_parameters():
+        torch.testing.assert_close(param.detach(), params[name], **EXACT, msg=name)
+    torch.testing.assert_close(_eval_logits(fresh), logits, **EXACT)
+    return {"logits": logits}
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_ep2_sharded_checkpoint_exports_a_transformers_folder(family: str, tmp_path: Path) -> None:
+    """``save_model_sharded_checkpoint`` at EP2 round-trips through
+    ``load_model_sharded_checkpoint``; ``export_hf`` writes a folder whose experts are stored per
+    expert, as transformers writes them, and which ``from_pretrained`` loads with the trained
+    model's logits."""
+    import transformers
+
+    from nxd_trainer.hf import export_hf
+
+    ranks = run_distributed(_sharded, 2, family, str(tmp_path / "sharded"))
+    torch.testing.assert_close(ranks[0]["logits"], ranks[1]["logits"], **EXACT)
+    out = export_hf(tmp_path / "sharded", tmp_path / "hf")
+
+    exported_names = _names(tmp_path / "hf")
+    block, projections = {"mixtral": ("block_sparse_moe", "w1 w3 w2")}.get(
+        family, ("mlp", "gate_proj up_proj down_proj")
+    )
+    per_expert = {
+        f"model.layers.{layer}.{block}.experts.{e}.{proj}.weight"
+        for layer in range(2)
+        for e in range(M.EXPERTS)
+        for proj in projections.split()
+    }
+    assert per_expert <= exported_names, sorted(per_expert - exported_names)
+    assert not any("gate_up_proj" in n or n.endswith("experts.down_proj") for n in exported_names)
+    reference = M.moe_model(family)
+    reference.save_pretrained(tmp_path / "reference")
+    transformers_names = _names(tmp_path / "reference")
+    if per_expert <= transformers_names:  # this transformers writes experts per expert
+        assert exported_names == transformers_names, sorted(exported_names ^ transformers_names)
+
+    # several shards (20 kB each): the index maps every per-expert name to its shard
+    shards = export_hf(tmp_path / "sharded", tmp_path / "shards", max_shard_size=20_000)
+    weight_map = json.loads((shards / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(weight_map.values())) > 1
+    assert set(weight_map) == exported_names == _names(shards)
+    for name, shard in weight_map.items():
+        assert name in _names(shards, shard), (name, shard)
+
+    for folder in (out, shards):
+        exported, info = transformers.AutoModelForCausalLM.from_pretrained(
+            folder, output_loading_info=True
+        )
+        assert not any(info.values()), info  # no missing, unexpected or mismatched tensor
+        torch.testing.assert_close(_eval_logits(exported), ranks[0]["logits"], **LOGITS_TOL)
+
+
+def _names(folder: Path, pattern: str = "*.safetensors") -> set[str]:
+    """The tensor names of a folder's safetensors files (those ``pattern`` matches)."""
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for path in sorted(folder.glob(pattern)):
+        with safe_open(str(path), "pt") as f:
+            names |= set(f.keys())
+    return names

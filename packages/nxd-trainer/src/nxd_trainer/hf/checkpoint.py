@@ -8,7 +8,10 @@ into a folder ``transformers``' ``from_pretrained`` and ``generate`` use: the or
 (the GQA projection stores its tensors as ``q_proj/k_proj/v_proj``, K/V replicas once; older
 checkpoints' ``weight_q/k/v`` are renamed), ``config.json`` with ``use_cache: true`` and the
 model class in ``architectures``, and ``generation_config.json`` with the special token ids,
-which must agree with the tokenizer's (:func:`nxd_ckpt.export_hf`).
+which must agree with the tokenizer's (:func:`nxd_ckpt.export_hf`). Mixtral's, Qwen2-MoE's and
+Qwen3-MoE's packed experts are written per expert, as ``save_pretrained`` writes them
+(:mod:`nxd_trainer.hf._expert_export`); a checkpoint saved at expert parallelism > 1 holds
+every expert (nxd-ckpt stores the all-experts tensor), so it exports like any other.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from nxd_trainer.hf._expert_export import PER_EXPERT, write_experts_per_expert
 
 __all__ = ["export_hf", "load_model_sharded_checkpoint", "save_model_sharded_checkpoint"]
 
@@ -113,7 +118,7 @@ def export_hf(
                 f"{saved['vocab_size']} is not divisible by the TP degree); nxd-ckpt stores "
                 f"padded tensors as they are, so this export would not load in transformers"
             )
-    return nxd_ckpt.export_hf(
+    out = nxd_ckpt.export_hf(
         tag_dir,
         out_dir,
         tokenizer=tokenizer,
@@ -124,3 +129,6 @@ def export_hf(
         token_ids=token_ids,
         architectures=[architecture] if architecture is not None else None,
     )
+    if saved["model_type"] in PER_EXPERT:  # packed experts: per expert, as transformers writes
+        write_experts_per_expert(out, saved["model_type"])
+    return out
