@@ -15,8 +15,9 @@ takes the trainer's objects as they come:
   parameter name when the model is given in the same call (else by position: same layout);
 * the scheduler: anything with ``state_dict`` / ``load_state_dict`` of JSON-safe values.
 
-At the same degrees a resumed job continues bitwise on CPU (the tests prove it at TP=2, PP=2
-and TP=2 x PP=2 x DP=2 with ZeRO-1); at other degrees nxd-ckpt reshards on load.
+At the same degrees a resumed job continues bitwise on CPU (the tests prove it at TP=2, PP=2,
+TP=2 x PP=2 x DP=2 with ZeRO-1, and EP=2 for Hugging Face MoE models); at other degrees
+nxd-ckpt reshards on load (experts included: EP and TP).
 """
 
 from __future__ import annotations
