@@ -14,7 +14,10 @@ A parallelised model's tensor is a piece of an original (Hugging Face) tensor ``
 
 The original tensors are read from a *store*: the model's own tensors in memory (an eagerly
 built model) or a Hugging Face folder's safetensors files, where ``get_slice`` reads only the
-requested rows/columns. A file is opened per tensor and closed after it (safetensors maps the
+requested rows/columns. Packed MoE experts (transformers' ``gate_up_proj`` / ``down_proj``) are
+stored per expert in a Hugging Face folder (``save_pretrained`` and the Hub write them so):
+:class:`PackedExperts` reads the box a rank asks for from the experts' own tensors, so a rank
+reads only its experts' rows. A file is opened per tensor and closed after it (safetensors maps the
 file: pages it touched count as this process's memory until it is unmapped), so a rank's
 memory holds its shards plus at most one original tensor's touched pages.
 """
@@ -31,7 +34,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["FolderStore", "MemoryStore", "Source", "Store"]
+__all__ = ["FolderStore", "MemoryStore", "PackedExperts", "Source", "Store", "stored_per_expert"]
 
 logger = logging.getLogger(__name__)
 
@@ -156,10 +159,27 @@ class FolderStore(Store):
         self.weight_map = weight_map
 
     def has(self, name: str) -> bool:
-        return name in self.weight_map
+        return name in self.weight_map or stored_per_expert(self.weight_map, name) is not None
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The shape of stored tensor ``name``, from its file's header (no data read)."""
+        path = self.folder / self.weight_map[name]
+        with _opened(path) as handle:
+            return tuple(handle.get_slice(name).get_shape())
 
     @contextmanager
     def view(self, name: str) -> Iterator[tuple[Any, tuple[int, ...]]]:
+        if name not in self.weight_map:
+            stored = stored_per_expert(self.weight_map, name)
+            if stored is None:
+                raise KeyError(f"{self.folder} holds no tensor {name!r}")
+            if isinstance(stored, str):  # Mixtral's router, under its saved name
+                with self.view(stored) as (view, shape):
+                    yield view, shape
+                return
+            packed = PackedExperts(self, stored)
+            yield packed, packed.shape
+            return
         path = self.folder / self.weight_map[name]
         with _opened(path) as handle:
             if name not in handle.keys():  # noqa: SIM118 - safe_open is not a dict
@@ -185,3 +205,81 @@ def _opened(path: Path) -> Iterator[Any]:
 def _keys(path: Path) -> list[str]:
     with _opened(path) as handle:
         return list(handle.keys())
+
+
+def stored_per_expert(weight_map: dict[str, str], name: str) -> str | list[list[str]] | None:
+    """How a folder stores the model's tensor ``name`` that it does not hold under that name:
+    Mixtral's router ``<layer>.mlp.gate.weight`` as ``<layer>.block_sparse_moe.gate.weight``
+    (that name), a packed ``<layer>.mlp.experts.gate_up_proj`` / ``down_proj`` per expert (per
+    expert ``e``: its gate and up tensors, or its down tensor; the experts numbered from 0 with
+    none missing), else None."""
+    from nxd_trainer.hf._expert_export import DOWN, GATE_UP, PER_EXPERT, ROUTER
+
+    if name.endswith(ROUTER):
+        alias = f"{name[: -len(ROUTER)]}.block_sparse_moe.gate.weight"
+        return alias if alias in weight_map else None
+    for suffix, parts in ((GATE_UP, (0, 1)), (DOWN, (2,))):
+        if not name.endswith(suffix):
+            continue
+        prefix = name[: -len(suffix)]
+        for block, projections in {v for v in PER_EXPERT.values()}:
+            names = [f"{prefix}.{block}.experts.{{e}}.{projections[i]}.weight" for i in parts]
+            experts: list[list[str]] = []
+            while all(n.format(e=len(experts)) in weight_map for n in names):
+                experts.append([n.format(e=len(experts)) for n in names])
+            if experts:
+                return experts
+    return None
+
+
+class PackedExperts:
+    """A packed experts tensor of a folder that stores it per expert, read by boxes:
+    ``gate_up_proj`` ``(E, 2I, H)`` from each expert's gate ``(I, H)`` and up ``(I, H)``
+    (rows ``[G_e; U_e]``), ``down_proj`` ``(E, H, I)`` from each expert's down ``(H, I)``.
+    Indexing with slices (step 1) reads only the requested experts, rows and columns."""
+
+    def __init__(self, store: FolderStore, experts: list[list[str]]) -> None:
+        self.store, self.experts = store, experts
+        shapes = {store.shape(name) for name in experts[0]}  # the others checked when read
+        (shape,) = shapes if len(shapes) == 1 else (None,)
+        if shape is None or len(shape) != 2:
+            raise ValueError(
+                f"{store.folder}: the expert tensors {experts[0]} have shapes {sorted(shapes)}, "
+                f"expected one 2-D shape"
+            )
+        self.part = shape
+        self.shape = (len(experts), shape[0] * len(experts[0]), shape[1])
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        if index is Ellipsis:
+            index = ()
+        if not isinstance(index, tuple):
+            index = (index,)
+        index = tuple(index) + (slice(None),) * (3 - len(index))
+        bounds = []
+        for dim, piece in enumerate(index):
+            if not isinstance(piece, slice):
+                raise TypeError(f"PackedExperts takes slices, got {piece!r}")
+            start, stop, step = piece.indices(self.shape[dim])
+            if step != 1:
+                raise ValueError(f"PackedExperts reads slices of step 1, got {piece!r}")
+            bounds.append((start, max(start, stop)))
+        (e0, e1), (r0, r1), (c0, c1) = bounds
+        out = []
+        for names in self.experts[e0:e1]:
+            pieces = []
+            for part, name in enumerate(names):  # rows [part * n, (part + 1) * n) of the expert
+                base = part * self.part[0]
+                a, b = max(r0, base) - base, min(r1, base + self.part[0]) - base
+                if b > a:
+                    with self.store.view(name) as (view, shape):
+                        if shape != self.part:
+                            raise ValueError(
+                                f"{self.store.folder}: {name} has shape {shape}, "
+                                f"{self.experts[0][part]} {self.part}: experts differ"
+                            )
+                        pieces.append(view[a:b, c0:c1])
+            out.append(torch.cat(pieces, dim=0))
+        if not out:
+            raise ValueError("PackedExperts: an empty box of experts")
+        return torch.stack(out)

@@ -1,7 +1,7 @@
 """Lazy loading for model parallelism: build a Hugging Face model without its big weights.
 
-Inside ``lazy_load_for_parallelism(tensor_parallel_size, pipeline_parallel_size)`` (when
-either is > 1):
+Inside ``lazy_load_for_parallelism(tensor_parallel_size, pipeline_parallel_size,
+expert_parallel_size=...)`` (when any is > 1):
 
 * every ``torch.nn.Linear`` and ``torch.nn.Embedding`` is created on the ``meta`` device:
   shapes, no memory;
@@ -85,11 +85,15 @@ def _lazy_from_pretrained(build: Any) -> Any:
 
 @contextlib.contextmanager
 def lazy_load_for_parallelism(
-    tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    *,
+    expert_parallel_size: int = 1,
 ) -> Iterator[None]:
     """Make model loading lazy for model parallelism (see the module docstring); nothing
-    changes when both sizes are 1."""
-    if tensor_parallel_size == 1 and pipeline_parallel_size == 1:
+    changes when every size is 1. ``expert_parallel_size`` (nxd's keyword): Mixtral and
+    Qwen-MoE folders store their experts per expert, each EP rank reads its experts only."""
+    if tensor_parallel_size == 1 and pipeline_parallel_size == 1 and expert_parallel_size == 1:
         yield
         return
     from transformers import PreTrainedModel
