@@ -4,7 +4,8 @@ stores the experts per expert (as ``save_pretrained`` and the Hub write them: Mi
 the model holds them packed.
 
 ``initialize_parallel_model`` at EP2 = DP2 with the model built under
-``lazy_load_for_parallelism(expert_parallel_size=2)`` (and TP2 x EP2, ``-m slow``), and the
+``lazy_load_for_parallelism(expert_parallel_size=2)`` (and at TP2 without EP, the experts
+whole on each rank; TP2 x EP2 under ``-m slow``), and the
 parallelizer's ``parallelize(model, checkpoint_dir=folder)`` at EP2: every parameter equals the
 unsharded model's (experts: this rank's rows, this TP rank's features, cut by hand), the
 logits equal its logits, and each rank read the data of no other rank's expert tensors in the
@@ -126,7 +127,7 @@ def _check(family: str, ranks: list[dict[str, Any]], tp: int, ep: int) -> None:
     want = {n: p.detach() for n, p in reference.named_parameters()}
     for rank in ranks:
         case = f"{family} tp={tp} ep={ep} tp_rank={rank['tp_rank']} ep_rank={rank['ep_rank']}"
-        assert rank["experts"], f"{case}: no expert parameter"
+        assert bool(rank["experts"]) == (ep > 1), f"{case}: experts {rank['experts']}"
         assert sorted(rank["values"]) == sorted(want), case
         local = M.EXPERTS // ep
         mine = range(rank["ep_rank"] * local, (rank["ep_rank"] + 1) * local)
@@ -164,3 +165,9 @@ def test_lazy_folder_at_tp2_ep2_through_the_trainer(tmp_path: Path) -> None:
     folder = _folder("qwen2_moe", tmp_path)
     ranks = run_distributed(_built, 4, "qwen2_moe", str(folder), 2, 2, "trainer")
     _check("qwen2_moe", ranks, 2, 2)
+
+
+def test_lazy_folder_at_tp2_without_ep(tmp_path: Path) -> None:
+    """TP2 at EP1: the experts kept whole on each TP rank are assembled from the folder too."""
+    folder = _folder("mixtral", tmp_path)
+    _check("mixtral", run_distributed(_built, 2, "mixtral", str(folder), 2, 1, "trainer"), 2, 1)
