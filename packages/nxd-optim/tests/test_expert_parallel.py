@@ -33,7 +33,7 @@ from torch import nn
 
 import nxd_state as ps
 from nxd_layers.moe import ExpertMLPsCapacityFactor, MoE, RouterTopK
-from nxd_optim import NeuronZero1Optimizer, NxDOptimizer, OptimizerConfig
+from nxd_optim import NxDOptimizer, OptimizerConfig
 from nxd_state import collectives
 from nxd_state.testing import run_distributed
 
@@ -139,33 +139,6 @@ def ep_training_parity(world: int) -> None:
 @pytest.mark.parametrize("world", [2, 4])
 def test_expert_parallel_training_equals_one_process(world: int) -> None:
     run_distributed(ep_training_parity, world, world)
-
-
-def zero1_at_ep2() -> str:
-    ps.initialize_model_parallel(expert_model_parallel_size=2)
-    model = DenseThenMoE()
-    messages = []
-    for build in (
-        lambda: NxDOptimizer(
-            model.parameters(),
-            torch.optim.AdamW,
-            config=OptimizerConfig(zero_one_enabled=True),
-            lr=1e-2,
-        ),
-        lambda: NeuronZero1Optimizer(model.parameters(), torch.optim.AdamW, lr=1e-2),
-    ):
-        with pytest.raises(NotImplementedError) as caught:
-            build()
-        messages.append(str(caught.value))
-    ps.destroy_model_parallel()
-    assert messages[0] == messages[1]
-    return messages[0]
-
-
-def test_zero1_refuses_expert_parallelism() -> None:
-    message = run_distributed(zero1_at_ep2, 2)[0]
-    assert "expert_model_parallel_size=2" in message
-    assert "zero_one_enabled=False" in message
 
 
 def ep_save_load(world: int, directory: str) -> None:

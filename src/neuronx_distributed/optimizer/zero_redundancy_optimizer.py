@@ -1,18 +1,8 @@
-"""NxD's ``neuronx_distributed.optimizer.zero_redundancy_optimizer``."""
+"""NxD's ``neuronx_distributed.optimizer.zero_redundancy_optimizer``: ZeRO-1 and the EP-aware
+ZeRO-1 (experts sharded over the expert data-parallel group) from :mod:`nxd_optim`."""
 
 from __future__ import annotations
 
-from nxd_optim import NeuronZero1Optimizer
+from nxd_optim import NeuronEPZero1Optimizer, NeuronZero1Optimizer
 
 __all__ = ["NeuronEPZero1Optimizer", "NeuronZero1Optimizer"]
-
-
-class NeuronEPZero1Optimizer(NeuronZero1Optimizer):
-    """NxD's ZeRO-1 for models with expert parallelism, which shards expert parameters over the
-    expert-data-parallel group and the others over the data-parallel group.
-
-    At ``expert_model_parallel_size`` 1 the two groups are the same: this is
-    :class:`NeuronZero1Optimizer`, with the same arguments. At EP > 1 nxd has no EP-aware
-    ZeRO-1 yet: construction raises ``NotImplementedError`` naming the EP degree (as
-    :class:`NeuronZero1Optimizer` does), and ``nxd_optim.NxDOptimizer`` without ZeRO-1 is the
-    optimizer to use (it averages expert gradients over the expert-data-parallel group)."""

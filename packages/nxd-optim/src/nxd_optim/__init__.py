@@ -9,7 +9,10 @@
 * :class:`NxDOptimizer`: NxD's optimizer wrapper. Without ZeRO-1 it all-reduces gradients over
   data parallelism (bucketed, averaged); it sums sequence-parallel gradients over TP, clips with
   ``nxd_layers.clip_grad_norm`` across TP/PP and exposes ``grad_norm``. At expert parallelism
-  > 1 expert gradients are averaged over the expert-DP group (ZeRO-1 refuses EP > 1).
+  > 1 expert gradients are averaged over the expert-DP group.
+* :class:`NeuronEPZero1Optimizer`: NxD's EP-aware ZeRO-1 (what ``NxDOptimizer`` with ZeRO-1
+  builds at EP > 1): expert state sharded over the expert-DP group, the rest over DP x CP,
+  one gradient norm with each expert counted once.
 * :class:`OptimizerConfig` and :func:`build_optimizer`: NxD's ``optimizer_config`` /
   ``mixed_precision_config`` keys as a dataclass, and the factory that applies them.
 * :class:`AdamWFP32OptimParams` (NxD's ``AdamW_FP32OptimParams``): Hugging Face-style AdamW
@@ -22,6 +25,7 @@ from nxd_optim._buckets import DtypeBucket
 from nxd_optim._flat import FlatLayout
 from nxd_optim.adamw_fp32 import AdamW_FP32OptimParams, AdamWFP32OptimParams
 from nxd_optim.config import OptimizerConfig
+from nxd_optim.ep_zero1 import NeuronEPZero1Optimizer
 from nxd_optim.wrapper import NxDOptimizer, build_optimizer
 from nxd_optim.zero1 import NeuronZero1Optimizer
 
@@ -32,6 +36,7 @@ __all__ = [
     "AdamW_FP32OptimParams",
     "DtypeBucket",
     "FlatLayout",
+    "NeuronEPZero1Optimizer",
     "NeuronZero1Optimizer",
     "NxDOptimizer",
     "OptimizerConfig",

@@ -47,17 +47,24 @@ def current_state_or_none() -> ParallelState | None:
     return nxd_state.get_parallel_state() if nxd_state.model_parallel_is_initialized() else None
 
 
-def refuse_expert_parallelism(where: str) -> None:
-    """Raise when the current state has EP > 1: ZeRO-1 shards every gradient over one group,
-    which would average different experts' gradients (EP ranks hold different experts)."""
+def refuse_expert_parallelism(where: str, params: Iterable[torch.Tensor]) -> None:
+    """Raise when the current state has EP > 1 and ``params`` hold experts
+    (``expert_model_parallel``): one ZeRO-1 sharding group for every gradient would average
+    different experts' gradients over DP x CP (EP ranks hold different experts), or, sharded
+    over expert-DP alone, leave them EP times too large and count them once per EP rank in
+    the norm. :class:`~nxd_optim.NeuronEPZero1Optimizer` shards them over expert-DP instead."""
     state = current_state_or_none()
     if state is None or state.expert_model_parallel_size == 1:
         return
+    experts = [p for p in params if getattr(p, "expert_model_parallel", False)]
+    if not experts:  # dense params only: replicated over DP x CP, ZeRO-1 as usual
+        return
     raise NotImplementedError(
-        f"{where}: ZeRO-1 with expert_model_parallel_size={state.expert_model_parallel_size} "
-        "is not supported (no EP-aware ZeRO-1, NxD's NeuronEPZero1Optimizer, yet: it would "
-        "average different experts' gradients); use NxDOptimizer with zero_one_enabled=False, "
-        "which averages expert gradients over the expert data-parallel group"
+        f"{where}: {len(experts)} expert parameter(s) (expert_model_parallel) at "
+        f"expert_model_parallel_size={state.expert_model_parallel_size}: one sharding group "
+        "cannot hold them (EP ranks hold different experts); use NeuronEPZero1Optimizer "
+        "(NxD's EP-aware ZeRO-1; NxDOptimizer with zero_one_enabled=True picks it at EP > 1), "
+        "which shards experts over the expert data-parallel group"
     )
 
 

@@ -46,6 +46,11 @@ _MIB = 2**20
 class Zero1Setup(Optimizer):
     """Everything of :class:`~nxd_optim.NeuronZero1Optimizer` except the step."""
 
+    # True only for the expert half of NeuronEPZero1Optimizer (sharded over expert-DP, its
+    # gradients scaled and its norm summed by that optimizer); any other ZeRO-1 refuses
+    # expert params at EP > 1.
+    _holds_expert_shards = False
+
     def __init__(
         self,
         params: Any,
@@ -72,8 +77,11 @@ class Zero1Setup(Optimizer):
             raise TypeError(
                 f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}"
             )
-        refuse_expert_parallelism("NeuronZero1Optimizer")
         groups = as_param_groups(params, "NeuronZero1Optimizer")
+        if not self._holds_expert_shards:
+            refuse_expert_parallelism(
+                type(self).__name__, [p for group in groups for p in group["params"]]
+            )
         max_norm = 1.0 if max_norm is None else float(max_norm)
         if grad_clipping and not max_norm > 0:  # NaN fails too; inf means measure only
             raise ValueError(

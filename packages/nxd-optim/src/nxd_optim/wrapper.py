@@ -12,7 +12,8 @@ One step, with n data-parallel ranks:
 
 n = DP x CP. With expert parallelism (EP > 1) each rank holds E/EP experts of every MoE layer:
 their gradients are summed over the expert-DP group (the n/EP ranks holding the same experts)
-and divided by n, and the norm counts each expert once; ZeRO-1 at EP > 1 is refused.
+and divided by n, and the norm counts each expert once. ZeRO-1 at EP > 1 is
+:class:`~nxd_optim.NeuronEPZero1Optimizer` (expert state sharded over expert-DP, the same scale).
 
 Gradients of micro-batches accumulate locally (in fp32 with ``use_fp32_grad_acc``); nothing is
 communicated before :meth:`NxDOptimizer.step`. :meth:`NxDOptimizer.scale_gradients` (``1/k``)
@@ -42,6 +43,7 @@ from nxd_optim._groups import check_params_on_backend_device
 from nxd_optim._mixed_precision import GradientStore, is_low_precision
 from nxd_optim._state_io import read_state, write_state
 from nxd_optim.config import OptimizerConfig
+from nxd_optim.ep_zero1 import NeuronEPZero1Optimizer
 from nxd_optim.zero1 import NeuronZero1Optimizer, as_param_groups
 from nxd_state import collectives
 
@@ -58,7 +60,9 @@ class NxDOptimizer(Optimizer):
 
     ``param_groups``, ``state`` and ``defaults`` are the wrapped optimizer's, so LR schedulers
     work unchanged. With ``config.zero_one_enabled`` the wrapped optimizer is a
-    :class:`NeuronZero1Optimizer` over the data-parallel group.
+    :class:`NeuronZero1Optimizer` over the data x context parallel group, at EP > 1 a
+    :class:`~nxd_optim.NeuronEPZero1Optimizer` (experts over the expert-DP group), as NxD's
+    ``initialize_optimizer_from_class`` picks.
     """
 
     def __init__(
@@ -81,7 +85,10 @@ class NxDOptimizer(Optimizer):
         self._masters: dict[torch.Tensor, torch.Tensor] = {}
         self._inner: Optimizer
         if self.config.zero_one_enabled:
-            self._inner = NeuronZero1Optimizer(
+            # NxD's choice: at EP > 1 the EP-aware ZeRO-1 (experts sharded over expert-DP).
+            expert_parallel = self.parallel_state.expert_model_parallel_size > 1
+            zero1_class = NeuronEPZero1Optimizer if expert_parallel else NeuronZero1Optimizer
+            self._inner = zero1_class(
                 groups,
                 optimizer_class,
                 grad_clipping=self.config.grad_clipping,

@@ -176,20 +176,36 @@ class NeuronZero1Optimizer(Zero1Setup):
         coef = None
         if self.grad_clipping:
             self._grad_norm = self._global_grad_norm(reduced)
-            if math.isfinite(self.max_norm):  # max_norm = inf: measure only, scale nothing
-                coef = torch.clamp(self.max_norm / (self._grad_norm + _CLIP_EPS), max=1.0)
+            coef = self._clip_coefficient(self._grad_norm)
+        self._step_reduced(reduced, coef, self.sharding_size)
+        return loss
+
+    def _clip_coefficient(self, norm: torch.Tensor) -> torch.Tensor | None:
+        """min(1, max_norm / (‖G‖ + ε)); None with ``max_norm = inf`` (measure only)."""
+        if not math.isfinite(self.max_norm):
+            return None
+        return torch.clamp(self.max_norm / (norm + _CLIP_EPS), max=1.0)
+
+    def _step_reduced(
+        self,
+        reduced: list[tuple[torch.Tensor, torch.Tensor | None]],
+        coef: torch.Tensor | None,
+        divisor: int,
+    ) -> None:
+        """G_r <- (c / divisor) · Σ_k g_r^(k) per bucket, step the master shards, gather the
+        params. ``reduced`` (the summed shards of :meth:`_reduce_gradients`) is emptied, which
+        frees the full-size reduction buffers before the inner step."""
         for bucket, (shard, _) in zip(self._buckets, reduced):
             grad = shard.to(bucket.master.dtype)
             if coef is None:
-                grad.div_(self.sharding_size)
+                grad.div_(divisor)
             else:  # the mean and the clipping factor in one pass over the shard: g · (c / n)
-                grad.mul_(coef.to(grad.dtype) / self.sharding_size)
+                grad.mul_(coef.to(grad.dtype) / divisor)
             bucket.master.grad = grad
-        del reduced  # the full-size reduction buffers
+        reduced.clear()  # the full-size reduction buffers
         self.base_optimizer.step()
         self.base_optimizer.zero_grad(set_to_none=True)  # free the gradient shards now
         self.allgather_weights_and_update_full_parameter()
-        return loss
 
     def _sync_hyperparameters(self) -> None:
         """LR schedulers edit our param groups; the inner optimizer reads its own."""
@@ -239,6 +255,21 @@ class NeuronZero1Optimizer(Zero1Setup):
         disjoint pieces: their norms are also summed over the sharding group (or the DP x PP
         group joining it with the stages, one collective).
         """
+        spans, whole = self._grad_spans(reduced)
+        norm = global_grad_norm(
+            spans,
+            self.norm_type,
+            tensor_parallel_group=self.grad_norm_group,
+            pipeline_parallel_group=self._pipeline_group if whole else None,
+            data_parallel_group=None if whole else self._norm_reduce_group,
+        )
+        return norm / self.sharding_size
+
+    def _grad_spans(
+        self, reduced: list[tuple[torch.Tensor, torch.Tensor | None]]
+    ) -> tuple[list[GradSpan], bool]:
+        """The gradient slices this rank counts in the norm, and whether they are whole params
+        (every bucket all-reduced: no sum over the sharding group needed)."""
         whole = all(full is not None for _, full in reduced)
         spans = []
         for bucket, (shard, full) in zip(self._buckets, reduced):
@@ -252,14 +283,7 @@ class NeuronZero1Optimizer(Zero1Setup):
                     spans.append(GradSpan(view, params[piece.param_index], piece.param_start))
         if not spans:  # this shard is all padding: contribute zero, but join the collectives
             spans.append(GradSpan(reduced[0][0], None))
-        norm = global_grad_norm(
-            spans,
-            self.norm_type,
-            tensor_parallel_group=self.grad_norm_group,
-            pipeline_parallel_group=self._pipeline_group if whole else None,
-            data_parallel_group=None if whole else self._norm_reduce_group,
-        )
-        return norm / self.sharding_size
+        return spans, whole
 
     @torch.no_grad()
     def allgather_weights_and_update_full_parameter(self) -> None:
