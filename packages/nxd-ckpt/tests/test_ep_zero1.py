@@ -14,8 +14,9 @@ over the expert-DP group) on each rank's own rows, with the LR changed by hand b
   optimizer-state tensor (Adam moments, step, the master weights the optimizer steps) equals
   the saved run's, and the LR is the saved one in the caller's groups and in both halves.
 * A non-ZeRO ``NxDOptimizer`` at EP=2 saves; an EP-aware ZeRO-1 at EP=2 x expert-DP 2 loads it.
-* ``-m slow``: the EP=2 folder loads on 8 ranks at EP=4 x expert-DP 2 and EP=2 x expert-DP 4,
-  and on 2 ranks at EP=1 x DP=2 and EP=2 x expert-DP 1.
+* ``-m slow``: the EP=2 folder loads on 8 ranks at EP=4 x expert-DP 2, EP=2 x expert-DP 4
+  and TP=2 x EP=2 x expert-DP 2 (each rank's experts cut to its TP columns/rows), and on 2
+  ranks at EP=1 x DP=2 and EP=2 x expert-DP 1.
 
 The state of a ZeRO-1 run is rebuilt here from the optimizers' own shards (nxd_optim's public
 ``dtype_buckets``: each bucket's params end to end, rank r holding the r-th slice), the expert
@@ -63,14 +64,19 @@ class DenseThenMoE(nn.Module):
         return out
 
 
-def _build(ep: int, zero1: bool, seed: int, dtype: torch.dtype) -> tuple[nn.Module, Any]:
-    """(model, NxDOptimizer) at EP=``ep`` over every rank (re-initialises the state)."""
+def _build(
+    ep: int, zero1: bool, seed: int, dtype: torch.dtype, tp: int = 1
+) -> tuple[nn.Module, Any]:
+    """(model, NxDOptimizer) at EP=``ep``, TP=``tp`` over every rank (re-initialises the
+    state; the experts' intermediate dim is split over TP)."""
     import nxd_state
     from nxd_optim import NxDOptimizer, OptimizerConfig
 
     if nxd_state.model_parallel_is_initialized():
         nxd_state.destroy_model_parallel()
-    nxd_state.initialize_model_parallel(expert_model_parallel_size=ep)
+    nxd_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, expert_model_parallel_size=ep
+    )
     model = DenseThenMoE(seed, dtype)
     config = OptimizerConfig(zero_one_enabled=zero1, use_master_weights_in_ckpt=True)
     return model, NxDOptimizer(model.parameters(), torch.optim.AdamW, config=config, lr=LR)
@@ -114,6 +120,7 @@ def _snapshot(model: nn.Module, optimizer: Any) -> dict[str, Any]:
     names = {id(p): n for n, p in model.named_parameters()}
     out: dict[str, Any] = {
         "ep_rank": nxd_state.get_expert_model_parallel_rank(),
+        "tp_rank": nxd_state.get_tensor_model_parallel_rank(),
         "params": {n: p.detach().clone() for n, p in model.named_parameters()},
         "lrs": _lrs(optimizer),
     }
@@ -167,22 +174,27 @@ def _stack_experts(by_ep: dict[int, dict[str, dict[str, torch.Tensor]]]) -> dict
     return full
 
 
-def _zero_state(snapshots: list[dict[str, Any]]) -> dict[int, dict[str, dict[str, Any]]]:
-    """{EP rank: {name: {key: local tensor}}} rebuilt from every rank's ZeRO-1 shards: a
-    bucket's shards concatenated in sharding-rank order are its params end to end (then
-    padding). Dense buckets belong to every EP rank; ranks holding the same shard agree."""
-    buckets: dict[tuple[int, tuple[str, ...]], dict[str, Any]] = {}
+Coord = tuple[int, int]  # (EP rank, TP rank)
+
+
+def _zero_state(snapshots: list[dict[str, Any]]) -> dict[Coord, dict[str, dict[str, Any]]]:
+    """{(EP rank, TP rank): {name: {key: local tensor}}} rebuilt from every rank's ZeRO-1
+    shards: a bucket's shards concatenated in sharding-rank order are its params end to end
+    (then padding). Dense buckets belong to every EP rank; ranks holding the same shard (TP
+    replicas of a dense bucket) must agree."""
+    buckets: dict[tuple[int, int, tuple[str, ...]], dict[str, Any]] = {}
     for snap in snapshots:
         for bucket in snap["zero"]:
             owner = snap["ep_rank"] if bucket["expert_half"] else -1
-            got = buckets.setdefault((owner, tuple(bucket["names"])), {**bucket, "shards": {}})
-            if bucket["rank"] in got["shards"]:  # a replica (another TP rank): the same bytes
-                for key, value in bucket["flat"].items():
-                    torch.testing.assert_close(value, got["shards"][bucket["rank"]][key], **EXACT)
+            key = (owner, snap["tp_rank"], tuple(bucket["names"]))
+            got = buckets.setdefault(key, {**bucket, "shards": {}})
+            if bucket["rank"] in got["shards"]:
+                for k, value in bucket["flat"].items():
+                    torch.testing.assert_close(value, got["shards"][bucket["rank"]][k], **EXACT)
             got["shards"][bucket["rank"]] = bucket["flat"]
-    local: dict[int, dict[str, dict[str, Any]]] = {}
+    local: dict[Coord, dict[str, dict[str, Any]]] = {}
     ep_ranks = sorted({snap["ep_rank"] for snap in snapshots})
-    for (owner, names), got in buckets.items():
+    for (owner, tp_rank, names), got in buckets.items():
         assert sorted(got["shards"]) == list(range(got["size"])), "a shard is missing"
         for key in got["flat"]:
             flat = torch.cat([got["shards"][r][key] for r in range(got["size"])])
@@ -192,33 +204,37 @@ def _zero_state(snapshots: list[dict[str, Any]]) -> dict[int, dict[str, dict[str
                 value = flat[offset : offset + numel].view(shape)
                 offset += numel
                 for q in ep_ranks if owner < 0 else [owner]:
-                    entry = local.setdefault(q, {}).setdefault(name, {})
+                    entry = local.setdefault((q, tp_rank), {}).setdefault(name, {})
                     entry[key] = value
                     entry.update(got["scalars"])
     return local
 
 
-def _full_state(snapshots: list[dict[str, Any]]) -> dict[str, dict[str, torch.Tensor]]:
-    """{name: {"param", "master", "exp_avg", "exp_avg_sq", "step"}} with all experts, from
-    the snapshots of one layout; the replicas of every parameter must agree."""
-    params: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
+def _local_states(snapshots: list[dict[str, Any]]) -> dict[Coord, dict[str, dict[str, Any]]]:
+    """{(EP rank, TP rank): {name: {"param", "master", "exp_avg", "exp_avg_sq", "step"}}}
+    from the snapshots of one layout; the replicas of every parameter must agree."""
+    params: dict[Coord, dict[str, dict[str, torch.Tensor]]] = {}
+    state: dict[Coord, dict[str, dict[str, Any]]] = {}
     for snap in snapshots:
-        first = params.setdefault(
-            snap["ep_rank"], {n: {"param": p} for n, p in snap["params"].items()}
-        )
+        coord = (snap["ep_rank"], snap["tp_rank"])
+        first = params.setdefault(coord, {n: {"param": p} for n, p in snap["params"].items()})
         for name, value in snap["params"].items():
             torch.testing.assert_close(value, first[name]["param"], **EXACT)
-    if "zero" in snapshots[0]:
-        state = _zero_state(snapshots)
-    else:
-        state = {}
-        for snap in snapshots:
-            first = state.setdefault(snap["ep_rank"], snap["plain"])
+        if "plain" in snap:
+            kept = state.setdefault(coord, snap["plain"])
             for name, entry in snap["plain"].items():
                 for key, value in entry.items():
-                    torch.testing.assert_close(value, first[name][key], **EXACT)
-    by_ep = {q: {n: {**params[q][n], **state[q][n]} for n in params[q]} for q in params}
-    return _stack_experts(by_ep)
+                    torch.testing.assert_close(value, kept[name][key], **EXACT)
+    if "zero" in snapshots[0]:
+        state = _zero_state(snapshots)
+    return {c: {n: {**params[c][n], **state[c][n]} for n in params[c]} for c in params}
+
+
+def _full_state(snapshots: list[dict[str, Any]]) -> dict[str, dict[str, torch.Tensor]]:
+    """The state of a TP=1 layout with all experts (each EP rank's stacked in EP order)."""
+    local = _local_states(snapshots)
+    assert {tp for _, tp in local} == {0}
+    return _stack_experts({ep: entry for (ep, _), entry in local.items()})
 
 
 def _assert_same(loaded: dict[str, Any], saved: dict[str, Any], what: str) -> None:
@@ -342,3 +358,39 @@ def test_ep_zero1_reloads_on_8_and_2_ranks(tmp_path: Path) -> None:
         for position, ep in enumerate(eps):
             loaded = _full_state([r[position] for r in results])
             _assert_same(loaded, saved, f"world {world}, EP={ep}")
+
+
+def _tp_cut(name: str, value: torch.Tensor, tp_rank: int) -> torch.Tensor:
+    """The TP rank's part of an (experts, …) tensor (experts.py's split): columns ``t`` of
+    the gate and of the up halves of ``gate_up_proj``, rows ``t`` of ``down_proj``."""
+    width = INTERMEDIATE // 2
+    mine = torch.arange(tp_rank * width, (tp_rank + 1) * width)
+    if name.endswith("gate_up_proj.weight"):
+        return value[:, :, torch.cat([mine, mine + INTERMEDIATE])]
+    return value[:, mine]
+
+
+def _tp2_load(path: str, dtype: torch.dtype) -> dict[str, Any]:
+    model, optimizer = _build(2, True, 3, dtype, tp=2)  # 8 ranks: DP=4, expert-DP 2
+    load_checkpoint(path, "ep2", model=model, optimizer=optimizer)
+    return _snapshot(model, optimizer)
+
+
+@pytest.mark.slow
+def test_ep_zero1_reloads_at_tp2_inside_the_experts(tmp_path: Path) -> None:
+    dtype = torch.bfloat16
+    saved = _full_state(run_distributed(_save_only, 4, str(tmp_path), dtype))
+    local = _local_states(run_distributed(_tp2_load, 8, str(tmp_path), dtype))
+    assert sorted(local) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    rows = EXPERTS // 2
+    for (ep, tp), state in local.items():  # each rank's experts and TP columns/rows
+        expected = {
+            name: {
+                key: _tp_cut(name, value[ep * rows : (ep + 1) * rows], tp)
+                if name in EXPERT_PARAMS and value.dim() > 0
+                else value
+                for key, value in entry.items()
+            }
+            for name, entry in saved.items()
+        }
+        _assert_same(state, expected, f"EP rank {ep}, TP rank {tp}")
