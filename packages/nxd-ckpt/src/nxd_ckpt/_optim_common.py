@@ -310,8 +310,8 @@ def resolve_optimizer(optimizer: Any, model: Any, ctx: RankContext) -> Optimizer
         zeros = _ep_zero1_halves(core, ctx)
         params = [p for group in core.param_groups for p in group["params"]]
         names, tensors = _param_names(model, params, ctx)
-        masters = bool(core.use_master_weights_in_ckpt)
-        return _view("zero1", core, names, tensors, zeros=zeros, masters_in_ckpt=masters)
+        in_ckpt = bool(core.use_master_weights_in_ckpt)
+        return _view("zero1", core, names, tensors, zeros=zeros, masters_in_ckpt=in_ckpt)
     if isinstance(core, NeuronZero1Optimizer):
         params = [p for group in core.param_groups for p in group["params"]]
         if type(core) is not NeuronZero1Optimizer or any(map(is_expert, params)):
