@@ -14,6 +14,7 @@ over the expert-DP group) on each rank's own rows, with the LR changed by hand b
   optimizer-state tensor (Adam moments, step, the master weights the optimizer steps) equals
   the saved run's, and the LR is the saved one in the caller's groups and in both halves.
 * A non-ZeRO ``NxDOptimizer`` at EP=2 saves; an EP-aware ZeRO-1 at EP=2 x expert-DP 2 loads it.
+* DP 2 x CP 2 at EP=2 (expert-DP spanning CP) saves; DP=4 at EP=2 loads it.
 * ``-m slow``: the EP=2 folder loads on 8 ranks at EP=4 x expert-DP 2, EP=2 x expert-DP 4
   and TP=2 x EP=2 x expert-DP 2 (each rank's experts cut to its TP columns/rows), and on 2
   ranks at EP=1 x DP=2 and EP=2 x expert-DP 1.
@@ -65,17 +66,17 @@ class DenseThenMoE(nn.Module):
 
 
 def _build(
-    ep: int, zero1: bool, seed: int, dtype: torch.dtype, tp: int = 1
+    ep: int, zero1: bool, seed: int, dtype: torch.dtype, tp: int = 1, cp: int = 1
 ) -> tuple[nn.Module, Any]:
-    """(model, NxDOptimizer) at EP=``ep``, TP=``tp`` over every rank (re-initialises the
-    state; the experts' intermediate dim is split over TP)."""
+    """(model, NxDOptimizer) at EP=``ep``, TP=``tp``, CP=``cp`` over every rank
+    (re-initialises the state; the experts' intermediate dim is split over TP)."""
     import nxd_state
     from nxd_optim import NxDOptimizer, OptimizerConfig
 
     if nxd_state.model_parallel_is_initialized():
         nxd_state.destroy_model_parallel()
     nxd_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp, expert_model_parallel_size=ep
+        tensor_model_parallel_size=tp, expert_model_parallel_size=ep, context_parallel_size=cp
     )
     model = DenseThenMoE(seed, dtype)
     config = OptimizerConfig(zero_one_enabled=zero1, use_master_weights_in_ckpt=True)
@@ -339,6 +340,24 @@ def test_plain_ep2_checkpoint_loads_into_ep_zero1(tmp_path: Path) -> None:
     saved = _full_state([r["saved"] for r in results])
     _assert_same(_full_state([r["loaded"] for r in results]), saved, "EP-ZeRO-1 from plain")
     assert all(set(r["loaded"]["lrs"]) == {SAVED_LR} for r in results)
+
+
+def _cp2_save_then_dp4_load(path: str) -> dict[str, Any]:
+    model, optimizer = _build(2, True, 0, torch.float64, cp=2)  # DP 2 x CP 2: expert-DP 2
+    _train(model, optimizer, STEPS, 11, torch.float64)
+    save_checkpoint(path, "cp2", model=model, optimizer=optimizer)
+    saved = _snapshot(model, optimizer)
+    fresh, fresh_optimizer = _build(2, True, 1, torch.float64)  # DP 4, no CP
+    load_checkpoint(path, "cp2", model=fresh, optimizer=fresh_optimizer)
+    return {"saved": saved, "loaded": _snapshot(fresh, fresh_optimizer)}
+
+
+def test_ep_zero1_over_dp_x_cp_reloads_without_cp(tmp_path: Path) -> None:
+    """Expert-DP spans CP (DP 2 x CP 2 at EP=2): the halves' shards are cut over DP x CP and
+    over expert-DP x CP ranks, and reload at DP=4 without CP."""
+    results = run_distributed(_cp2_save_then_dp4_load, 4, str(tmp_path))
+    saved = _full_state([r["saved"] for r in results])
+    _assert_same(_full_state([r["loaded"] for r in results]), saved, "DP 2 x CP 2 -> DP 4")
 
 
 def _save_only(path: str, dtype: torch.dtype) -> dict[str, Any]:
