@@ -232,8 +232,9 @@ def _read_bucket(
 
 
 def _set_hypers(view: OptimizerView, hypers: list[dict[str, Any]]) -> None:
-    """The caller's param groups get ``hypers``; so does each ZeRO-1 (half) and its inner
-    optimizer, a half's group taking those of the caller group its params belong to."""
+    """The caller's param groups get ``hypers``; so does each ZeRO-1 (half), a half's group
+    taking those of the caller group its params belong to. (nxd_optim's ``base_optimizer``
+    lists a copy of its inner groups: each step copies the half's groups into them.)"""
     groups = view.optimizer.param_groups
     caller = {id(p): gi for gi, group in enumerate(groups) for p in group["params"]}
     for gi, group in enumerate(groups):
