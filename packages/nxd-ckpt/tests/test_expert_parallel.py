@@ -10,8 +10,10 @@ dropless), trained two AdamW steps through ``NxDOptimizer`` on each rank's own r
   run's, the experts of each EP rank at their rows of the all-experts tensor.
 * EP=1 (one process) saves; the folder loads at TP=2 x EP=2 (4 ranks): each rank's experts and
   TP columns/rows equal the one-process tensors' slices.
-* Refused, naming the values, before anything is written or read: a ZeRO-1 optimizer at EP=2,
-  and a checkpoint of 3 experts loaded at EP=2.
+* Refused, naming the values, before anything is written or read: at EP=2 a ZeRO-1 optimizer
+  with one flat layout over expert parameters (``NeuronEPZero1Optimizer``, which shards them
+  over expert-DP, is tested in test_ep_zero1.py) or an EP-aware one built at another EP
+  degree, and a checkpoint of 3 experts loaded at EP=2.
 
 The loaded values are bytes copied from the saved ones (same dtype), so every comparison is
 exact (rtol=atol=0).
@@ -241,10 +243,11 @@ def test_ep1_checkpoint_loads_at_tp2_ep2(tmp_path: Path) -> None:
 
 def _zero1_at_ep2(path: str) -> list[str]:
     import nxd_state
-    from nxd_optim import NxDOptimizer, OptimizerConfig
+    from nxd_optim import NeuronEPZero1Optimizer, NxDOptimizer, OptimizerConfig
 
-    # nxd-optim has no ZeRO-1 over experts at EP > 1 yet: one built at EP=1 over a parameter
-    # marked as EP=2 experts stands in for it.
+    # A ZeRO-1 with one flat layout over experts at EP > 1 (nxd-optim refuses to build one
+    # there): built at EP=1 over a parameter marked as EP=2 experts, it stands in. So does an
+    # EP-aware one built at EP=1 (its experts in the dense half, sharded over DP x CP).
     nxd_state.initialize_model_parallel()
     model = nn.Linear(4, 4, bias=False)
     model.weight.expert_model_parallel = True  # type: ignore[attr-defined]
@@ -253,6 +256,7 @@ def _zero1_at_ep2(path: str) -> list[str]:
     zero1 = NxDOptimizer(
         model.parameters(), torch.optim.AdamW, config=OptimizerConfig(zero_one_enabled=True)
     )
+    ep_zero1 = NeuronEPZero1Optimizer(model.parameters(), torch.optim.AdamW)
     nxd_state.destroy_model_parallel()
     nxd_state.initialize_model_parallel(expert_model_parallel_size=2)
     messages = []
@@ -263,6 +267,9 @@ def _zero1_at_ep2(path: str) -> list[str]:
     with pytest.raises(NotImplementedError, match="ZeRO-1") as error:
         load_checkpoint(path, "model_only", model=model, optimizer=zero1)
     messages.append(str(error.value))
+    with pytest.raises(NotImplementedError, match="dense half") as error:
+        save_checkpoint(path, "ep_zero1", model=model, optimizer=ep_zero1)
+    messages.append(str(error.value))
     return messages
 
 
@@ -270,8 +277,12 @@ def test_zero1_at_ep2_is_refused_before_writing(tmp_path: Path) -> None:
     for messages in run_distributed(_zero1_at_ep2, 2, str(tmp_path)):
         for message in messages:
             assert "expert_model_parallel_size=2" in message
+        for message in messages[:2]:  # the two supported ways named
+            assert "NeuronEPZero1Optimizer" in message
             assert "zero_one_enabled=False" in message
+        assert "1 expert parameter(s)" in messages[2]
     assert not (tmp_path / "zero1").exists()
+    assert not (tmp_path / "ep_zero1").exists()
 
 
 def _three_experts_at_ep2(path: str) -> str:

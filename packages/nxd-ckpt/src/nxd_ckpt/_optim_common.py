@@ -9,7 +9,12 @@ module resolves an optimizer into one of two shapes:
   bucket's params p_1 … p_k lie end to end in a flat vector zero-padded to n·S elements
   (S = ceil(Σ numel / n)), DP rank r holds elements [rS, (r+1)S) as its master shard, and the
   inner optimizer keeps state tensors shaped like that shard (nxd_optim's public
-  ``dtype_buckets``, read by :func:`zero1_buckets`).
+  ``dtype_buckets``, read by :func:`zero1_buckets`). :class:`nxd_optim.NeuronEPZero1Optimizer`
+  is two such optimizers (:attr:`OptimizerView.zeros`): the dense params over the n = DP x CP
+  ranks, the expert params (this EP rank's experts, local shape (E/EP, …)) over the m = n/EP
+  ranks of the expert-DP group. Either way a rank's shard is a range of vec(local param), and
+  the param's spec places it in the global tensor (the experts at rows [q E/EP, (q+1) E/EP)
+  on EP rank q), so the state is stored as at EP = 1 and every shard is written by its owner.
 * ``plain``: any ``torch.optim`` optimizer, or ``NxDOptimizer`` without ZeRO-1 (whose inner
   optimizer steps fp32 master copies of low-precision params, read by
   :func:`nxd_optimizer_masters` through ``NxDOptimizer.master_weights_by_param()``).
@@ -40,6 +45,7 @@ __all__ = [
     "resolve_optimizer",
     "zero1_buckets",
     "zero1_inner",
+    "zero1_parts",
 ]
 
 MASTER_KEY = "master"
@@ -133,6 +139,11 @@ def zero1_buckets(zero: Any) -> list[ZeroBucket]:
     return buckets
 
 
+def zero1_parts(zeros: list[Any]) -> list[tuple[torch.optim.Optimizer, ZeroBucket]]:
+    """(inner optimizer, bucket) of every flat bucket of the ZeRO-1 optimizers ``zeros``."""
+    return [(zero1_inner(zero), bucket) for zero in zeros for bucket in zero1_buckets(zero)]
+
+
 def nxd_optimizer_masters(wrapper: Any) -> dict[torch.Tensor, torch.Tensor]:
     """{model param: fp32 master} of an ``NxDOptimizer`` without ZeRO-1 (low-precision params
     stepped through fp32 copies), from its public ``master_weights_by_param()``, checked to be
@@ -171,6 +182,10 @@ class OptimizerView:
     model_param: dict[int, torch.Tensor] = field(default_factory=dict)
     """``plain``: id(inner param) -> the model parameter it stands for (fp32 masters)."""
     masters_in_ckpt: bool = False
+    zeros: list[Any] = field(default_factory=list)
+    """``zero1``: the ZeRO-1 optimizers whose flat buckets hold the state (the optimizer
+    itself, or the two halves of a ``NeuronEPZero1Optimizer``); ``optimizer`` holds the
+    caller's param groups."""
     names: dict[int, str] = field(default_factory=dict)
     """id(model param) -> name."""
     tensors: dict[str, LocalTensor] = field(default_factory=dict)
@@ -251,25 +266,72 @@ def _view(kind: str, optimizer: Any, names: dict, tensors: dict, **rest: Any) ->
     return OptimizerView(kind, optimizer, names=names, tensors=tensors, targets=targets, **rest)
 
 
+def _ep_zero1_halves(core: Any, ctx: RankContext) -> list[Any]:
+    """The halves of a ``NeuronEPZero1Optimizer``, checked to be sharded over the groups of
+    the current layout: the dense half over DP x CP, the expert half over expert-DP."""
+    if not core.inited:
+        raise RuntimeError(
+            "the ZeRO-1 optimizer has not sharded its params yet (lazy_init): call init_zero()"
+        )
+    dense, experts = core.non_ep_zero_optimizer, core.ep_zero_optimizer
+    if dense is not None and ctx.ep_size > 1:
+        count = sum(is_expert(p) for g in dense.param_groups for p in g["params"])
+        if count:
+            raise NotImplementedError(
+                f"NeuronEPZero1Optimizer holds {count} expert parameter(s) in its dense half at "
+                f"expert_model_parallel_size={ctx.ep_size}: it was built at another EP degree; "
+                f"build the optimizer after initialize_model_parallel"
+            )
+    halves = []
+    for half, size, rank, what in (
+        (dense, ctx.dp_size, ctx.dp_rank, "non_ep_zero_optimizer (dense, over DP x CP)"),
+        (experts, ctx.expert_dp_size, ctx.expert_dp_rank, "ep_zero_optimizer (over expert-DP)"),
+    ):
+        if half is None:
+            continue
+        got = (int(half.sharding_size), int(half.sharding_rank))
+        if got != (size, rank):
+            raise RuntimeError(
+                f"NeuronEPZero1Optimizer.{what} is sharded as rank {got[1]} of {got[0]}, the "
+                f"current parallel state expects rank {rank} of {size}: the optimizer was "
+                f"built under another parallel state"
+            )
+        halves.append(half)
+    return halves
+
+
 def resolve_optimizer(optimizer: Any, model: Any, ctx: RankContext) -> OptimizerView:
     """Classify ``optimizer`` and name its parameters from ``model``."""
-    from nxd_optim import NeuronZero1Optimizer, NxDOptimizer
+    from nxd_optim import NeuronEPZero1Optimizer, NeuronZero1Optimizer, NxDOptimizer
 
     wrapper = optimizer if isinstance(optimizer, NxDOptimizer) else None
     core = wrapper.optimizer if wrapper is not None else optimizer
+    if isinstance(core, NeuronEPZero1Optimizer):
+        zeros = _ep_zero1_halves(core, ctx)
+        params = [p for group in core.param_groups for p in group["params"]]
+        names, tensors = _param_names(model, params, ctx)
+        in_ckpt = bool(core.use_master_weights_in_ckpt)
+        return _view("zero1", core, names, tensors, zeros=zeros, masters_in_ckpt=in_ckpt)
     if isinstance(core, NeuronZero1Optimizer):
         params = [p for group in core.param_groups for p in group["params"]]
         if type(core) is not NeuronZero1Optimizer or any(map(is_expert, params)):
-            # An EP-aware ZeRO-1 cuts expert shards over the expert-DP group: a layout this
-            # module does not read yet. Dense params alone are sharded over DP x CP as at EP=1.
+            # One flat layout over DP x CP: at EP > 1 expert shards are cut over the expert-DP
+            # group, which only NeuronEPZero1Optimizer does (and says through its halves).
             ctx.refuse_expert_parallel(
                 f"checkpointing the ZeRO-1 optimizer {type(core).__name__} over expert parameters",
-                "nxd-ckpt does not read ZeRO-1 shards cut over the expert-DP group yet; use "
-                "NxDOptimizer with zero_one_enabled=False, whose state nxd-ckpt shards over EP",
+                "nxd-ckpt reads ZeRO-1 shards of expert parameters only from "
+                "NeuronEPZero1Optimizer (expert state over the expert-DP group; NxDOptimizer "
+                "with zero_one_enabled=True builds it at EP > 1) or, without ZeRO-1, from "
+                "NxDOptimizer with zero_one_enabled=False",
             )
         names, tensors = _param_names(model, params, ctx)
         return _view(
-            "zero1", core, names, tensors, masters_in_ckpt=bool(core.use_master_weights_in_ckpt)
+            "zero1",
+            core,
+            names,
+            tensors,
+            zeros=[core],
+            masters_in_ckpt=bool(core.use_master_weights_in_ckpt),
         )
     if not isinstance(core, torch.optim.Optimizer):
         raise TypeError(

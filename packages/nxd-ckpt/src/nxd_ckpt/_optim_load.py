@@ -4,8 +4,9 @@ For each parameter this rank's optimizer holds, its state tensors ``<name>/<key>
 as the boxes the local layout needs: the parameter's TP blocks for a plain optimizer, or the
 ranges of vec(local param) in this rank's ZeRO-1 shard (zero elsewhere: the padding). The
 result is handed to the optimizer's own ``load_state_dict`` (ZeRO-1: its local state dict,
-whose ``shard`` metadata is taken from the optimizer itself). Hyper-parameters come from the
-saved param group holding the same parameter names. Masters are restored when saved, else
+whose ``shard`` metadata is taken from the optimizer itself; an EP-aware ZeRO-1's halves
+each take their own shards: dense over DP x CP, experts over expert-DP). Hyper-parameters come
+from the saved param group holding the same parameter names. Masters are restored when saved, else
 rebuilt from the (already loaded) model parameters by the optimizer. A parameter stored in
 parts (:mod:`nxd_ckpt.parts`) reads each part's state into its blocks of the local tensor;
 state saved under the parameter's own name (before the parts were declared) loads too.
@@ -32,8 +33,8 @@ from nxd_ckpt._optim_common import (
     decode_scalar,
     flat_pieces,
     resolve_optimizer,
-    zero1_buckets,
     zero1_inner,
+    zero1_parts,
 )
 from nxd_ckpt._reader import CheckpointReader
 from nxd_ckpt._sharding import shape_mismatch, spec_for_stored_shape
@@ -187,7 +188,7 @@ def _inner_names(view: OptimizerView) -> tuple[list[torch.Tensor], list[str]]:
 def _boxes(view: OptimizerView, saved: _Saved) -> Iterator[tuple[str, str, Box]]:
     """The global boxes the fill reads, from the same items over meta tensors (no memory)."""
     if view.kind == "zero1":
-        for bucket in zero1_buckets(view.optimizer):
+        for _, bucket in zero1_parts(view.zeros):
             names = [view.name_of(p) for p in bucket.params]
             first = _first(view, names[0])
             if first not in saved.group_of:
@@ -209,39 +210,64 @@ def _boxes(view: OptimizerView, saved: _Saved) -> Iterator[tuple[str, str, Box]]
                     yield "optimizer", item.name, piece.global_box
 
 
+def _read_bucket(
+    view: OptimizerView, saved: _Saved, bucket: Any
+) -> tuple[dict[str, Any], torch.Tensor | None]:
+    """One bucket's state (flat shards and scalars) and master shard (None: not saved)."""
+    names = [view.name_of(p) for p in bucket.params]
+    first = _first(view, names[0])
+    keys = saved.tensor_keys(first, masters=True) if first in saved.group_of else []
+    entry: dict[str, Any] = {}
+    master = None
+    for key in keys:
+        flat = torch.zeros(bucket.master.numel(), dtype=saved.dtype(first, key))
+        for item in _zero1_items(view, saved, bucket, names, key, flat):
+            _fill(saved.reader, item)
+        if key == MASTER_KEY:
+            master = flat
+        else:
+            entry[key] = _as_state(flat, bucket.master, key)
+    entry.update(saved.scalars(first))
+    return entry, master
+
+
+def _set_hypers(view: OptimizerView, hypers: list[dict[str, Any]]) -> None:
+    """The caller's param groups get ``hypers``; so does each ZeRO-1 (half), a half's group
+    taking those of the caller group its params belong to. (nxd_optim's ``base_optimizer``
+    lists a copy of its inner groups: each step copies the half's groups into them.)"""
+    groups = view.optimizer.param_groups
+    caller = {id(p): gi for gi, group in enumerate(groups) for p in group["params"]}
+    for gi, group in enumerate(groups):
+        group.update(hypers[gi])
+    for part in view.zeros:
+        inner = zero1_inner(part)
+        for gi, group in enumerate(part.param_groups):
+            own = part is view.optimizer or not group["params"]
+            hyper = hypers[gi] if own else hypers[caller[id(group["params"][0])]]
+            group.update(hyper)
+            inner.param_groups[gi].update(hyper)
+
+
 def _prepare_zero1(view: OptimizerView, saved: _Saved) -> Callable[[], None]:
     """Read each bucket's state and master shard into new tensors (nothing in the optimizer
-    changes); the returned call puts them into the ZeRO-1 optimizer."""
-    zero = view.optimizer
-    inner = zero1_inner(zero)
-    refresh = False
-    loaded: list[tuple[Any, dict[str, Any], torch.Tensor | None]] = []
-    for bucket in zero1_buckets(zero):
-        names = [view.name_of(p) for p in bucket.params]
-        first = _first(view, names[0])
-        keys = saved.tensor_keys(first, masters=True) if first in saved.group_of else []
-        entry: dict[str, Any] = {}
-        master = None
-        for key in keys:
-            flat = torch.zeros(bucket.master.numel(), dtype=saved.dtype(first, key))
-            for item in _zero1_items(view, saved, bucket, names, key, flat):
-                _fill(saved.reader, item)
-            if key == MASTER_KEY:
-                master = flat
-            else:
-                entry[key] = _as_state(flat, bucket.master, key)
-        for key, value in saved.scalars(first).items():
-            entry[key] = value
-        loaded.append((bucket, entry, master))
-        refresh = refresh or master is None
-    groups = zero.param_groups
+    changes); the returned call puts them into the ZeRO-1 optimizer (each half of an
+    EP-aware one: its buckets, its groups' hyper-parameters, its masters)."""
+    refresh: list[Any] = []
+    loaded: list[tuple[torch.optim.Optimizer, Any, dict[str, Any], torch.Tensor | None]] = []
+    for part in view.zeros:
+        for inner, bucket in zero1_parts([part]):
+            entry, master = _read_bucket(view, saved, bucket)
+            loaded.append((inner, bucket, entry, master))
+            if master is None and part not in refresh:
+                refresh.append(part)
+    groups = view.optimizer.param_groups
     hypers = []
     for gi, group in enumerate(groups):
         names = view.stored_names([view.name_of(p) for p in group["params"]])
         hypers.append(saved.hyper(names, gi, len(groups), group))
 
     def apply() -> None:
-        for bucket, entry, master in loaded:
+        for inner, bucket, entry, master in loaded:
             if master is not None:
                 with torch.no_grad():
                     bucket.master.copy_(master)
@@ -249,11 +275,9 @@ def _prepare_zero1(view: OptimizerView, saved: _Saved) -> Callable[[], None]:
                 inner.state[bucket.master] = entry
             else:
                 inner.state.pop(bucket.master, None)
-        for gi, group in enumerate(groups):
-            group.update(hypers[gi])
-            inner.param_groups[gi].update(hypers[gi])
-        if refresh:  # masters not saved: rebuild them from the (already loaded) model params
-            zero.refresh_masters_from_params()
+        _set_hypers(view, hypers)
+        for part in refresh:  # masters not saved: rebuild them from the loaded model params
+            part.refresh_masters_from_params()
 
     return apply
 

@@ -2,7 +2,9 @@
 
 For parameter ``w`` and state key ``k`` the global tensor ``w/k`` has ``w``'s global shape:
 a plain optimizer's state tensor is sharded like ``w`` (same spec); a ZeRO-1 rank holds a
-contiguous range of vec(local ``w``) of it, which :class:`FlatSource` maps to boxes. fp32
+contiguous range of vec(local ``w``) of it, which :class:`FlatSource` maps to boxes (for an
+expert ``w`` under ``NeuronEPZero1Optimizer``: a range of this EP rank's experts, cut over the
+expert-DP group; the ranges of the group's ranks tile them, so each rank writes its own). fp32
 master weights are ``w/master`` when the optimizer keeps them in checkpoints. Scalars
 (``step``) and each param group's hyper-parameters and parameter names go to JSON. A
 parameter stored in parts (:mod:`nxd_ckpt.parts`) has its state stored per part, under the
@@ -24,8 +26,7 @@ from nxd_ckpt._optim_common import (
     encode_scalar,
     flat_pieces,
     resolve_optimizer,
-    zero1_buckets,
-    zero1_inner,
+    zero1_parts,
 )
 
 __all__ = ["optimizer_save_items"]
@@ -44,10 +45,9 @@ def _hyper(group: dict[str, Any], where: str) -> Any:
 
 def _zero1_items(view: OptimizerView) -> tuple[list[TensorItem], dict]:
     zero = view.optimizer
-    inner = zero1_inner(zero)
     items: list[TensorItem] = []
     meta: dict[str, Any] = {"param_groups": [], "scalars": {}}
-    for bucket in zero1_buckets(zero):
+    for inner, bucket in zero1_parts(view.zeros):  # both halves of an EP-aware ZeRO-1
         names = [view.name_of(p) for p in bucket.params]
         located = flat_pieces(bucket.shapes, bucket.num_shards, bucket.rank)
         values = dict(inner.state.get(bucket.master, {}))

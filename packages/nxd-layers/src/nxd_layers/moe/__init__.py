@@ -7,6 +7,7 @@ combine) + optional :class:`SharedExperts`. Auxiliary losses: :func:`load_balanc
 and :func:`router_z_loss_func`.
 """
 
+from nxd_layers.moe._comm import all_to_all_rows
 from nxd_layers.moe.dispatch import DispatchPlan, expert_capacity, plan_dispatch
 from nxd_layers.moe.experts import ExpertMLPs, ExpertMLPsCapacityFactor
 from nxd_layers.moe.loss import load_balancing_loss_func, router_z_loss_func
@@ -26,6 +27,7 @@ __all__ = [
     "RouterSinkhorn",
     "RouterTopK",
     "SharedExperts",
+    "all_to_all_rows",
     "expert_capacity",
     "load_balancing_loss_func",
     "plan_dispatch",

@@ -47,6 +47,7 @@ examples:
   nxd-train                                  tiny Llama, TP=2 on 2 CPU processes, stdlib corpus
   nxd-train --tp 2 --pp 2 --nproc-per-node 4 --microbatches 2
   nxd-train --tp 1 --cp 2 --seq-len 1024     (each sequence split over 2 ranks: ring attention)
+  nxd-train --model tiny-moe --tp 1 --ep 2   (a Mixtral, its experts split over 2 ranks)
   nxd-train --tp 1 --zero1 --data notes/ --name notes
   nxd-train --model ./llama-folder --lora-rank 8 --data corpus.txt --tokenizer ./llama-folder
   nxd-train --config run.toml --steps 1000   (flags override the TOML file)
@@ -284,7 +285,9 @@ def _launcher(cfg: TrainConfig, argv: list[str]) -> int:
                 f"nxd-train: starting {cfg.nproc_per_node} worker(s) on this node (world "
                 f"{cfg.world_size}, tp={cfg.tp} pp={cfg.pp}"
                 + (f" cp={cfg.cp} ({cfg.cp_algorithm})" if cfg.cp > 1 else "")
-                + f" dp={dp})",
+                + f" dp={dp}"
+                + (f" ep={cfg.ep}" if cfg.ep > 1 else "")
+                + ")",
                 file=sys.stderr,
             )
             code = launch(cfg, argv)

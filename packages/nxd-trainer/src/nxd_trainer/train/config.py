@@ -19,7 +19,7 @@ from typing import Any
 
 __all__ = ["ConfigError", "TrainConfig", "field_docs", "load_toml"]
 
-PRESETS = ("tiny", "small")
+PRESETS = ("tiny", "small", "tiny-moe")
 # Schedules nxd-train runs (nxd-pipeline also has interleaved 1F1B, which needs virtual stages
 # per rank: the main job does not offer them).
 SCHEDULES = ("gpipe", "1f1b", "zb_h1")
@@ -71,8 +71,9 @@ class TrainConfig:
     # --- model -------------------------------------------------------------------------
     model: str = setting(
         "tiny",
-        """``tiny`` (4 layers, hidden 128), ``small`` (8 layers, hidden 512), a Hugging Face
-        ``config.json`` (trained from scratch) or an HF model folder with weights (fine-tuned).""",
+        """``tiny`` (4 layers, hidden 128), ``small`` (8 layers, hidden 512), ``tiny-moe`` (a
+        Mixtral: 4 layers, hidden 128, 4 experts, top-2), a Hugging Face ``config.json``
+        (trained from scratch) or an HF model folder with weights (fine-tuned).""",
     )
 
     lora_rank: int = setting(
@@ -220,6 +221,15 @@ class TrainConfig:
         whole sequence by ``cp_algorithm``); ``pp`` = 1.""",
     )
 
+    ep: int = setting(
+        1,
+        """Expert-parallel degree: the experts of every MoE layer split over ``ep`` consecutive
+        data-parallel ranks (``ep`` divides dp; the experts' gradients are averaged over the
+        dp/ep ranks holding the same experts). A Mixtral, Qwen2-MoE or Qwen3-MoE model
+        (``--model tiny-moe``, or its config.json), ``pp`` = 1, ``cp`` = 1, without LoRA,
+        ZeRO-1 or ``--compile``.""",
+    )
+
     cp_algorithm: str = setting(
         "ring",
         """Context-parallel attention: ``ring`` (K/V passed around the ring, zigzag split:
@@ -327,6 +337,7 @@ class TrainConfig:
             "tp",
             "pp",
             "cp",
+            "ep",
             "microbatches",
             "eval_batches",
             "save_every",
@@ -382,6 +393,8 @@ class TrainConfig:
             raise ConfigError(f"microbatches={self.microbatches} needs pp > 1 (got pp=1)")
         if self.cp > 1:
             self._check_context_parallel()
+        if self.ep > 1:
+            self._check_expert_parallel()
         if self.nnodes > 1 and self.rdzv_endpoint is None:
             raise ConfigError(f"nnodes={self.nnodes} needs rdzv_endpoint (host:port)")
 
@@ -411,6 +424,19 @@ class TrainConfig:
                     f"context parallelism runs at pp=1, without --compile"
                 )
 
+    def _check_expert_parallel(self) -> None:
+        """What ``ep`` > 1 needs from the other settings (the experts: ``model.hf_config``;
+        that ``ep`` divides dp: :meth:`check_world`)."""
+        for name, bad in (("pp", self.pp > 1), ("cp", self.cp > 1),
+                          ("lora_rank", self.lora_rank > 0), ("zero1", self.zero1),
+                          ("compile", self.compile)):  # fmt: skip
+            if bad:
+                raise ConfigError(
+                    f"ep={self.ep} with {name}={getattr(self, name)!r} is not supported yet: "
+                    f"expert parallelism runs at pp=1 and cp=1, without LoRA, ZeRO-1 or "
+                    f"--compile"
+                )
+
     @property
     def cp_algorithm_name(self) -> str:
         """``cp_algorithm`` as ``NxDConfig.context_parallel_algorithm`` spells it."""
@@ -438,6 +464,11 @@ class TrainConfig:
                 f"world size {world} (nnodes x nproc_per_node)"
             )
         dp = world // model_parallel
+        if dp % self.ep:
+            raise ConfigError(
+                f"ep({self.ep}) does not divide dp({dp}) (world {world} / (tp x pp x cp)): "
+                f"expert parallelism splits the experts over ep consecutive data-parallel ranks"
+            )
         per_rank = self.batch_size / (dp * self.grad_accum)
         if per_rank != int(per_rank):
             raise ConfigError(

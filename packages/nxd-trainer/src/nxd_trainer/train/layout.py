@@ -2,6 +2,8 @@
 
 * rank -> (PP, DP, TP) coordinates on NxD's ``[PP, DP, TP]`` mesh (TP innermost), and CP
   between DP and TP (``[PP, DP, CP, TP]``) with ``cp`` > 1 (parameters are replicated over CP);
+* with ``ep`` > 1, each MoE layer's experts split over ``ep`` consecutive DP ranks (the EP
+  rank is the DP rank mod ``ep``);
 * parameters held by each rank: the model is built on the ``meta`` device; a parameter lives
   on the pipeline stage of its layer (embedding on the first, final norm and head on the
   last; the cuts are the run's even cuts), and the parallelizer's TP layers (attention and
@@ -49,6 +51,9 @@ def parameters_per_stage(cfg: TrainConfig, config: Any) -> list[int]:
         if module in _TP_SHARDED:
             replicas = max(1, cfg.tp // kv) if module in ("k_proj", "v_proj") else 1
             n = n * replicas // cfg.tp
+        elif module == "experts" and param.dim() == 3:  # packed (experts, rows, columns)
+            # ep > 1: this rank's experts, TP inside each; ep = 1: kept whole on every rank
+            n = n // (cfg.ep * cfg.tp) if cfg.ep > 1 else n
         stages = _stage_of(name, config.num_hidden_layers, cfg.pp)
         if id(param) in seen and not (tied and cfg.pp > 1):
             continue
@@ -78,6 +83,7 @@ def format_layout(cfg: TrainConfig, config: Any, vocab_note: str = "") -> str:
         f"{world}; tp={cfg.tp} pp={cfg.pp}"
         + (f" cp={cfg.cp} ({cfg.cp_algorithm})" if cfg.cp > 1 else "")
         + f" dp={dp}"
+        + (f" ep={cfg.ep} (expert-dp {dp // cfg.ep})" if cfg.ep > 1 else "")
         + (" zero1" if cfg.zero1 else "")
         + (" sequence-parallel" if cfg.sequence_parallel else "")
         + (" bf16" if cfg.bf16 else ""),

@@ -33,7 +33,24 @@ PRESET_SHAPES: dict[str, dict[str, Any]] = {
              "num_key_value_heads": 2, "intermediate_size": 352},
     "small": {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8,
               "num_key_value_heads": 4, "intermediate_size": 1408},
+    # A Mixtral: 4 experts per layer (each of width 176, the tiny Llama's MLP split in two),
+    # 2 chosen per token; ~1.1 M parameters at a 2048 vocabulary.
+    "tiny-moe": {"hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+                 "num_key_value_heads": 2, "intermediate_size": 176, "num_local_experts": 4,
+                 "num_experts_per_tok": 2},
 }  # fmt: skip
+MOE_PRESETS = ("tiny-moe",)
+"""Presets that build a Mixtral (the others build a Llama)."""
+
+
+def _expert_count(config: Any) -> int | None:
+    """Experts per MoE layer of a transformers config (Mixtral's ``num_local_experts``,
+    Qwen-MoE's ``num_experts``); None for a dense model."""
+    for key in ("num_local_experts", "num_experts"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
 
 
 def model_source(cfg: TrainConfig) -> tuple[str, Path | None]:
@@ -72,12 +89,13 @@ def hf_config(cfg: TrainConfig, vocab: int, tokenizer: Any = None) -> Any:
 
     kind, path = model_source(cfg)
     if kind == "preset":
-        config = transformers.LlamaConfig(
+        moe = cfg.model in MOE_PRESETS
+        config = (transformers.MixtralConfig if moe else transformers.LlamaConfig)(
             vocab_size=-(-vocab // 64) * 64,
             max_position_embeddings=max(cfg.seq_len, 128),
             rms_norm_eps=1e-5,
             tie_word_embeddings=False,
-            architectures=["LlamaForCausalLM"],
+            architectures=["MixtralForCausalLM" if moe else "LlamaForCausalLM"],
             **PRESET_SHAPES[cfg.model],
         )
     else:
@@ -95,12 +113,15 @@ def hf_config(cfg: TrainConfig, vocab: int, tokenizer: Any = None) -> Any:
                 f"{config.vocab_size}: pass the model's own tokenizer with --tokenizer"
             )
     from nxd_trainer.hf import ParallelizersManager
+    from nxd_trainer.hf._experts import MOE_FAMILIES
 
-    if config.model_type not in ParallelizersManager.get_supported_model_types():
+    supported = [*ParallelizersManager.get_supported_model_types(), *MOE_FAMILIES]
+    if config.model_type not in supported:
         raise ConfigError(
-            f"model type {config.model_type!r} is not supported; supported: "
-            f"{ParallelizersManager.get_supported_model_types()}"
+            f"model type {config.model_type!r} is not supported; supported: {supported}"
         )
+    if cfg.ep > 1:
+        _check_experts(cfg, config, list(MOE_FAMILIES))
     heads = config.num_attention_heads
     if heads % cfg.tp:
         raise ConfigError(f"tp({cfg.tp}) does not divide the model's {heads} attention heads")
@@ -112,6 +133,22 @@ def hf_config(cfg: TrainConfig, vocab: int, tokenizer: Any = None) -> Any:
     if tokenizer is not None:
         _special_ids_from(tokenizer, config)
     return config
+
+
+def _check_experts(cfg: TrainConfig, config: Any, families: list[str]) -> None:
+    """``ep`` > 1 shards a MoE model's experts: the family must have them, in a count ``ep``
+    divides."""
+    experts = _expert_count(config)
+    if config.model_type not in families or experts is None:
+        raise ConfigError(
+            f"ep={cfg.ep} needs a mixture-of-experts model ({', '.join(families)}; the preset "
+            f"tiny-moe), got model type {config.model_type!r}"
+        )
+    if experts % cfg.ep:
+        raise ConfigError(
+            f"ep({cfg.ep}) does not divide the model's {experts} experts per layer (each EP "
+            f"rank holds experts / ep of them)"
+        )
 
 
 def _check_all_to_all_heads(cfg: TrainConfig, config: Any) -> None:
@@ -185,9 +222,7 @@ def build_nxd_config(cfg: TrainConfig, config: Any, world: int) -> dict[str, Any
     if cfg.activation_checkpointing == "full":
         checkpointing = "full"
     elif cfg.activation_checkpointing == "selective":
-        from transformers.models.llama import modeling_llama
-
-        checkpointing = [modeling_llama.LlamaAttention]
+        checkpointing = [attention_class(config)]
     lora_config = None
     if cfg.lora_rank:
         from nxd_lora import LoraConfig
@@ -207,6 +242,7 @@ def build_nxd_config(cfg: TrainConfig, config: Any, world: int) -> dict[str, Any
         tensor_parallel_size=cfg.tp,
         pipeline_parallel_size=cfg.pp,
         context_parallel_size=cfg.cp,
+        expert_parallel_size=cfg.ep,
         context_parallel_algorithm=cfg.cp_algorithm_name,
         pipeline_config=pipeline_config,
         optimizer_config={
@@ -220,6 +256,29 @@ def build_nxd_config(cfg: TrainConfig, config: Any, world: int) -> dict[str, Any
         lora_config=lora_config,
         mixed_precision_config=mixed,
     )
+
+
+def attention_class(config: Any) -> type:
+    """The attention module class of a transformers family (``LlamaAttention``,
+    ``MixtralAttention``, ...): what ``--activation-checkpointing selective`` recomputes."""
+    import importlib
+
+    kind = config.model_type
+    module = importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")
+    found = [
+        value
+        for name, value in vars(module).items()
+        if isinstance(value, type)
+        and issubclass(value, torch.nn.Module)
+        and name.endswith("Attention")
+        and value.__module__ == module.__name__
+    ]
+    if len(found) != 1:
+        raise ConfigError(
+            f"activation_checkpointing='selective': model type {kind!r} has "
+            f"{[c.__name__ for c in found]} as attention classes, expected exactly one"
+        )
+    return found[0]
 
 
 def fp32_gradient_sums(cfg: TrainConfig, world: int) -> bool:
