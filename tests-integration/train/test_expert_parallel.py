@@ -51,7 +51,7 @@ def test_ep_flag_dry_run_and_bad_values(tmp_path: Path, capsys: pytest.CaptureFi
         "ep(3) does not divide the model's 4 experts per layer": [
             *MOE, "--ep", "3", "--nproc-per-node", "3", "--batch-size", "6"],
         "ep=2 needs a mixture-of-experts model": ["--tp", "1", "--ep", "2"],
-        "ep=2 with zero1=True is not supported yet": [*MOE, "--ep", "2", "--zero1"],
+        "ep=2 with cp=2 is not supported yet": [*MOE, "--ep", "2", "--cp", "2"],
         "ep=2 with pp=2 is not supported yet": [*MOE, "--ep", "2", "--pp", "2"],
         "ep=2 with lora_rank=4 is not supported yet": [*MOE, "--ep", "2", "--lora-rank", "4"],
     }  # fmt: skip
@@ -92,3 +92,17 @@ def test_ep2_matches_one_process_resumes_at_ep1_and_exports(tmp_path: Path) -> N
             exported(input_ids=ids).logits, ref["model"](input_ids=ids).logits,
             rtol=1e-4, atol=1e-4,
         )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_ep2_zero1_on_four_ranks_matches_one_process(tmp_path: Path) -> None:
+    """ZeRO-1 at EP2 x DP4: expert state sharded over the 2 ranks holding the same experts."""
+    args = ["--steps", "2", "--no-export", "--eval-every", "0", "--ep", "2", "--zero1",
+            "--nproc-per-node", "4"]  # fmt: skip
+    R.nxd_train([*R.TINY, *MOE, *args, "--runs-dir", str(tmp_path)], tmp_path)
+    run = tmp_path / "tiny"
+    got, ref = R.losses(run), R.reference(run, MOE, [(2, args)])["losses"]
+    assert sorted(got) == [1, 2]
+    torch.testing.assert_close(
+        torch.tensor([got[1], got[2]]), torch.tensor([ref[1], ref[2]]), **TOL
+    )

@@ -1,6 +1,7 @@
 """The trainer API at ``expert_parallel_size=2``: ``initialize_parallel_model`` parallelises a
 stock Hugging Face MoE model (experts sharded over EP), ``initialize_parallel_optimizer``'s
-NxDOptimizer (AdamW, clipping at 0.5, no ZeRO-1) trains it, and two steps follow the one-process
+NxDOptimizer (AdamW, clipping at 0.5; with ZeRO-1, nxd-optim's ``NeuronEPZero1Optimizer``)
+trains it, and two steps follow the one-process
 run: each step the reference runs every DP rank's batch through the unsharded model and steps
 on the gradient of their mean loss (what averaging over DP computes), clipped by the norm of
 the whole model (each expert counted once). Losses (router auxiliary loss included) and every
@@ -40,7 +41,7 @@ def _reference(family: str, dp: int) -> dict[str, Any]:
     return {"losses": losses, "params": {n: p.detach() for n, p in model.named_parameters()}}
 
 
-def _trained(family: str, tp: int, ep: int) -> dict[str, Any]:
+def _trained(family: str, tp: int, ep: int, zero1: bool = False) -> dict[str, Any]:
     import nxd_state
     import nxd_trainer as nxd
 
@@ -48,7 +49,7 @@ def _trained(family: str, tp: int, ep: int) -> dict[str, Any]:
     nxd_config = nxd.neuronx_distributed_config(
         tensor_parallel_size=tp,
         expert_parallel_size=ep,
-        optimizer_config={"zero_one_enabled": False, "max_grad_norm": MAX_NORM},
+        optimizer_config={"zero_one_enabled": zero1, "max_grad_norm": MAX_NORM},
     )
     state = nxd_state.get_parallel_state()
     model = nxd.initialize_parallel_model(nxd_config, lambda: M.moe_model(family))
@@ -94,9 +95,22 @@ def test_trainer_at_tp2_ep2_follows_one_process(family: str) -> None:
     assert ranks[0]["losses"] != ranks[2]["losses"]
 
 
-def test_zero1_at_ep2_is_refused() -> None:
-    """ZeRO-1 would average different experts' gradients: refused naming it."""
-    from nxd_trainer import NxDConfig
+def _zero1_optimizer_class(family: str) -> str:
+    """What ZeRO-1 at EP2 builds, after following one process (``_trained``'s checks)."""
+    import nxd_trainer as nxd
 
-    with pytest.raises(ValueError, match=r"expert_parallel_size=2 with ZeRO-1"):
-        NxDConfig(expert_parallel_size=2, optimizer_config={"zero_one_enabled": True})
+    _trained(family, 1, 2, zero1=True)
+    config = nxd.neuronx_distributed_config(
+        expert_parallel_size=2, optimizer_config={"zero_one_enabled": True}
+    )
+    model = nxd.initialize_parallel_model(config, lambda: M.moe_model(family))
+    optimizer = nxd.initialize_parallel_optimizer(
+        config, torch.optim.AdamW, model.parameters(), **ADAMW
+    )
+    return type(optimizer.optimizer).__name__
+
+
+def test_trainer_zero1_at_ep2_dp4_follows_one_process() -> None:
+    """ZeRO-1 at EP2 x DP4 (expert-DP 2): expert state sharded over expert-DP, the rest over
+    DP, one norm; the same steps as one process."""
+    assert run_distributed(_zero1_optimizer_class, 4, "mixtral") == ["NeuronEPZero1Optimizer"] * 4

@@ -93,8 +93,9 @@ class NxDConfig:
     consecutive data-parallel ranks (EP divides DP; expert DP = DP / EP). A Hugging Face
     Mixtral, Qwen2-MoE or Qwen3-MoE model is parallelised by :mod:`nxd_trainer.hf` (experts
     sharded over EP, TP inside each expert); a model built from ``nxd_layers.moe`` shards its
-    experts itself. The optimizer averages expert gradients over the expert-DP group. EP > 1
-    needs ZeRO-1 off, PP = 1, CP = 1 and no LoRA; saving a checkpoint is refused at EP > 1."""
+    experts itself. The optimizer averages expert gradients over the expert-DP group (with
+    ZeRO-1, ``NeuronEPZero1Optimizer`` shards expert state over it); checkpoints hold every
+    expert and reshard across EP degrees. EP > 1 needs PP = 1, CP = 1 and no LoRA."""
 
     context_parallel_size: int = 1
     """Newer NxD's context parallelism: every sequence split over ``context_parallel_size``
@@ -270,17 +271,11 @@ class NxDConfig:
             )
 
     def _check_expert_parallel(self) -> None:
-        """EP > 1 runs with NxDOptimizer without ZeRO-1, at PP = 1, CP = 1, without LoRA."""
+        """EP > 1 runs at PP = 1, CP = 1, without LoRA (ZeRO-1 is nxd-optim's EP-aware
+        ``NeuronEPZero1Optimizer``)."""
         ep = self.expert_parallel_size
         if ep == 1:
             return
-        if self.optimizer_config.zero_one_enabled:
-            raise ValueError(
-                f"expert_parallel_size={ep} with ZeRO-1 (optimizer_config['zero_one_enabled']"
-                f"=True) is not supported: ZeRO-1 would average different experts' gradients; "
-                f"set zero_one_enabled=False (NxDOptimizer averages expert gradients over the "
-                f"expert data-parallel group)"
-            )
         others = {
             "pipeline_parallel_size": self.pipeline_parallel_size,
             "context_parallel_size": self.context_parallel_size,

@@ -226,8 +226,9 @@ class TrainConfig:
         """Expert-parallel degree: the experts of every MoE layer split over ``ep`` consecutive
         data-parallel ranks (``ep`` divides dp; the experts' gradients are averaged over the
         dp/ep ranks holding the same experts). A Mixtral, Qwen2-MoE or Qwen3-MoE model
-        (``--model tiny-moe``, or its config.json), ``pp`` = 1, ``cp`` = 1, without LoRA,
-        ZeRO-1 or ``--compile``.""",
+        (``--model tiny-moe``, or its config.json), ``pp`` = 1, ``cp`` = 1, without LoRA or
+        ``--compile``; ``--zero1`` shards expert state over the dp/ep ranks holding the same
+        experts.""",
     )
 
     cp_algorithm: str = setting(
@@ -427,14 +428,13 @@ class TrainConfig:
     def _check_expert_parallel(self) -> None:
         """What ``ep`` > 1 needs from the other settings (the experts: ``model.hf_config``;
         that ``ep`` divides dp: :meth:`check_world`)."""
-        for name, bad in (("pp", self.pp > 1), ("cp", self.cp > 1),
-                          ("lora_rank", self.lora_rank > 0), ("zero1", self.zero1),
-                          ("compile", self.compile)):  # fmt: skip
+        limits = {"pp": self.pp > 1, "cp": self.cp > 1, "lora_rank": self.lora_rank > 0,
+                  "compile": self.compile}  # fmt: skip
+        for name, bad in limits.items():
             if bad:
                 raise ConfigError(
                     f"ep={self.ep} with {name}={getattr(self, name)!r} is not supported yet: "
-                    f"expert parallelism runs at pp=1 and cp=1, without LoRA, ZeRO-1 or "
-                    f"--compile"
+                    f"expert parallelism runs at pp=1 and cp=1, without LoRA or --compile"
                 )
 
     @property
