@@ -44,7 +44,7 @@ from nxd_layers.mappings import (
     copy_to_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
 )
-from nxd_layers.moe import plan_dispatch
+from nxd_layers.moe import all_to_all_rows, plan_dispatch
 from nxd_state import collectives
 from nxd_trainer.hf._rules import UnsupportedModelError, forward_signature
 from nxd_trainer.hf._sources import Source
@@ -63,32 +63,6 @@ MOE_FAMILIES = tuple(family for family, _ in KNOWN_EXPERTS)
 
 EXPERT_ATTRIBUTES = {"expert_model_parallel": True, "expert_partition_dim": 0}
 """nxd-optim's marks of an expert weight (dim 0 split over the EP group)."""
-
-
-class _AllToAllRows(torch.autograd.Function):
-    """Rows exchanged over the EP group (``send_counts[j]`` to rank ``j``); the gradient is
-    the same exchange with the counts swapped."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, group: ProcessGroup, send: list[int], recv: list[int]
-    ) -> torch.Tensor:
-        ctx.group, ctx.counts = group, (send, recv)
-        return collectives.all_to_all_uneven(x, group, send_counts=send, recv_counts=recv)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        send, recv = ctx.counts
-        back = collectives.all_to_all_uneven(
-            grad.contiguous(), ctx.group, send_counts=recv, recv_counts=send
-        )
-        return back, None, None, None
-
-
-def _exchange(
-    x: torch.Tensor, group: ProcessGroup, send: list[int], recv: list[int]
-) -> torch.Tensor:
-    return _AllToAllRows.apply(x, group, list(send), list(recv))
 
 
 class ExpertParallelExperts(nn.Module):
@@ -153,9 +127,9 @@ class ExpertParallelExperts(nn.Module):
         top_k = top_k_index.shape[1]
         plan = plan_dispatch(top_k_index, self.num_experts, None, self.ep_group)
         token = plan.order // top_k  # (N,) token of each assignment, sorted by expert
-        sent = _exchange(x[token], self.ep_group, plan.send_counts, plan.recv_counts)
+        sent = all_to_all_rows(x[token], self.ep_group, plan.send_counts, plan.recv_counts)
         done = self._local_experts(sent, plan.recv_expert)  # (R, H)
-        back = _exchange(done, self.ep_group, plan.recv_counts, plan.send_counts)  # (N, H)
+        back = all_to_all_rows(done, self.ep_group, plan.recv_counts, plan.send_counts)  # (N, H)
         weighted = back * weights.reshape(-1)[plan.order].unsqueeze(1)  # (N, H)
         out = torch.zeros_like(x).index_add(0, token, weighted.to(x.dtype))
         if self.tp > 1:
