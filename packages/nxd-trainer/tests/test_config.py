@@ -138,11 +138,6 @@ def test_dict_round_trip_keeps_every_setting() -> None:
         ({"lora_config": {"enable_lora": True}}, TypeError, "nxd_lora.LoraConfig"),
         ({"expert_parallel_size": 0}, ValueError, "expert_parallel_size'] must be a positive"),
         (
-            {"expert_parallel_size": 2, "optimizer_config": {"zero_one_enabled": True}},
-            ValueError,
-            r"expert_parallel_size=2 with ZeRO-1 \(optimizer_config\['zero_one_enabled'\]",
-        ),
-        (
             {
                 "expert_parallel_size": 2,
                 "pipeline_parallel_size": 2,
