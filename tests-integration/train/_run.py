@@ -142,3 +142,16 @@ def reference(run: Path, extra: list[str], plan: list[tuple[int, list[str]]]) ->
             out[step] = loss.item()
     model.eval()
     return {"losses": out, "model": model, "valid": valid}
+
+
+def refusal(argv: list[str], capsys: Any) -> str:
+    """The one ``nxd-train: error:`` line of a refused command line (exit 2, no traceback);
+    ``capsys``: pytest's fixture."""
+    from nxd_trainer.train import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.startswith("nxd-train: error:")]
+    assert len(lines) == 1, err
+    return str(lines[0])

@@ -36,42 +36,32 @@ def test_dry_run_prints_the_layout(tmp_path: Path, capsys: pytest.CaptureFixture
     assert re.search(r"^rank 1: +\. 1F0 1B0", out, re.M)
 
 
-def _bad(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
-    from nxd_trainer.train import main
-
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    lines = [line for line in err.splitlines() if line.startswith("nxd-train: error:")]
-    assert len(lines) == 1, err
-    return lines[0]
-
-
 def test_bad_inputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     base = [*R.TINY, "--runs-dir", str(tmp_path)]
     missing = tmp_path / "nowhere"
-    assert f"data path '{missing}' does not exist" in _bad([*base, "--data", str(missing)], capsys)
+    line = R.refusal([*base, "--data", str(missing)], capsys)
+    assert f"data path '{missing}' does not exist" in line
     empty = tmp_path / "empty"
     (empty / "sub").mkdir(parents=True)
     (empty / "blank.txt").write_text("  \n")
-    assert "has no text" in _bad([*base, "--name", "e", "--data", str(empty)], capsys)
-    assert "tp(3) x pp(1) = 3 does not divide the world size 2" in _bad(
+    assert "has no text" in R.refusal([*base, "--name", "e", "--data", str(empty)], capsys)
+    assert "tp(3) x pp(1) = 3 does not divide the world size 2" in R.refusal(
         [*base, "--tp", "3"], capsys
     )
     # The model against the degrees, before the data is prepared (nothing written).
     heads = [*base, "--name", "heads", "--tp", "3", "--nproc-per-node", "3"]
-    assert "tp(3) does not divide the model's 4 attention heads" in _bad(heads, capsys)
+    assert "tp(3) does not divide the model's 4 attention heads" in R.refusal(heads, capsys)
     assert not (tmp_path / "heads").exists()
     folder = tmp_path / "no-weights"
     folder.mkdir()
     (folder / "config.json").write_text('{"model_type": "llama"}')
-    assert "holds no weights" in _bad([*base, "--model", str(folder)], capsys)
+    assert "holds no weights" in R.refusal([*base, "--model", str(folder)], capsys)
     toml = tmp_path / "run.toml"
     toml.write_text("steps = 3\nseq_lenn = 64\n")
-    message = _bad([*base, "--config", str(toml)], capsys)
+    message = R.refusal([*base, "--config", str(toml)], capsys)
     assert "unknown config key 'seq_lenn' (did you mean 'seq_len'?)" in message
     toml.write_text("[optimization]\nsteps = 'long'\n")  # tables are flattened
-    assert "steps must be an integer >= 1, got 'long'" in _bad(
+    assert "steps must be an integer >= 1, got 'long'" in R.refusal(
         [*base, "--config", str(toml)], capsys
     )
 
@@ -115,7 +105,7 @@ def test_help_lists_every_field(capsys: pytest.CaptureFixture[str]) -> None:
 def test_flag_errors_are_one_line(
     argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    line = _bad([*argv, "--runs-dir", str(tmp_path)], capsys)
+    line = R.refusal([*argv, "--runs-dir", str(tmp_path)], capsys)
     assert message in line
     assert "usage:" not in capsys.readouterr().err
     assert not any(tmp_path.iterdir())  # nothing written

@@ -27,17 +27,6 @@ TOL = {"rtol": 1e-4, "atol": 1e-5}
 QUICK = ["--no-export", "--eval-every", "0"]
 
 
-def _bad(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
-    from nxd_trainer.train import main
-
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    lines = [line for line in err.splitlines() if line.startswith("nxd-train: error:")]
-    assert len(lines) == 1, err
-    return lines[0]
-
-
 def test_cp_flags_dry_run_and_bad_values(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -69,7 +58,7 @@ def test_cp_flags_dry_run_and_bad_values(
         "argument --cp-algorithm: invalid choice: 'ulysses'": ["--cp-algorithm", "ulysses"],
     }  # fmt: skip
     for expected, flags in cases.items():
-        assert expected in _bad([*base, "--name", "bad", *flags], capsys), flags
+        assert expected in R.refusal([*base, "--name", "bad", *flags], capsys), flags
     assert not (tmp_path / "bad").exists()
 
 

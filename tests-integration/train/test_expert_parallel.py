@@ -26,17 +26,6 @@ TOL = {"rtol": 1e-4, "atol": 1e-5}
 MOE = ["--model", "tiny-moe", "--tp", "1"]
 
 
-def _bad(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
-    from nxd_trainer.train import main
-
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    lines = [line for line in err.splitlines() if line.startswith("nxd-train: error:")]
-    assert len(lines) == 1, err
-    return lines[0]
-
-
 def test_ep_flag_dry_run_and_bad_values(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from nxd_trainer.train import main
 
@@ -56,7 +45,7 @@ def test_ep_flag_dry_run_and_bad_values(tmp_path: Path, capsys: pytest.CaptureFi
         "ep=2 with lora_rank=4 is not supported yet": [*MOE, "--ep", "2", "--lora-rank", "4"],
     }  # fmt: skip
     for expected, flags in cases.items():
-        assert expected in _bad([*base, "--name", "bad", *flags], capsys), flags
+        assert expected in R.refusal([*base, "--name", "bad", *flags], capsys), flags
     assert not (tmp_path / "bad").exists()
 
 
