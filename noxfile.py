@@ -217,20 +217,21 @@ def lowest(session: nox.Session) -> None:
     installs 2.9.0; the packages declare the same floor for a shared dependency, so one
     environment is each package's lowest); the packages come from wheels built without
     workspace sources, which also proves that the wheels install and that the sibling ranges
-    resolve. Runs the first case of half the test functions (.ci/sample_tests.py; `middle`
-    runs the other half): ``nox -s lowest -- --every-case`` runs every case.
+    resolve. Runs the first case of a third of the test functions (.ci/sample_tests.py;
+    `middle` runs another third; the last third runs at the lock only, in `tests-*`):
+    ``nox -s lowest -- --every-case`` runs every case.
     """
-    _from_wheels(session, ["--resolution", "lowest-direct"], share="0/2")
+    _from_wheels(session, ["--resolution", "lowest-direct"], share="0/3")
 
 
 @nox.session(tags=["ci"])
 def middle(session: nox.Session) -> None:
     """Every package from wheels at a MIDDLE point of the ranges: torch 2.11 and transformers
     5.17 (MIDDLE_PINS, as constraints), everything else at the newest version the ranges admit.
-    Runs the first case of the test functions `lowest` does not (``-- --every-case``: all)."""
+    Runs the first case of another third of the test functions (``-- --every-case``: all)."""
     constraints = Path(session.create_tmp()) / "middle-constraints.txt"
     constraints.write_text("\n".join(MIDDLE_PINS) + "\n")
-    _from_wheels(session, ["--constraint", str(constraints)], share="1/2")
+    _from_wheels(session, ["--constraint", str(constraints)], share="1/3")
 
 
 def _from_wheels(session: nox.Session, resolver: list[str], share: str) -> None:

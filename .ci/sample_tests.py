@@ -5,13 +5,18 @@ declared ranges what can break is the API surface a test touches, which its firs
 reaches; running every parameter combination there again would triple the suite. So::
 
     pytest -p sample_tests --one-case-per-test            # each test function's first case
-    pytest -p sample_tests --one-case-per-test --share 1/2  # ... of every other function
+    pytest -p sample_tests --one-case-per-test --share 1/3  # ... of a third of the functions
     pytest -p sample_tests --one-case-per-test --every-case  # the last flag undoes both
+
+Tests marked ``lock_only`` (with the reason as the marker's ``reason``) are left out here: the
+few whose cost at another version is out of proportion to the surface they prove (AOTInductor
+compiling C++ for minutes at torch 2.11); they run in the ``tests-*`` sessions.
 
 ``--share K/N`` keeps the test functions whose stable hash (CRC-32 of ``path::function`` from
 the package folder on) is
-``K`` modulo ``N``, so two sessions with ``0/2`` and ``1/2`` run every function once between
-them. Deselected items are reported by pytest as usual ("N deselected").
+``K`` modulo ``N``: ``lowest`` runs ``0/3`` and ``middle`` ``1/3``, so two thirds of the
+functions run at a version point other than the lock (the ``tests-*`` sessions run all of
+them there), each once. Deselected items are reported by pytest as usual ("N deselected").
 """
 
 from __future__ import annotations
@@ -55,7 +60,17 @@ def _function_id(item: pytest.Item) -> str:
     return item.nodeid.split("[", 1)[0]
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "lock_only(reason): left out of the version-point sessions (see sample_tests)"
+    )
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    lock_only = [item for item in items if item.get_closest_marker("lock_only")]
+    if lock_only:
+        config.hook.pytest_deselected(items=lock_only)
+        items[:] = [item for item in items if not item.get_closest_marker("lock_only")]
     one_case = config.getoption("--one-case-per-test")
     share = _share(config.getoption("--share"))
     if config.getoption("--every-case") or (not one_case and share is None):
