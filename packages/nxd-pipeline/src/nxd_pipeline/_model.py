@@ -137,11 +137,8 @@ class NxDPPModel(LocalStagesMixin, nn.Module):
         self, module: nn.Module | Sequence[nn.Module], options: PipelineOptions
     ) -> LocalStages:
         """Capture and cut the model (or split the layer list) and keep this rank's stages."""
-        p, v, rank = (
-            self.pipeline_parallel_size,
-            self.virtual_pipeline_size,
-            self.pipeline_parallel_rank,
-        )
+        p, rank = self.pipeline_parallel_size, self.pipeline_parallel_rank
+        v = self.virtual_pipeline_size
         local = self.schedule.stages_of_rank(rank)
         if self.manual_pp_partition:
             self.transformer_layer_cls = options.transformer_layer_cls
@@ -152,6 +149,7 @@ class NxDPPModel(LocalStagesMixin, nn.Module):
         return built
 
     def _set_local_stages(self, built: LocalStages) -> None:
+        """Keep the stages (as submodules) and what the steps read of the capture."""
         self.stages = nn.ModuleDict({str(s): stage for s, stage in built.stages.items()})
         self.input_names = built.input_names
         self.pipeline_cuts = built.pipeline_cuts
