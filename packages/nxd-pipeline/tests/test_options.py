@@ -59,7 +59,7 @@ BAD = [
     (
         {"manual_pp_partition": True, "pipeline_cuts": ["h.1"]},
         ValueError,
-        r"manual_pp_partition=True splits the layer list itself",
+        r"splits the layer list itself, got pipeline_cuts=\['h.1'\], auto_partition=False",
     ),
     ({"pipeline_cuts": "h.1"}, TypeError, r"pipeline_cuts must be a list of names .* got 'h.1'"),
     ({"input_names": ["ids", 3]}, TypeError, r"input_names must be a list of names .*3\]"),

@@ -212,8 +212,10 @@ class PipelineOptions:
         manual_options = (self.manual_pp_loss_fn, self.manual_pp_stage_partition_fn)
         if self.manual_pp_partition and (self.pipeline_cuts or self.auto_partition):
             raise ValueError(
-                "manual_pp_partition=True splits the layer list itself: drop pipeline_cuts and "
-                "auto_partition (use manual_pp_stage_partition_fn to choose the stages)"
+                f"manual_pp_partition=True splits the layer list itself, got pipeline_cuts="
+                f"{self.pipeline_cuts!r}, auto_partition={self.auto_partition!r}: drop "
+                f"pipeline_cuts and auto_partition (use manual_pp_stage_partition_fn to choose "
+                f"the stages)"
             )
         if not self.manual_pp_partition and any(o is not None for o in manual_options):
             logger.warning("manual_pp_* arguments are ignored without manual_pp_partition=True")
