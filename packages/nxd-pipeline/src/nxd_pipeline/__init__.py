@@ -10,12 +10,12 @@ without processes, and a runtime whose point-to-point transfers go through
 from importlib.metadata import version as _version
 
 from nxd_pipeline._actions import Action, ActionKind
-from nxd_pipeline._arguments import XLA_RUNTIME_OPTIONS
 from nxd_pipeline._backward import backward_full, backward_input, backward_weight
 from nxd_pipeline._comm import recv_from, send
 from nxd_pipeline._loss import select_loss
 from nxd_pipeline._manual import PipelineStageModule
 from nxd_pipeline._model import NxDPPModel
+from nxd_pipeline._options import XLA_RUNTIME_OPTIONS, PipelineOptions
 from nxd_pipeline._partition import PartitionPlan, auto_pipeline_cuts, partition_graph
 from nxd_pipeline._schedules import (
     SCHEDULE_NAMES,
@@ -40,6 +40,7 @@ __all__ = [
     "DryRun",
     "NxDPPModel",
     "PartitionPlan",
+    "PipelineOptions",
     "PipelineSchedule",
     "PipelineStageModule",
     "PipelineTraceError",

@@ -35,12 +35,24 @@ class ActionKind(enum.Enum):
     def is_comm(self) -> bool:
         return not self.is_compute
 
+    @property
+    def unit_cost(self) -> int:
+        """The cost model every schedule is generated and dry-run under: F = 1, B = 2 (input
+        and weight gradients, each about one forward's work), I = W = 1; transfers 0."""
+        return _UNIT_COST.get(self, 0)
+
 
 _COMPUTE = {
     ActionKind.FORWARD,
     ActionKind.BACKWARD,
     ActionKind.BACKWARD_INPUT,
     ActionKind.BACKWARD_WEIGHT,
+}
+_UNIT_COST = {
+    ActionKind.FORWARD: 1,
+    ActionKind.BACKWARD: 2,
+    ActionKind.BACKWARD_INPUT: 1,
+    ActionKind.BACKWARD_WEIGHT: 1,
 }
 # Longest spellings first, so "SEND_F" is not read as something shorter.
 _KINDS = sorted((kind.value for kind in ActionKind), key=len, reverse=True)

@@ -238,6 +238,32 @@ def export_graph(
             f"input_names are its tensor inputs"
         ) from error
     graph_module = exported.module()
+    restored = _restore_module_calls(module, graph_module, exported, keep, sites)
+    graph_module.recompile()
+    placeholders = [str(n.target) for n in graph_module.graph.nodes if n.op == "placeholder"]
+    captured = CapturedGraph(
+        graph_module=graph_module,
+        input_names=[p for p in placeholders if p not in fixed],
+        route="export",
+        output_spec=graph_module._out_spec,
+        fixed_inputs=fixed,
+        module_calls=restored,
+    )
+    if key is not None:
+        _EXPORT_CACHE[key] = captured
+    return captured
+
+
+def _restore_module_calls(
+    module: nn.Module,
+    graph_module: fx.GraphModule,
+    exported: torch.export.ExportedProgram,
+    keep: list[str],
+    sites: dict[str, set[str]],
+) -> list[str]:
+    """Put back a call of every module in ``keep`` that can run as one; returns those. A
+    module applying a custom autograd Function that is not restored is an error (inlined,
+    its backward would be dropped)."""
     nodes = {n.name: n for n in graph_module.graph.nodes}  # by name, updated as calls replace
     restored, failed = [], {}
     for name in keep:
@@ -255,19 +281,7 @@ def export_graph(
             f"inlined, the Function's backward would be dropped (wrong gradients). Call the "
             f"module once per forward, with tensor inputs computed before it"
         )
-    graph_module.recompile()
-    placeholders = [str(n.target) for n in graph_module.graph.nodes if n.op == "placeholder"]
-    captured = CapturedGraph(
-        graph_module=graph_module,
-        input_names=[p for p in placeholders if p not in fixed],
-        route="export",
-        output_spec=graph_module._out_spec,
-        fixed_inputs=fixed,
-        module_calls=restored,
-    )
-    if key is not None:
-        _EXPORT_CACHE[key] = captured
-    return captured
+    return restored
 
 
 def _accepts(module: nn.Module, name: str) -> bool:

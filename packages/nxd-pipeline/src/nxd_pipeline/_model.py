@@ -14,22 +14,21 @@ accumulate (:mod:`nxd_pipeline._reduce`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Hashable, Mapping, Sequence
-from types import ModuleType
+from collections.abc import Hashable, Sequence
 from typing import Any, cast
 
 import torch
-from torch import fx, nn
+from torch import nn
 
-from nxd_pipeline._arguments import check_arguments
-from nxd_pipeline._build import PartitionFn, build_manual, build_traced
+from nxd_pipeline._build import LocalStages, build_manual, build_traced
 from nxd_pipeline._inputs import signature, split_manual, split_traced
 from nxd_pipeline._local import LocalStagesMixin
-from nxd_pipeline._loss import LossSpec, select_loss
+from nxd_pipeline._loss import select_loss
 from nxd_pipeline._materialize import move_local_tensors
+from nxd_pipeline._options import PipelineOptions, nxd_signature
 from nxd_pipeline._reduce import DataParallelReduction, GradientReducer, sync_tied_weights
 from nxd_pipeline._runtime import Stage, StepRunner
-from nxd_pipeline._schedules import build_schedule, stage_to_rank
+from nxd_pipeline._schedules import build_schedule
 from nxd_pipeline._timeline import Timeline
 from nxd_state import ParallelState, collectives, get_parallel_state
 
@@ -41,183 +40,136 @@ logger = logging.getLogger(__name__)
 class NxDPPModel(LocalStagesMixin, nn.Module):
     """Pipeline-parallel wrapper with NxD's signature (see the package README).
 
-    ``module`` is a model to capture and cut at ``pipeline_cuts``, or, with
-    ``manual_pp_partition=True``, a list of layers (NxD's manual mode: stages from
-    ``manual_pp_stage_partition_fn``, loss from ``manual_pp_loss_fn``, inputs passed as
-    ``run_train(inputs=..., labels=...)``). ``return_loss_on_cpu`` (NxD's default True) returns
-    the loss on the CPU.
+    ``NxDPPModel(module, num_microbatches=4, ...)`` (NxD's arguments, positional in NxD's
+    order) or ``NxDPPModel(module, options=PipelineOptions(num_microbatches=4, ...))``; each
+    option is described on :class:`~nxd_pipeline.PipelineOptions`, whose fields the signature
+    is built from. ``module`` is a model to capture and cut at ``pipeline_cuts``, or, with
+    ``manual_pp_partition=True``, a list of layers (NxD's manual mode: inputs passed as
+    ``run_train(inputs=..., labels=...)``).
 
-    NxD's keyword arguments outside its documented signature: ``virtual_pipeline_size``
-    (model chunks per rank, interleaving), ``use_optimizer_wrapper`` (True: an optimizer
-    wrapper averages gradients over DP at its step, so ``run_train`` does not) and
-    ``use_model_wrapper`` (True: a model wrapper materialises the local parameters and moves
-    them to the device by calling :meth:`move_model_to_device`; else that happens here).
-    NxD's XLA runtime knobs (``_all_reduce_send_recv``, ``fuse_microbatches``...) are accepted
-    and have no effect. Beyond NxD: ``schedule`` (``"1f1b"`` default, ``"gpipe"``,
-    ``"interleaved_1f1b"`` (default when v > 1), ``"zb_h1"``), ``device`` (where local stages
-    live; default: where the model's parameters are, or CPU for a meta model) and
-    ``async_sends`` (non-blocking p2p: sends left in flight, receives waited for only where
-    their data is used, instead of synchronous batches; default: on for gloo only).
+    Construction: check the options, place this rank (its process groups, or NxD's
+    ``_debug_mode`` partition without them), build the schedule, build this rank's stages,
+    then the step runner; finally materialise and move the stages unless a model wrapper
+    does (``use_model_wrapper``).
     """
 
     original_torch_module: nn.Module | Sequence[nn.Module]
     """The model (or layer list) given, as NxD keeps it; not a submodule: ``parameters()``
     and ``state_dict()`` of this wrapper hold this rank's stages only."""
 
+    options: PipelineOptions
+    """The options this model was built with (NxD's keyword arguments, mapped)."""
+
     def __init__(
         self,
         module: nn.Module | Sequence[nn.Module],
-        transformer_layer_cls: type | str | None = None,
-        num_microbatches: int = 1,
-        virtual_pipeline_size: int = 1,
-        output_loss_value_spec: LossSpec = None,
-        return_mb_loss: bool = False,
-        broadcast_and_average_loss: bool = False,
-        use_zero1_optimizer: bool = False,
-        use_model_wrapper: bool = False,
-        use_optimizer_wrapper: bool = False,
-        pipeline_cuts: list[str] | None = None,
-        input_names: list[str] | None = None,
-        leaf_module_cls: list[type | str] | None = None,
-        autowrap_functions: tuple[Callable[..., Any], ...] | None = None,
-        autowrap_modules: tuple[ModuleType, ...] | None = None,
-        autowrap_obj_methods: Mapping[Any, Sequence[str]] | None = None,
-        tracer_cls: str | type[fx.Tracer] | None = None,
-        param_init_fn: Callable[[nn.Module], None] | None = None,
-        trace_file_path: str | None = None,
-        return_loss_on_cpu: bool | None = True,
-        deallocate_pipeline_outputs: bool = False,
-        auto_partition: bool | None = False,
-        fuse_microbatches: bool | None = False,
-        manual_pp_partition: bool | None = False,
-        manual_pp_stage_partition_fn: PartitionFn | None = None,
-        manual_pp_loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-        *,
-        _debug_mode: bool = False,
-        _debug_pp_size: int = 8,
-        _debug_pp_rank: int = 0,
-        schedule: str | None = None,
-        device: torch.device | str | None = None,
-        async_sends: bool | None = None,
-        **xla_runtime_options: Any,
+        *args: Any,
+        options: PipelineOptions | None = None,
+        **kwargs: Any,
     ) -> None:
         super().__init__()
-        check_arguments(
-            module,
-            num_microbatches=num_microbatches,
-            virtual_pipeline_size=virtual_pipeline_size,
-            return_mb_loss=return_mb_loss,
-            broadcast_and_average_loss=broadcast_and_average_loss,
-            pipeline_cuts=pipeline_cuts,
-            auto_partition=bool(auto_partition),
-            output_loss_value_spec=output_loss_value_spec,
-            manual_pp_partition=bool(manual_pp_partition),
-            manual_options=(manual_pp_loss_fn, manual_pp_stage_partition_fn),
-            debug=(_debug_mode, _debug_pp_size, _debug_pp_rank),
-            xla_runtime_options=xla_runtime_options,
-        )
-        if deallocate_pipeline_outputs:  # sent activations are not kept here anyway
-            logger.debug("deallocate_pipeline_outputs: no effect (sent outputs are not held)")
-        if fuse_microbatches and return_loss_on_cpu:
-            logger.warning("return_loss_on_cpu is set to False since fuse_microbatches is True")
-            return_loss_on_cpu = False  # NxD's rule; the microbatches themselves run apart
-        manual = bool(manual_pp_partition)
+        options = _options_of(options, args, kwargs)
+        options.check_module(module)
         self.__dict__["original_torch_module"] = module  # not registered as a submodule
-        self._debug_mode = bool(_debug_mode)
-        if self._debug_mode:  # NxD's: partition as rank r of p, without process groups
-            state, p, rank = None, _debug_pp_size, _debug_pp_rank
+        self.options = options
+        self._set_nxd_attributes(options)
+        state = self._place(options)
+        async_sends = _async_sends(options.async_sends, state)
+        self.schedule = build_schedule(
+            options.schedule_name,
+            self.pipeline_parallel_size,
+            self.num_microbatches,
+            self.virtual_pipeline_size,
+            asynchronous_sends=async_sends,
+        )
+        self._set_local_stages(self._build_local_stages(module, options))
+        self._runner = self._make_runner(state, async_sends)
+        self.timeline: Timeline | None = None
+        self._reducer: GradientReducer | None = None
+        self._tied_synced = False
+        self._moved = False
+        if not options.use_model_wrapper:
+            self.move_model_to_device()
+        logger.info(
+            "NxDPPModel: pp rank %d of %d holds stages %s (%d parameters), schedule %s",
+            self.pipeline_parallel_rank,
+            self.pipeline_parallel_size,
+            [int(s) for s in self.stages],
+            sum(t.numel() for _, t in self.local_named_parameters()),
+            self.schedule.name,
+        )
+
+    # Construction steps ---------------------------------------------------------------------
+    def _set_nxd_attributes(self, options: PipelineOptions) -> None:
+        """NxD's attributes of the same names (the wrapper flags stay writable: an optimizer
+        or model wrapper may set them after construction)."""
+        self.num_microbatches = options.num_microbatches
+        self.virtual_pipeline_size = options.virtual_pipeline_size
+        self.output_loss_value_spec = options.output_loss_value_spec
+        self.return_mb_loss = options.return_mb_loss
+        self.broadcast_and_average_loss = options.broadcast_and_average_loss
+        self.use_zero1_optimizer = options.use_zero1_optimizer
+        self.use_model_wrapper = options.use_model_wrapper
+        self.use_optimizer_wrapper = options.use_optimizer_wrapper
+        self.manual_pp_loss_fn = options.manual_pp_loss_fn
+        self.param_init_fn = options.param_init_fn
+        self.manual_pp_partition = bool(options.manual_pp_partition)
+        if options.deallocate_pipeline_outputs:  # sent activations are not kept here anyway
+            logger.debug("deallocate_pipeline_outputs: no effect (sent outputs are not held)")
+        if options.fuse_microbatches and options.return_loss_on_cpu:
+            logger.warning("return_loss_on_cpu is set to False since fuse_microbatches is True")
+        self.return_loss_on_cpu = options.loss_on_cpu  # the microbatches still run apart
+        self._debug_mode = bool(options.debug_mode)
+
+    def _place(self, options: PipelineOptions) -> ParallelState | None:
+        """This rank's pipeline size p and rank: from the process groups, or NxD's debug mode
+        (partition as rank r of p without process groups; then no state)."""
+        if self._debug_mode:
+            state, p, rank = None, options.debug_pp_size, options.debug_pp_rank
         else:
             state = get_parallel_state()
             p, rank = state.pipeline_parallel_size, state.pipeline_parallel_rank
         self.parallel_state = state
         self.pipeline_parallel_size, self.pipeline_parallel_rank = p, rank
-        v = virtual_pipeline_size
-        self.num_microbatches = num_microbatches
-        self.output_loss_value_spec = output_loss_value_spec
-        self.return_mb_loss = return_mb_loss
-        self.broadcast_and_average_loss = broadcast_and_average_loss
-        self.use_zero1_optimizer = use_zero1_optimizer
-        self.use_model_wrapper = use_model_wrapper
-        self.use_optimizer_wrapper = use_optimizer_wrapper
-        self.return_loss_on_cpu = bool(return_loss_on_cpu)
-        self.manual_pp_partition = manual
-        self.manual_pp_loss_fn = manual_pp_loss_fn
-        self.param_init_fn = param_init_fn
-        self.virtual_pipeline_size = v
-        name = schedule if schedule is not None else ("interleaved_1f1b" if v > 1 else "1f1b")
-        if async_sends is None:  # unbatched crossing sends can deadlock a stream-ordered backend
-            async_sends = (
-                state is not None
-                and torch.distributed.get_backend(state.pipeline_parallel_group) == "gloo"
-            )
-        self.schedule = build_schedule(name, p, num_microbatches, v, asynchronous_sends=async_sends)
-        local = [s for s in range(p * v) if stage_to_rank(s, p) == rank]
-        if manual:
-            built = build_manual(
-                list(module),  # type: ignore[arg-type]
-                local,
-                p,
-                v,
-                rank,
-                partition_fn=manual_pp_stage_partition_fn,
-                param_init_fn=param_init_fn,
-                loss_fn=manual_pp_loss_fn,
-                loss_spec=output_loss_value_spec,
-                device=device,
-            )
-            self.transformer_layer_cls = transformer_layer_cls
-        else:
-            assert isinstance(module, nn.Module)
-            built = build_traced(
-                module,
-                local,
-                p,
-                v,
-                transformer_layer_cls=transformer_layer_cls,
-                pipeline_cuts=pipeline_cuts,
-                input_names=input_names,
-                leaf_module_cls=leaf_module_cls,
-                autowrap_functions=autowrap_functions,
-                autowrap_modules=autowrap_modules,
-                autowrap_obj_methods=autowrap_obj_methods,
-                tracer_cls=tracer_cls,
-                param_init_fn=param_init_fn,
-                trace_file_path=trace_file_path,
-                auto_partition=bool(auto_partition),
-                device=device,
-            )
-            self.transformer_layer_cls = built.layer_class
+        return state
+
+    def _build_local_stages(
+        self, module: nn.Module | Sequence[nn.Module], options: PipelineOptions
+    ) -> LocalStages:
+        """Capture and cut the model (or split the layer list) and keep this rank's stages."""
+        p, rank = self.pipeline_parallel_size, self.pipeline_parallel_rank
+        v = self.virtual_pipeline_size
+        local = self.schedule.stages_of_rank(rank)
+        if self.manual_pp_partition:
+            self.transformer_layer_cls = options.transformer_layer_cls
+            return build_manual(list(module), local, p, v, rank, options)  # type: ignore[arg-type]
+        assert isinstance(module, nn.Module)
+        built = build_traced(module, local, p, v, options)
+        self.transformer_layer_cls = built.layer_class
+        return built
+
+    def _set_local_stages(self, built: LocalStages) -> None:
+        """Keep the stages (as submodules) and what the steps read of the capture."""
         self.stages = nn.ModuleDict({str(s): stage for s, stage in built.stages.items()})
         self.input_names = built.input_names
         self.pipeline_cuts = built.pipeline_cuts
         self._fixed_inputs = built.fixed_inputs
         self._output_spec = built.output_spec
         self._built = built
-        self._runner: StepRunner | None = None
-        if state is not None:
-            self._runner = StepRunner(
-                schedule=self.schedule,
-                pipeline_rank=rank,
-                pipeline_ranks=state.pipeline_parallel_ranks,
-                group=state.pipeline_parallel_group,
-                stages=self._runtime_stages(),
-                select_loss=self._loss_of,
-                device=built.device,
-                async_sends=async_sends,
-            )
-        self.timeline: Timeline | None = None
-        self._reducer: GradientReducer | None = None
-        self._tied_synced = False
-        self._moved = False
-        if not use_model_wrapper:
-            self.move_model_to_device()
-        logger.info(
-            "NxDPPModel: pp rank %d of %d holds stages %s (%d parameters), schedule %s",
-            rank,
-            p,
-            local,
-            sum(t.numel() for _, t in self.local_named_parameters()),
-            self.schedule.name,
+
+    def _make_runner(self, state: ParallelState | None, async_sends: bool) -> StepRunner | None:
+        """The runtime of this rank's action list; None without process groups (debug mode)."""
+        if state is None:
+            return None
+        return StepRunner(
+            schedule=self.schedule,
+            pipeline_rank=self.pipeline_parallel_rank,
+            pipeline_ranks=state.pipeline_parallel_ranks,
+            group=state.pipeline_parallel_group,
+            stages=self._runtime_stages(),
+            select_loss=self._loss_of,
+            device=self._built.device,
+            async_sends=async_sends,
         )
 
     def move_model_to_device(self) -> None:
@@ -388,3 +340,37 @@ class NxDPPModel(LocalStagesMixin, nn.Module):
         raise RuntimeError(
             "NxDPPModel runs whole pipeline steps: call run_train(**inputs) or run_eval(**inputs)"
         )
+
+
+setattr(  # noqa: B010 - inspect reads NxD's signature, built from PipelineOptions' fields
+    NxDPPModel.__init__,
+    "__signature__",
+    nxd_signature(leading=("self", "module"), trailing=("options",)),
+)
+
+
+def _options_of(
+    options: PipelineOptions | None, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> PipelineOptions:
+    """``options``, or NxD's arguments mapped onto them; both at once is an error."""
+    if options is None:
+        return PipelineOptions.from_nxd(*args, **kwargs)
+    if not isinstance(options, PipelineOptions):
+        raise TypeError(f"options must be a PipelineOptions, got {type(options).__name__}")
+    if args or kwargs:
+        given = [f"{len(args)} positional argument(s)"] if args else []
+        raise TypeError(
+            f"NxDPPModel takes options=PipelineOptions(...) or NxD's arguments, not both: got "
+            f"options and {', '.join(given + sorted(kwargs))}"
+        )
+    return options
+
+
+def _async_sends(requested: bool | None, state: ParallelState | None) -> bool:
+    """Non-blocking p2p as requested; by default on for gloo only (unbatched crossing sends
+    can deadlock a stream-ordered backend)."""
+    if requested is not None:
+        return requested
+    if state is None:
+        return False
+    return torch.distributed.get_backend(state.pipeline_parallel_group) == "gloo"

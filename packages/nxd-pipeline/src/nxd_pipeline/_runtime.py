@@ -95,7 +95,6 @@ class StepRunner:
         self, microbatches: list[dict[str, Any]], *, train: bool, signature: Hashable
     ) -> tuple[list[torch.Tensor], Timeline]:
         """Run the step; returns the per-microbatch losses (last stage only) and the timeline."""
-        p, n_stages = self.schedule.num_ranks, self.schedule.num_stages
         m = len(microbatches)
         actions = self.schedule.actions[self.pipeline_rank]
         if not train:  # forwards only, with their transfers
@@ -137,13 +136,7 @@ class StepRunner:
                 with grad_ctx:
                     self._compute(action, microbatches, inbox, outbox, contexts, losses, m)
                 label = str(action)
-                nxt = action.stage + 1 if action.kind is F else action.stage - 1
-                if (
-                    action.kind in (F, B, BI)
-                    and 0 <= nxt < n_stages
-                    and stage_to_rank(nxt, p) == self.pipeline_rank
-                ):
-                    self._hand_over_locally(action, outbox, inbox)
+                self._hand_over_locally(action, outbox, inbox)
             timeline.entries.append(
                 ActionTiming(label, action.kind.is_compute, start, time.perf_counter())
             )
@@ -198,10 +191,15 @@ class StepRunner:
         return time.perf_counter()
 
     def _hand_over_locally(self, action: Action, outbox: dict, inbox: dict) -> None:
-        """Consecutive stages on this rank (p = 1): the output becomes the next input."""
+        """Consecutive stages on this rank (p = 1): the output of a forward or backward
+        becomes the next stage's input (no transfer)."""
         direction = "F" if action.kind is F else "B"
-        tensors = outbox.pop((direction, action.stage, action.microbatch))
         target = action.stage + 1 if direction == "F" else action.stage - 1
+        p, n_stages = self.schedule.num_ranks, self.schedule.num_stages
+        local = 0 <= target < n_stages and stage_to_rank(target, p) == self.pipeline_rank
+        if action.kind not in (F, B, BI) or not local:
+            return
+        tensors = outbox.pop((direction, action.stage, action.microbatch))
         if direction == "F":
             tensors = [t.detach().requires_grad_(t.requires_grad) for t in tensors]
         inbox[(direction, target, action.microbatch)] = tensors

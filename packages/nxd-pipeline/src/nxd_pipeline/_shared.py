@@ -56,6 +56,10 @@ def mark_weight_sharing(
         marks[sharing_group_name] = path
 
 
+Slot = tuple[int, str]
+"""A layer parameter: (layer index, parameter path in the layer)."""
+
+
 @dataclass(frozen=True)
 class SharedWeight:
     """A weight used by layers on several pipeline ranks."""
@@ -78,38 +82,11 @@ def shared_weights(
     Layer parameters are grouped when they are the same object or marked with one group name;
     groups whose layers all sit on one rank need nothing (autograd sums the uses).
     """
-    slots: dict[tuple[int, str], nn.Parameter] = {}
+    slots: dict[Slot, nn.Parameter] = {}
     for i, layer in enumerate(layers):
         for path, param in layer.named_parameters(remove_duplicate=False):
             slots[(i, path)] = param
-    parent = {slot: slot for slot in slots}
-
-    def root(slot: tuple[int, str]) -> tuple[int, str]:
-        while parent[slot] != slot:
-            slot = parent[slot]
-        return slot
-
-    def join(a: tuple[int, str], b: tuple[int, str]) -> None:
-        ra, rb = root(a), root(b)
-        parent[max(ra, rb)] = min(ra, rb)
-
-    first_use: dict[int, tuple[int, str]] = {}
-    for slot, param in slots.items():
-        join(first_use.setdefault(id(param), slot), slot)
-    names: dict[tuple[int, str], str] = {}
-    marked: dict[str, tuple[int, str]] = {}
-    for i, layer in enumerate(layers):
-        for group, path in getattr(layer, WEIGHT_SHARING_ATTR, {}).items():
-            if (i, path) not in slots:
-                raise ValueError(
-                    f"weight sharing group {group!r} marks {path!r} of layer {i} "
-                    f"({type(layer).__name__}), which is not one of its parameters"
-                )
-            join(marked.setdefault(group, (i, path)), (i, path))
-            names[(i, path)] = group
-    groups: dict[tuple[int, str], list[tuple[int, str]]] = {}
-    for slot in slots:
-        groups.setdefault(root(slot), []).append(slot)
+    groups, names = _sharing_groups(layers, slots)
     out = []
     for head, members in sorted(groups.items()):
         stages = tuple(sorted({stage_of[i] for i, _ in members}))
@@ -134,3 +111,40 @@ def shared_weights(
             )
         )
     return out
+
+
+def _sharing_groups(
+    layers: Sequence[nn.Module], slots: dict[Slot, nn.Parameter]
+) -> tuple[dict[Slot, list[Slot]], dict[Slot, str]]:
+    """The slots (layer index, parameter path) joined into groups, by union-find: those holding
+    the same ``Parameter``, and those marked with one group name (:func:`mark_weight_sharing`).
+    Returns each group's members under its smallest slot, and the group name of marked slots."""
+    parent = {slot: slot for slot in slots}
+
+    def root(slot: Slot) -> Slot:
+        while parent[slot] != slot:
+            slot = parent[slot]
+        return slot
+
+    def join(a: Slot, b: Slot) -> None:
+        ra, rb = root(a), root(b)
+        parent[max(ra, rb)] = min(ra, rb)
+
+    first_use: dict[int, Slot] = {}
+    for slot, param in slots.items():
+        join(first_use.setdefault(id(param), slot), slot)
+    names: dict[Slot, str] = {}
+    marked: dict[str, Slot] = {}
+    for i, layer in enumerate(layers):
+        for group, path in getattr(layer, WEIGHT_SHARING_ATTR, {}).items():
+            if (i, path) not in slots:
+                raise ValueError(
+                    f"weight sharing group {group!r} marks {path!r} of layer {i} "
+                    f"({type(layer).__name__}), which is not one of its parameters"
+                )
+            join(marked.setdefault(group, (i, path)), (i, path))
+            names[(i, path)] = group
+    groups: dict[Slot, list[Slot]] = {}
+    for slot in slots:
+        groups.setdefault(root(slot), []).append(slot)
+    return groups, names

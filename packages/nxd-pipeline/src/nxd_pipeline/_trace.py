@@ -135,29 +135,8 @@ def _trace_fx(
     autowrap_functions: Sequence[Callable[..., Any]],
     autowrap_obj_methods: Mapping[Any, Sequence[str]] | None,
 ) -> CapturedGraph:
-    signature = inspect.signature(module.forward)
-    params = [
-        p
-        for p in signature.parameters.values()
-        if p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-    ]
-    names = list(input_names) if input_names is not None else [p.name for p in params]
-    unknown = [n for n in names if n not in signature.parameters]
-    if unknown:
-        raise ValueError(
-            f"input_names {unknown} are not parameters of {type(module).__name__}.forward"
-            f"{signature}"
-        )
+    names, concrete = _forward_inputs(module, input_names)
     check_obj_methods(autowrap_obj_methods)
-    concrete: dict[str, Any] = {}
-    for p in params:
-        if p.name not in names:
-            if p.default is inspect.Parameter.empty:
-                raise ValueError(
-                    f"{type(module).__name__}.forward parameter {p.name!r} has no default and is "
-                    f"not in input_names={names}: add it to input_names"
-                )
-            concrete[p.name] = p.default
     # Modules applying custom autograd Functions become leaves: found by a first trace, kept
     # by a second (the Functions of leaves are not traced, so no new ones can appear).
     leaf_names: frozenset[str] = frozenset()
@@ -193,6 +172,37 @@ def _trace_fx(
             dict.fromkeys(str(n.target) for n in graph.nodes if n.op == "call_module")
         ),
     )
+
+
+def _forward_inputs(
+    module: nn.Module, input_names: Sequence[str] | None
+) -> tuple[list[str], dict[str, Any]]:
+    """The traced inputs (``input_names``, default every named parameter of ``forward``) and
+    the other parameters' defaults, which the trace fixes (one without a default is an
+    error)."""
+    signature = inspect.signature(module.forward)
+    params = [
+        p
+        for p in signature.parameters.values()
+        if p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    ]
+    names = list(input_names) if input_names is not None else [p.name for p in params]
+    unknown = [n for n in names if n not in signature.parameters]
+    if unknown:
+        raise ValueError(
+            f"input_names {unknown} are not parameters of {type(module).__name__}.forward"
+            f"{signature}"
+        )
+    concrete: dict[str, Any] = {}
+    for p in params:
+        if p.name not in names:
+            if p.default is inspect.Parameter.empty:
+                raise ValueError(
+                    f"{type(module).__name__}.forward parameter {p.name!r} has no default and is "
+                    f"not in input_names={names}: add it to input_names"
+                )
+            concrete[p.name] = p.default
+    return names, concrete
 
 
 def _run_tracer(

@@ -5,8 +5,9 @@ communication actions of a rank form one batch (posted together, as the runtime 
 ``batch_send_recv``), a batch completes only when every peer has posted the matching operation
 (synchronous sends, the strictest model; schedules built with ``asynchronous_sends`` are run
 with sends that never wait), and a compute action waits for its input. Compute takes unit
-time (F = 1, B = 2, I = W = 1), so the dry run is also a timeline: :func:`format_grid` prints
-it as one row per rank and one column per time step.
+time (F = 1, B = 2, I = W = 1: :attr:`ActionKind.unit_cost`, the generator's cost model), so
+the dry run is also a timeline: :func:`format_grid` prints it as one row per rank and one column
+per time step.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ F, B, BI, W = (
     ActionKind.BACKWARD_INPUT,
     ActionKind.BACKWARD_WEIGHT,
 )
-_COST = {F: 1, B: 2, BI: 1, W: 1}
 
 
 class ScheduleError(ValueError):
@@ -298,7 +298,7 @@ class _Simulation:
             action = self._next_compute_ready(rank)
             if action is None:
                 continue
-            end = self.time + _COST[action.kind]
+            end = self.time + action.kind.unit_cost
             self.result.spans[rank].append((self.time, end, action))
             self.finish[(rank, action)] = end
             self.done.add((rank, action))
