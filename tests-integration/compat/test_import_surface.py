@@ -205,7 +205,7 @@ def test_parallel_layers_bases_for_isinstance_checks() -> None:
 def _accepted(target: str, signature: inspect.Signature) -> set[str]:
     names = set(signature.parameters)
     if target.endswith("NxDPPModel.__init__"):
-        from nxd_pipeline._arguments import XLA_RUNTIME_OPTIONS  # accepted through **kwargs
+        from nxd_pipeline import XLA_RUNTIME_OPTIONS  # accepted through **kwargs
 
         names |= XLA_RUNTIME_OPTIONS
     return names
