@@ -61,11 +61,29 @@ def _reason(outcome: str, detail: str) -> str:
 
 
 def pp_cell(family: str) -> str:
-    from nxd_trainer.hf.plan import pipeline_layers
+    """✓ tested; ``·`` accepted (a pipeline plan naming a module list the model has, checked
+    on a meta-device build of the default config); refused otherwise."""
+    import torch
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    from nxd_trainer.hf import UnsupportedModelError
+    from nxd_trainer.hf.plan import check_pipeline_stack, pipeline_layers
 
     if family in PP_TESTED:
         return "✓"
-    return "·" if pipeline_layers(family) is not None else "refused"
+    path = pipeline_layers(family)
+    if path is None:
+        return "refused"
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(CONFIG_MAPPING[family]())
+    except Exception:  # the default config does not build: the check runs at parallelize time
+        return "·"
+    try:
+        check_pipeline_stack(model, family, path)
+    except UnsupportedModelError:
+        return "refused"
+    return "·"
 
 
 def table(results: dict) -> str:

@@ -72,9 +72,7 @@ def _fill_adapters(model: torch.nn.Module) -> None:
             deterministic_init(module)
 
 
-def _reference(
-    dp: int, lora: bool, padded: bool
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _reference(dp: int, lora: bool, padded: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The mean over DP replicas of each replica's loss (token mean), and its gradients
     (``padded``: under the attention_mask, as transformers masks it)."""
     model = _model()
@@ -191,9 +189,7 @@ def refusals() -> dict[str, str]:
         "mask": lambda: model.run_train(input_ids=full, labels=full, attention_mask=padded),
         "counted": lambda: model.run_train(input_ids=full, labels=full, attention_mask=right),
         "no-labels": lambda: model.run_train(input_ids=full, attention_mask=right),
-        "unknown": lambda: model.run_train(
-            input_ids=full, token_type_ids=padded
-        ),
+        "unknown": lambda: model.run_train(input_ids=full, token_type_ids=padded),
     }
     for name, attempt in attempts.items():
         try:

@@ -84,8 +84,7 @@ def _prepare_tp(config: NxDConfig, model: nn.Module, info: ModelInfo) -> Any:
         parallelizer = ParallelizersManager.parallelizer_for_model(model)
     except UnsupportedModelError as error:
         raise ValueError(
-            f"tensor_parallel_size={tp} with a Hugging Face {info.class_name}: {error}; "
-            f"{instead}"
+            f"tensor_parallel_size={tp} with a Hugging Face {info.class_name}: {error}; {instead}"
         ) from None
     if config.pipeline_parallel_size > 1 and not parallelizer.spec.supports_pipeline_parallel:
         raise ValueError(

@@ -94,6 +94,7 @@ class PlanParallelizer(Parallelizer):
                 "transformers declares no pipeline plan (base_model_pp_plan) naming its "
                 "decoder layers, the stack pipeline stages are cut from",
             )
+        check_pipeline_stack(model, cls.spec.model_type, cls.spec.layers)
         super()._check_pipeline(model, input_names)
 
     @classmethod
@@ -169,6 +170,21 @@ def pipeline_layers(model_type: str, config: Any = None) -> str | None:
     causal_lm = getattr(transformers, name, None) if isinstance(name, str) else None
     prefix = getattr(causal_lm, "base_model_prefix", None)
     return f"{prefix}.layers" if isinstance(prefix, str) and prefix else None
+
+
+def check_pipeline_stack(model: nn.Module, family: str, path: str) -> None:
+    """The pipeline plan's ``layers`` is an ``nn.ModuleList`` at ``path`` of ``model``, else an
+    :class:`UnsupportedModelError` (a plan naming a stack the model does not have)."""
+    try:
+        stack = model.get_submodule(path)
+    except AttributeError:
+        stack = None
+    if not isinstance(stack, nn.ModuleList):
+        raise UnsupportedModelError(
+            family,
+            f"its pipeline plan (base_model_pp_plan) names 'layers', but the model has no "
+            f"module list {path!r} to cut into pipeline stages",
+        )
 
 
 def plan_parallelizer(model_type: str, config: Any = None) -> type[PlanParallelizer]:
