@@ -9,10 +9,10 @@ Tensor parallelism, and pipeline parallelism where transformers also declares a 
 (``base_model_pp_plan``: the decoder layers are the stack the stages are cut from; stages are
 captured by ``torch.export`` with every decoder layer kept as a call, so the family's own
 layer forward, sharded by its tensor-parallel plan, runs in each stage). Sequence parallelism
-is the Llama-family path's. The K/V heads must split over TP (no replication). MoE experts are kept whole on every TP rank at
-expert parallelism 1; at ``expert_model_parallel_size > 1`` transformers' packed experts
-(Mixtral, Qwen2-MoE, Qwen3-MoE) are sharded over the EP group, TP inside each expert
-(:mod:`nxd_trainer.hf._experts`).
+is the Llama-family path's. The K/V heads must split over TP (no replication). MoE experts
+are kept whole on every TP rank at expert parallelism 1; at ``expert_model_parallel_size >
+1`` transformers' packed experts (Mixtral, Qwen2-MoE, Qwen3-MoE) are sharded over the EP
+group, TP inside each expert (:mod:`nxd_trainer.hf._experts`).
 """
 
 from __future__ import annotations
