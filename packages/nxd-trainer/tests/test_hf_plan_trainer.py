@@ -83,5 +83,6 @@ def test_a_plan_family_without_a_pipeline_plan_is_refused_at_pp2() -> None:
     if "nemotron" not in R.families() or pipeline_layers("nemotron") is not None:
         pytest.skip("this transformers has no nemotron without a pipeline plan")
     for error in run_distributed(pipeline_refusal, 4, "nemotron"):
-        assert error is not None and "no pipeline plan (base_model_pp_plan)" in error, error
+        assert error is not None
+        assert "no pipeline plan (base_model_pp_plan)" in error, error
         assert "'nemotron'" in error
