@@ -9,8 +9,10 @@ markers of ``packages/nxd-trainer/README.md``. Columns:
 
 - TP=2: the test's outcome (parity of logits, loss and gradients; the refusal's reason; or
   why the family does not build from a tiny config);
-- SP, PP: what the family's parallelizer accepts (others are refused with a clear error);
-  the Llama-family path's are proven by test_hf_parity / test_hf_pipeline;
+- SP: the Llama-family path's (test_hf_parity); others are refused with a clear error;
+- PP: ✓ where a test proves it (test_hf_pipeline, test_hf_plan_pipeline); ``·`` where the
+  family's parallelizer accepts it (transformers declares its pipeline plan) untested;
+  refused otherwise;
 - LoRA, export: the families a test runs (export: test_hf_checkpoint, and
   test_hf_registry's round trip under ``-m slow``); other families are untested (``·``).
 """
@@ -32,6 +34,9 @@ FAST = {"llama", "mistral", "qwen2", "qwen3"}
 EXPORT_TESTED = {"llama", "mistral", "qwen2", "gemma3_text", "phi3", "mixtral"}
 """test_hf_checkpoint's FAMILIES and test_hf_registry's EXPORT_FAMILIES (-m slow): sharded
 save, export_hf, transformers loads the folder with the TP model's logits."""
+PP_TESTED = FAST | {"gemma2", "gpt_neox", "olmo2", "phi3", "cohere", "starcoder2", "mixtral"}
+"""test_hf_pipeline (the Llama family) and test_hf_plan_pipeline (plan families, the last
+five under ``-m slow``): a step at TP=2 x PP=2 equals one process."""
 LORA_TESTED: set[str] = set()
 """No LoRA test runs on a parallelised Hugging Face model yet."""
 
@@ -55,6 +60,32 @@ def _reason(outcome: str, detail: str) -> str:
     return f"refused: {short}" if outcome == "refused" else f"{outcome}: {short}"
 
 
+def pp_cell(family: str) -> str:
+    """✓ tested; ``·`` accepted (a pipeline plan naming a module list the model has, checked
+    on a meta-device build of the default config); refused otherwise."""
+    import torch
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    from nxd_trainer.hf import UnsupportedModelError
+    from nxd_trainer.hf.plan import check_pipeline_stack, pipeline_layers
+
+    if family in PP_TESTED:
+        return "✓"
+    path = pipeline_layers(family)
+    if path is None:
+        return "refused"
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(CONFIG_MAPPING[family]())
+    except Exception:  # the default config does not build: the check runs at parallelize time
+        return "·"
+    try:
+        check_pipeline_stack(model, family, path)
+    except UnsupportedModelError:
+        return "refused"
+    return "·"
+
+
 def table(results: dict) -> str:
     families = results["families"]
     parity = sorted(f for f, (o, _) in families.items() if o == "parity")
@@ -65,15 +96,14 @@ def table(results: dict) -> str:
         f"{sum(o == 'refused' for o, _ in families.values())} refused with a clear error, "
         f"{sum(o == 'skipped' for o, _ in families.values())} not buildable from a tiny "
         f"config, {sum(o in ('mismatch', 'error') for o, _ in families.values())} silently "
-        f"wrong. ✓ tested parity; `refused`: a clear error; `·`: untested.",
+        f"wrong. ✓ tested parity; `refused`: a clear error; `·`: accepted, untested.",
         "",
         "| family | TP=2 | SP | PP | LoRA | export |",
         "|---|---|---|---|---|---|",
     ]
     for family in parity:
-        fast = family in FAST
         rows.append(
-            f"| {family} | ✓ | {'✓' if fast else 'refused'} | {'✓' if fast else 'refused'} | "
+            f"| {family} | ✓ | {'✓' if family in FAST else 'refused'} | {pp_cell(family)} | "
             f"{'✓' if family in LORA_TESTED else '·'} | {'✓' if family in EXPORT_TESTED else '·'} |"
         )
     rows += ["", "<details><summary>Refused and skipped families (reason)</summary>", ""]

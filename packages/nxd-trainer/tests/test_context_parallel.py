@@ -1,7 +1,8 @@
 """Context parallelism through the trainer API: a tiny Hugging Face Llama (GQA, 2 layers)
 built by ``initialize_parallel_model`` at ``context_parallel_size`` 2 (ring and all-to-all),
 TP2 x CP2 (with sequence parallelism and full activation checkpointing) and CP2 x DP2 with
-ZeRO-1, and LoRA adapters at CP2 and CP2 x DP2, one SGD step through
+ZeRO-1, LoRA adapters at CP2 and CP2 x DP2, and a right-padded batch (its attention_mask
+against transformers' own masking), one SGD step through
 ``initialize_parallel_optimizer``, against the unmodified model (with the same adapters) in one
 process.
 
@@ -32,11 +33,18 @@ SEQ, BATCH = 16, 2  # SEQ divisible by 2 x CP (zigzag) and by TP under sequence 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 
 
-def _data() -> tuple[torch.Tensor, torch.Tensor]:
+def _data(padded: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Ids, labels and (``padded``) an attention_mask: row 1 right-padded from position 11,
+    its labels there ignored, as a padding collator writes them."""
     ids = torch.randint(0, H.VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(3))
     labels = ids.clone()
     labels[0, 1:7] = -100  # ignored targets at positions 0..5 of row 0: CP rank 0's first chunk
-    return ids, labels
+    if not padded:
+        return ids, labels, None
+    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    mask[1, 11:] = 0
+    labels[1, 11:] = -100
+    return ids, labels, mask
 
 
 LORA = {
@@ -64,20 +72,23 @@ def _fill_adapters(model: torch.nn.Module) -> None:
             deterministic_init(module)
 
 
-def _reference(dp: int, lora: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The mean over DP replicas of each replica's loss (token mean), and its gradients."""
+def _reference(dp: int, lora: bool, padded: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The mean over DP replicas of each replica's loss (token mean), and its gradients
+    (``padded``: under the attention_mask, as transformers masks it)."""
     model = _model()
     if lora:
         from nxd_lora import LoraConfig, LoRAModel
 
         model = LoRAModel(model, LoraConfig(**LORA))
         _fill_adapters(model)
-    ids, labels = _data()
+    ids, labels, mask = _data(padded)
     per = BATCH // dp
     loss = (
         sum(
             model(
-                input_ids=ids[r * per : (r + 1) * per], labels=labels[r * per : (r + 1) * per]
+                input_ids=ids[r * per : (r + 1) * per],
+                labels=labels[r * per : (r + 1) * per],
+                **({} if mask is None else {"attention_mask": mask[r * per : (r + 1) * per]}),
             ).loss
             for r in range(dp)
         )
@@ -93,6 +104,7 @@ def step(tp: int, cp: int, algorithm: str, extra: dict[str, Any]) -> list[str]:
 
     zero1 = extra.pop("zero1", False)
     lora = extra.pop("lora", False)
+    padded = extra.pop("padded", False)
     if lora:
         from nxd_lora import LoraConfig
 
@@ -110,11 +122,12 @@ def step(tp: int, cp: int, algorithm: str, extra: dict[str, Any]) -> list[str]:
     optimizer = nxd.initialize_parallel_optimizer(cfg, torch.optim.SGD, model.parameters(), lr=1.0)
     state = nxd_state.get_parallel_state()
     dp, dp_rank = state.data_parallel_size, state.data_parallel_rank
-    ref_loss, ref_grads = _reference(dp, lora)
-    ids, labels = _data()
+    ref_loss, ref_grads = _reference(dp, lora, padded)
+    ids, labels, mask = _data(padded)
     rows = slice(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    loss = model.run_train(input_ids=ids[rows], labels=labels[rows])
+    masked = {} if mask is None else {"attention_mask": mask[rows]}
+    loss = model.run_train(input_ids=ids[rows], labels=labels[rows], **masked)
     optimizer.step()
     mean = loss.clone()
     dist.all_reduce(mean, group=state.data_context_parallel_group)
@@ -146,6 +159,7 @@ CASES = {
     ),
     "cp2xdp2-zero1-all-to-all": (4, 1, 2, "all_to_all", {"zero1": True}),
     "cp2-lora-ring": (2, 1, 2, "ring", {"lora": True}),
+    "cp2-right-padding-all-to-all": (2, 1, 2, "all_to_all", {"padded": True}),
     "cp2xdp2-lora-all-to-all": (4, 1, 2, "all_to_all", {"lora": True}),
 }  # fmt: skip
 
@@ -165,16 +179,17 @@ def refusals() -> dict[str, str]:
     ring = nxd.neuronx_distributed_config(context_parallel_size=2)
     model = nxd.initialize_parallel_model(ring, _model)
     ids = torch.zeros(BATCH, 10, dtype=torch.long)
+    full = torch.zeros(BATCH, SEQ, dtype=torch.long)
     padded = torch.ones(BATCH, SEQ, dtype=torch.long)
     padded[0, 0] = 0
+    right = torch.ones(BATCH, SEQ, dtype=torch.long)
+    right[1, 12:] = 0
     attempts = {
         "seq": lambda: model.run_train(input_ids=ids, labels=ids),
-        "mask": lambda: model.run_train(
-            input_ids=torch.zeros(BATCH, SEQ, dtype=torch.long), attention_mask=padded
-        ),
-        "unknown": lambda: model.run_train(
-            input_ids=torch.zeros(BATCH, SEQ, dtype=torch.long), token_type_ids=padded
-        ),
+        "mask": lambda: model.run_train(input_ids=full, labels=full, attention_mask=padded),
+        "counted": lambda: model.run_train(input_ids=full, labels=full, attention_mask=right),
+        "no-labels": lambda: model.run_train(input_ids=full, attention_mask=right),
+        "unknown": lambda: model.run_train(input_ids=full, token_type_ids=padded),
     }
     for name, attempt in attempts.items():
         try:
@@ -201,7 +216,10 @@ def test_context_parallel_refusals() -> None:
             "sequence length 10 is not divisible by 2 x context_parallel_size(2) = 4"
             in (out["seq"])
         )
-        assert "attention_mask with zeros (padding) is not supported" in out["mask"]
+        assert "right padding only" in out["mask"]
+        assert "left padding" in out["mask"]
+        assert "padded positions predict a counted target" in out["counted"]
+        assert "needs the labels" in out["no-labels"]
         assert "inputs ['token_type_ids'] would not be split" in out["unknown"]
         assert (
             "splits heads over context_parallel_size(2), but the model has 3 key/value "

@@ -140,12 +140,50 @@ def enable_context_parallel(model: nn.Module, parallelizer: Any, algorithm: str)
     hf_config.use_cache = False  # a KV cache is refused by the context-parallel attention
 
 
+def check_right_padding(
+    mask: torch.Tensor, shifted: torch.Tensor | None, ignore: int, shape: tuple[int, int]
+) -> None:
+    """Whether causal attention without ``mask`` gives exactly the loss and gradients that
+    attention under it gives; a ``ValueError`` naming what breaks that if not.
+
+    Right padding (each row ones, then zeros) is exact when no padded position predicts a
+    counted target: a real token ``t`` attends to keys ``<= t``, all real, with or without the
+    mask; a padded query's output differs (it also sees padding) but reaches no loss term, so
+    the loss and every gradient are unchanged. Left padding or holes would let real tokens
+    attend to padding, and a padded position with a counted target would change the loss."""
+    keep = mask.bool()
+    if bool(keep.all()):
+        return
+    if tuple(keep.shape) != shape:
+        raise ValueError(
+            f"context parallelism takes a (batch, sequence) = {shape} attention_mask of ones "
+            f"and right padding; got one of shape {tuple(keep.shape)}"
+        )
+    if not bool((keep[:, 1:] <= keep[:, :-1]).all()):
+        raise ValueError(
+            "context parallelism takes right padding only (each attention_mask row ones, then "
+            "zeros): this mask has a zero before a one (left padding or a hole), where real "
+            "tokens would attend to padding; pad on the right or pack the sequences"
+        )
+    if shifted is None:
+        raise ValueError(
+            "context parallelism with a padded attention_mask needs the labels: it drops the "
+            "mask, exact only when no padded position's output is counted"
+        )
+    if bool((shifted[~keep] != ignore).any()):
+        raise ValueError(
+            f"context parallelism with a padded attention_mask: some padded positions predict "
+            f"a counted target; set the labels at padding to ignore_index ({ignore})"
+        )
+
+
 def split_context_parallel_inputs(
     args: tuple[Any, ...], kwargs: dict[str, Any], algorithm: str
 ) -> dict[str, Any]:
     """A causal LM's keyword inputs for this CP rank (see the module docstring): ``input_ids``
     (or ``inputs_embeds``) and ``position_ids`` split, ``labels`` shifted then split, the
-    loss's ``num_items_in_batch`` set; an all-ones ``attention_mask`` dropped, another refused."""
+    loss's ``num_items_in_batch`` set; an ``attention_mask`` dropped where
+    :func:`check_right_padding` proves that exact, refused otherwise."""
     if len(args) > 1:
         raise TypeError(
             "with context parallelism pass the model's inputs by name (input_ids=..., "
@@ -172,11 +210,6 @@ def split_context_parallel_inputs(
     batch, seq_len = ref.shape[0], ref.shape[1]
     check_sequence_length(seq_len, cp, algorithm)
     mask = inputs.pop("attention_mask", None)
-    if mask is not None and not bool(mask.bool().all()):
-        raise ValueError(
-            "context parallelism runs causal attention over whole sequences: an attention_mask "
-            "with zeros (padding) is not supported; pack the sequences without padding"
-        )
     from nxd_layers.context_parallel import (
         context_parallel_position_ids,
         split_for_context_parallel,
@@ -199,11 +232,12 @@ def split_context_parallel_inputs(
             seq_len, group, zigzag, batch, device=ref.device
         )
     labels, shifted = inputs.get("labels"), inputs.get("shift_labels")
-    if labels is not None or shifted is not None:
-        ignore = int(inputs.get("ignore_index", -100))
-        if shifted is None:
-            assert labels is not None  # one of the two is given (the test above)
-            shifted = F.pad(labels, (0, 1), value=ignore)[..., 1:]
+    ignore = int(inputs.get("ignore_index", -100))
+    if shifted is None and labels is not None:
+        shifted = F.pad(labels, (0, 1), value=ignore)[..., 1:]
+    if mask is not None:
+        check_right_padding(mask, shifted, ignore, (batch, seq_len))
+    if shifted is not None:
         count = inputs.get("num_items_in_batch")
         if count is None:
             count = (shifted != ignore).sum()

@@ -3,7 +3,10 @@
 At ``tensor_parallel_size > 1`` a model of a supported family that ``model_fn`` returns with
 plain ``nn.Linear`` layers would otherwise be replicated on every TP rank. Unless the config
 says ``parallelize_hf_models=False``, its layers are swapped for parallel ones (sequence
-parallel with ``sequence_parallel``), then filled like any meta-device model. The MoE
+parallel with ``sequence_parallel``), then filled like any meta-device model. Supported: the
+registered (Llama-family) path, and every family transformers declares a tensor-parallel plan
+for (:mod:`nxd_trainer.hf.plan`; pipeline stages where it also declares a pipeline plan),
+refused with the inspection's error where the plan would not reproduce the model exactly. The MoE
 families (Mixtral, Qwen2-MoE, Qwen3-MoE) are parallelised too, at TP > 1 or
 ``expert_parallel_size > 1`` (their experts sharded over EP, :mod:`nxd_trainer.hf._experts`);
 at EP > 1 only they are (a dense model has no experts to shard). The new layers are filled by
@@ -61,22 +64,33 @@ def _prepare_tp(config: NxDConfig, model: nn.Module, info: ModelInfo) -> Any:
         return None
     if _already_parallel(model):
         return None
-    from nxd_trainer.hf import ParallelizersManager
+    from nxd_trainer.hf import ParallelizersManager, UnsupportedModelError
     from nxd_trainer.hf._experts import MOE_FAMILIES
     from nxd_trainer.hf._sources import FolderStore
     from nxd_trainer.hf._swap import make_meta
     from nxd_trainer.hf.parallelizer import LAZY_FOLDER
 
     model_type = getattr(model.config, "model_type", None)
-    supported = [*ParallelizersManager.get_supported_model_types(), *MOE_FAMILIES]
-    if ep > 1:  # only the MoE families have experts to shard
-        supported = list(MOE_FAMILIES)
-    if model_type not in supported:
+    instead = (
+        "build the model from nxd's parallel layers, or set parallelize_hf_models=False to "
+        "use it replicated as returned"
+    )
+    if ep > 1 and model_type not in MOE_FAMILIES:  # only these have experts to shard
         raise ValueError(
-            f"tensor_parallel_size={tp}, expert_parallel_size={ep} with a Hugging Face "
-            f"{info.class_name} (model_type {model_type!r}): nxd parallelises {supported} "
-            f"here; build the model from nxd's parallel layers, or set "
-            f"parallelize_hf_models=False to use it replicated as returned"
+            f"expert_parallel_size={ep} with a Hugging Face {info.class_name} (model_type "
+            f"{model_type!r}): nxd shards the experts of {list(MOE_FAMILIES)}; {instead}"
+        )
+    try:  # a registered family, or one transformers declares a tensor-parallel plan for
+        parallelizer = ParallelizersManager.parallelizer_for_model(model)
+    except UnsupportedModelError as error:
+        raise ValueError(
+            f"tensor_parallel_size={tp} with a Hugging Face {info.class_name}: {error}; {instead}"
+        ) from None
+    if config.pipeline_parallel_size > 1 and not parallelizer.spec.supports_pipeline_parallel:
+        raise ValueError(
+            f"pipeline_parallel_size={config.pipeline_parallel_size} with a Hugging Face "
+            f"{info.class_name}: transformers declares no pipeline plan (base_model_pp_plan) "
+            f"for {model_type!r}, so nxd does not know where to cut its stages; {instead}"
         )
 
     if config.pad_model:
@@ -84,7 +98,6 @@ def _prepare_tp(config: NxDConfig, model: nn.Module, info: ModelInfo) -> Any:
             "pad_model with a Hugging Face model that nxd parallelises: its heads must divide "
             "tensor_parallel_size (pad_model pads models built from TP layers)"
         )
-    parallelizer = ParallelizersManager.parallelizer_for_model(model)
     parallelizer._parallelize(model, sequence_parallel_enabled=config.sequence_parallel)
     plan = model.__dict__.pop("_nxd_plan")
     folder = model.__dict__.get(LAZY_FOLDER)

@@ -5,11 +5,14 @@
     parallelizer = ParallelizersManager.parallelizer_for_model(model)  # e.g. gemma2
     model = parallelizer.parallelize(model)  # refuses what it would not reproduce exactly
 
-Tensor parallelism only (sequence and pipeline parallelism are the Llama-family path's); the
-K/V heads must split over TP (no replication). MoE experts are kept whole on every TP rank at
-expert parallelism 1; at ``expert_model_parallel_size > 1`` transformers' packed experts
-(Mixtral, Qwen2-MoE, Qwen3-MoE) are sharded over the EP group, TP inside each expert
-(:mod:`nxd_trainer.hf._experts`).
+Tensor parallelism, and pipeline parallelism where transformers also declares a pipeline plan
+(``base_model_pp_plan``: the decoder layers are the stack the stages are cut from; stages are
+captured by ``torch.export`` with every decoder layer kept as a call, so the family's own
+layer forward, sharded by its tensor-parallel plan, runs in each stage). Sequence parallelism
+is the Llama-family path's. The K/V heads must split over TP (no replication). MoE experts
+are kept whole on every TP rank at expert parallelism 1; at ``expert_model_parallel_size >
+1`` transformers' packed experts (Mixtral, Qwen2-MoE, Qwen3-MoE) are sharded over the EP
+group, TP inside each expert (:mod:`nxd_trainer.hf._experts`).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from nxd_trainer.hf._swap import Layout, swap_layers
 from nxd_trainer.hf.parallelizer import Parallelizer
 from nxd_trainer.hf.spec import ModelSpec
 
-__all__ = ["PlanParallelizer", "plan_parallelizer", "text_tp_plan"]
+__all__ = ["PlanParallelizer", "pipeline_layers", "plan_parallelizer", "text_tp_plan"]
 
 _CLASSES: dict[str, type[PlanParallelizer]] = {}
 
@@ -84,6 +87,17 @@ class PlanParallelizer(Parallelizer):
             check_experts(model, family, ep, tp)
 
     @classmethod
+    def _check_pipeline(cls, model: nn.Module, input_names: Any) -> None:
+        if not cls.spec.supports_pipeline_parallel:
+            raise UnsupportedModelError(
+                cls.spec.model_type,
+                "transformers declares no pipeline plan (base_model_pp_plan) naming its "
+                "decoder layers, the stack pipeline stages are cut from",
+            )
+        check_pipeline_stack(model, cls.spec.model_type, cls.spec.layers)
+        super()._check_pipeline(model, input_names)
+
+    @classmethod
     def layout(cls, config: Any, tp: int, kv_size_multiplier: int | None) -> Layout:
         if kv_size_multiplier not in (None, 1):
             raise ValueError(
@@ -138,15 +152,53 @@ class PlanParallelizer(Parallelizer):
         return model
 
 
+def pipeline_layers(model_type: str, config: Any = None) -> str | None:
+    """The path of the decoder-layer stack (``"model.layers"``, ``"gpt_neox.layers"``) when
+    transformers declares a pipeline plan for ``model_type`` (``base_model_pp_plan`` naming
+    ``layers``, relative to the causal LM's ``base_model_prefix``); None when it declares none."""
+    import transformers
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if config is None:
+        if model_type not in CONFIG_MAPPING:
+            return None
+        config = CONFIG_MAPPING[model_type]  # the plan is a class attribute
+    if "layers" not in (getattr(config, "base_model_pp_plan", None) or {}):
+        return None
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    causal_lm = getattr(transformers, name, None) if isinstance(name, str) else None
+    prefix = getattr(causal_lm, "base_model_prefix", None)
+    return f"{prefix}.layers" if isinstance(prefix, str) and prefix else None
+
+
+def check_pipeline_stack(model: nn.Module, family: str, path: str) -> None:
+    """The pipeline plan's ``layers`` is an ``nn.ModuleList`` at ``path`` of ``model``, else an
+    :class:`UnsupportedModelError` (a plan naming a stack the model does not have)."""
+    try:
+        stack = model.get_submodule(path)
+    except AttributeError:
+        stack = None
+    if not isinstance(stack, nn.ModuleList):
+        raise UnsupportedModelError(
+            family,
+            f"its pipeline plan (base_model_pp_plan) names 'layers', but the model has no "
+            f"module list {path!r} to cut into pipeline stages",
+        )
+
+
 def plan_parallelizer(model_type: str, config: Any = None) -> type[PlanParallelizer]:
     """The :class:`PlanParallelizer` of ``model_type`` (its plan must exist: see
-    :func:`text_tp_plan`)."""
+    :func:`text_tp_plan`); pipeline parallelism where :func:`pipeline_layers` finds the
+    family's pipeline plan."""
     plan = text_tp_plan(model_type, config)
     if model_type not in _CLASSES:
+        layers = pipeline_layers(model_type, config)
         spec = ModelSpec(
             model_type=model_type,
+            layers=layers or "model.layers",
             supports_sequence_parallel=False,
-            supports_pipeline_parallel=False,
+            supports_pipeline_parallel=layers is not None,
         )
         name = "".join(p.capitalize() for p in model_type.replace("-", "_").split("_"))
         _CLASSES[model_type] = type(
