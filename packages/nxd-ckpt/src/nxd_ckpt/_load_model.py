@@ -22,9 +22,8 @@ from nxd_ckpt._boxes import Box
 from nxd_ckpt._context import RankContext, agree, sum_counts
 from nxd_ckpt._items import DenseSource, TensorItem, pieces
 from nxd_ckpt._model_tensors import model_tensors
-from nxd_ckpt._plan import rank_local_name
 from nxd_ckpt._reader import CheckpointReader
-from nxd_ckpt._sharding import shape_mismatch, spec_for_stored_shape
+from nxd_ckpt._sharding import rank_local_name, shape_mismatch, spec_for_stored_shape
 
 __all__ = [
     "ModelReads",

@@ -22,17 +22,12 @@ from nxd_ckpt import _jsonstate
 from nxd_ckpt._boxes import Box
 from nxd_ckpt._context import RankContext
 from nxd_ckpt._items import DenseSource, TensorItem, is_writer, pieces
-from nxd_ckpt._model_tensors import model_tensors
+from nxd_ckpt._model_tensors import is_lora_model, lora_mode, model_tensors
 from nxd_ckpt._optim_save import optimizer_save_items
-from nxd_ckpt._sharding import ShardSpec, rank_local_spec
+from nxd_ckpt._sharding import ShardSpec, rank_local_name, rank_local_spec
 from nxd_ckpt._stfile import dtype_name
 
-__all__ = ["RankPlan", "WriteChunk", "build_plan", "rank_local_name"]
-
-
-def rank_local_name(name: str, ctx: RankContext) -> str:
-    """Stored name of a tensor of unknown sharding: one per (TP, PP) coordinate."""
-    return f"{name}#tp{ctx.tp_rank:02d}pp{ctx.pp_rank:02d}"
+__all__ = ["RankPlan", "WriteChunk", "build_plan"]
 
 
 @dataclass
@@ -123,6 +118,30 @@ def _add_json(plan: RankPlan, category: str, value: Any, what: str) -> None:
         plan.add(_whole(category, path, tensor))
 
 
+def lora_meta(model: Any) -> dict[str, Any]:
+    """Mode, NxD's saved config fields, PEFT config and PEFT key of each adapter tensor."""
+    from nxd_lora import peft_adapter_config
+    from nxd_lora.adapter import PEFT_PREFIX
+
+    mode = lora_mode(model)
+    meta: dict[str, Any] = {"mode": mode, "config": model.lora_config.selected_fields_to_save()}
+    if mode == "merged":
+        return meta
+    peft_names: dict[str, str] = {}
+    exportable = True
+    for lora_name, layer in model.lora_layers().items():
+        own = [f"{lora_name}.{p}" for p in layer.adapter_parameters()]
+        if layer.peft_tensor_names(lora_name) != own:  # e.g. a fused QKV split into q/k/v
+            exportable = False
+        peft_names.update({name: PEFT_PREFIX + name for name in own})
+    for wrapped, _ in model.module.named_parameters():
+        if not model.is_adapter_key(wrapped) and model.is_trainable_name(wrapped):
+            peft_names[model.original_name(wrapped)] = PEFT_PREFIX + wrapped
+    meta["peft_names"] = peft_names if exportable else None
+    meta["peft_config"] = json.loads(json.dumps(peft_adapter_config(model), default=str))
+    return meta
+
+
 def _model_config(model: Any) -> dict[str, Any] | None:
     """A Hugging Face model's config as JSON-safe data (for export), else None; its
     ``architectures`` is the model's class when the config does not say (a model built with
@@ -162,8 +181,6 @@ def build_plan(
         config = _model_config(model)
         if config is not None:
             plan.meta["hf_config"] = config
-        from nxd_ckpt.lora import is_lora_model, lora_meta
-
         if is_lora_model(model) and ctx.rank == 0:
             plan.meta["lora"] = lora_meta(model)
     if optimizer is not None:
