@@ -15,16 +15,16 @@ import torch
 from torch import nn
 
 from nxd_ckpt import FormatError, save_checkpoint
-from nxd_ckpt._boxes import Box, flat_range_boxes, linear_index
-from nxd_ckpt._context import RankContext
-from nxd_ckpt._jsonstate import decode, encode
-from nxd_ckpt._plan import build_plan
-from nxd_ckpt._sharding import spec_for_tensor
-from nxd_ckpt._stfile import plan_file, write_planned
-from nxd_ckpt._stread import FileReader
-from nxd_ckpt._tags import apply_num_kept, list_tags
 from nxd_ckpt.cli import main as cli
 from nxd_ckpt.format import ChunkRecord, FileRecord
+from nxd_ckpt.format._boxes import Box, flat_range_boxes, linear_index
+from nxd_ckpt.format._jsonstate import decode, encode
+from nxd_ckpt.format._stfile import plan_file, write_planned
+from nxd_ckpt.format._stread import FileReader
+from nxd_ckpt.format._tags import apply_num_kept, list_tags
+from nxd_ckpt.layout._context import RankContext
+from nxd_ckpt.layout._sharding import spec_for_tensor
+from nxd_ckpt.save._plan import build_plan
 from nxd_layers import gqa_kv_replica_rows
 
 
@@ -240,7 +240,7 @@ def test_written_files_are_safetensors_and_partial_reads_verify(
 ) -> None:
     from safetensors.torch import load_file
 
-    from nxd_ckpt import _stfile
+    from nxd_ckpt.format import _stfile
 
     monkeypatch.setattr(_stfile, "CRC_BLOCK_BYTES", 64)  # many CRC blocks in a small tensor
     tensors = {
@@ -350,7 +350,7 @@ def test_host_slots_bound_the_holders() -> None:
     import threading
     import time
 
-    from nxd_ckpt._slots import host_slot
+    from nxd_ckpt.format._slots import host_slot
 
     events: list[str] = []
 

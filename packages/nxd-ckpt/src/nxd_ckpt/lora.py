@@ -23,8 +23,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from nxd_ckpt._context import current_context
-from nxd_ckpt._model_tensors import is_lora_model, lora_tensors
+from nxd_ckpt.layout._context import current_context
+from nxd_ckpt.layout._model_tensors import is_lora_model, lora_tensors
 
 __all__ = ["export_peft_adapter", "is_lora_model", "load_lora_from_ckpt", "lora_tensors"]
 
@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 def export_peft_adapter(reader: Any, out_dir: Path, *, progress: bool = True) -> Path:
     """Write an adapter-only tag as a PEFT folder (``adapter_model.safetensors`` +
     ``adapter_config.json``), tensor by tensor."""
-    from nxd_ckpt._stfile import dtype_from_name, plan_file, write_planned
+    from nxd_ckpt.format._stfile import dtype_from_name, plan_file, write_planned
     from nxd_lora import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME
 
     meta = reader.index.lora
@@ -67,9 +67,9 @@ def load_lora_from_ckpt(model: Any, *, strict: bool = True) -> None:
     LoRA config into ``model`` (an ``nxd_lora.LoRAModel``), adopting the saved LoRA config.
     A tag written by ``save_checkpoint`` is read at any TP/PP/DP layout; a folder written by
     ``nxd_lora.save_lora`` goes to nxd_lora's loader. Collective."""
-    from nxd_ckpt._contain import check_tag, is_regular, real_dir
-    from nxd_ckpt._reader import CheckpointReader
     from nxd_ckpt.format import INDEX_NAME
+    from nxd_ckpt.format._contain import check_tag, is_regular, real_dir
+    from nxd_ckpt.load._reader import CheckpointReader
     from nxd_lora import load_lora_checkpoint_into
 
     config = model.lora_config
@@ -86,7 +86,7 @@ def load_lora_from_ckpt(model: Any, *, strict: bool = True) -> None:
 
 
 def _load_lora_tag(model: Any, reader: Any, config: Any, strict: bool) -> None:
-    from nxd_ckpt._load_model import load_model
+    from nxd_ckpt.load._load_model import load_model
 
     folder = reader.tag_dir
     saved = reader.index.lora

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from nxd_ckpt._context import RankContext
-from nxd_ckpt._sharding import ShardSpec, part_spec, rank_local_spec, spec_for_tensor
+from nxd_ckpt.layout._context import RankContext
+from nxd_ckpt.layout._sharding import ShardSpec, part_spec, rank_local_spec, spec_for_tensor
 from nxd_ckpt.parts import CHECKPOINT_PARTS, StoredPart
 
 __all__ = [
@@ -90,7 +90,7 @@ def declared_parts(
     module: nn.Module | None, prefix: str, local: str, spec: ShardSpec
 ) -> list[Part] | None:
     """The stored parts ``module`` (at ``prefix``) declares for its tensor ``local``, with
-    their specs cut from ``spec`` (:func:`nxd_ckpt._sharding.part_spec`); None if none."""
+    their specs cut from ``spec`` (:func:`nxd_ckpt.layout._sharding.part_spec`); None if none."""
     declared = getattr(module, CHECKPOINT_PARTS, None) if module is not None else None
     if not declared or local not in declared:
         return None

@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
-from nxd_ckpt import _jsonstate
-from nxd_ckpt._context import RankContext
-from nxd_ckpt._items import DenseSource, FlatSource, TensorItem
-from nxd_ckpt._optim_common import (
+from nxd_ckpt.format import _jsonstate
+from nxd_ckpt.layout._context import RankContext
+from nxd_ckpt.layout._items import DenseSource, FlatSource, TensorItem
+from nxd_ckpt.layout._optim_common import (
     MASTER_KEY,
     OptimizerView,
     encode_scalar,

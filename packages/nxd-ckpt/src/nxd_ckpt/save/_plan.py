@@ -2,7 +2,7 @@
 
 Every rank declares every global tensor it holds a piece of (shape, dtype, sharding), so the
 merged index knows each tensor even where another rank wrote the data. Each piece is written
-by exactly one of the ranks holding it (:func:`nxd_ckpt._items.is_writer`): replicas over
+by exactly one of the ranks holding it (:func:`nxd_ckpt.layout._items.is_writer`): replicas over
 data parallelism (and over tensor parallelism for replicated tensors) share the work and
 write nothing twice; ZeRO-1 shards are written by their owners. At expert parallelism > 1
 the EP ranks of a DP group hold different boxes of an expert tensor (its experts), each
@@ -18,14 +18,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from nxd_ckpt import _jsonstate
-from nxd_ckpt._boxes import Box
-from nxd_ckpt._context import RankContext
-from nxd_ckpt._items import DenseSource, TensorItem, is_writer, pieces
-from nxd_ckpt._model_tensors import is_lora_model, lora_mode, model_tensors
-from nxd_ckpt._optim_save import optimizer_save_items
-from nxd_ckpt._sharding import ShardSpec, rank_local_name, rank_local_spec
-from nxd_ckpt._stfile import dtype_name
+from nxd_ckpt.format import _jsonstate
+from nxd_ckpt.format._boxes import Box
+from nxd_ckpt.format._stfile import dtype_name
+from nxd_ckpt.layout._context import RankContext
+from nxd_ckpt.layout._items import DenseSource, TensorItem, is_writer, pieces
+from nxd_ckpt.layout._model_tensors import is_lora_model, lora_mode, model_tensors
+from nxd_ckpt.layout._sharding import ShardSpec, rank_local_name, rank_local_spec
+from nxd_ckpt.save._optim_save import optimizer_save_items
 
 __all__ = ["RankPlan", "WriteChunk", "build_plan"]
 

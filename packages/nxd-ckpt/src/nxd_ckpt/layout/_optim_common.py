@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
-from nxd_ckpt._context import RankContext
-from nxd_ckpt._model_tensors import LocalTensor, model_tensors
-from nxd_ckpt._sharding import ShardSpec, spec_for_tensor
+from nxd_ckpt.layout._context import RankContext
+from nxd_ckpt.layout._model_tensors import LocalTensor, model_tensors
+from nxd_ckpt.layout._sharding import ShardSpec, spec_for_tensor
 
 __all__ = [
     "FlatPiece",

@@ -38,8 +38,8 @@ from typing import Any, Protocol, TypeGuard
 import torch
 from torch import nn
 
-from nxd_ckpt._boxes import Box
-from nxd_ckpt._context import RankContext
+from nxd_ckpt.format._boxes import Box
+from nxd_ckpt.layout._context import RankContext
 
 __all__ = [
     "Block",
