@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from nxd_ckpt import FormatError, save_checkpoint
+from nxd_ckpt import FormatError, load_checkpoint, save_checkpoint
 from nxd_ckpt.cli import main as cli
 from nxd_ckpt.format import ChunkRecord, FileRecord
 from nxd_ckpt.format._boxes import Box, flat_range_boxes, linear_index
@@ -365,3 +365,40 @@ def test_host_slots_bound_the_holders() -> None:
         events.append("released")
     waiter.join(timeout=10)
     assert events == ["released", "third"]
+
+
+class _CountedWalks(nn.Module):
+    """A model that counts how often its tensors are enumerated (``state_dict`` and
+    ``named_modules``: what a walk of the model calls on it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 3)
+        self.b = nn.Linear(3, 2)
+        self.calls: dict[str, int] = {"state_dict": 0, "named_modules": 0}
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls["state_dict"] += 1
+        return super().state_dict(*args, **kwargs)
+
+    def named_modules(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls["named_modules"] += 1
+        return super().named_modules(*args, **kwargs)
+
+
+def test_a_save_walks_the_model_once(tmp_path: Path) -> None:
+    """The optimizer's parameter names come from the same walk of the model as the model's
+    tensors: one ``state_dict`` and one ``named_modules`` call per save."""
+    model = _CountedWalks()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model.b(model.a(torch.ones(2, 4))).sum().backward()
+    optimizer.step()  # optimizer state to save
+    model.calls.update(state_dict=0, named_modules=0)
+    save_checkpoint(tmp_path, "t", model=model, optimizer=optimizer)
+    assert model.calls == {"state_dict": 1, "named_modules": 1}
+    fresh = _CountedWalks()
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    load_checkpoint(tmp_path, "t", model=fresh, optimizer=fresh_optimizer)
+    torch.testing.assert_close(fresh.state_dict(), model.state_dict(), rtol=0, atol=0)
+    saved, loaded = optimizer.state_dict()["state"], fresh_optimizer.state_dict()["state"]
+    torch.testing.assert_close(loaded, saved, rtol=0, atol=0)  # bitwise: a copy of the bytes

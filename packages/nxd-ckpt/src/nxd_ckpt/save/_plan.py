@@ -23,7 +23,7 @@ from nxd_ckpt.format._boxes import Box
 from nxd_ckpt.format._stfile import dtype_name
 from nxd_ckpt.layout._context import RankContext
 from nxd_ckpt.layout._items import DenseSource, TensorItem, is_writer, pieces
-from nxd_ckpt.layout._model_tensors import is_lora_model, lora_mode, model_tensors
+from nxd_ckpt.layout._model_tensors import LocalTensor, is_lora_model, lora_mode, model_tensors
 from nxd_ckpt.layout._sharding import ShardSpec, rank_local_name, rank_local_spec
 from nxd_ckpt.save._optim_save import optimizer_save_items
 
@@ -90,8 +90,7 @@ def _whole(category: str, name: str, tensor: torch.Tensor) -> TensorItem:
     )
 
 
-def _add_model(plan: RankPlan, model: Any) -> None:
-    tensors, aliases = model_tensors(model, plan.ctx)
+def _add_model(plan: RankPlan, tensors: list[LocalTensor], aliases: dict[str, str]) -> None:
     for local in tensors:
         stable = isinstance(local.tensor, nn.Parameter)  # buffers may change in forward
         for stored, spec in local.stored():  # its own name, or its declared parts
@@ -176,15 +175,17 @@ def build_plan(
 ) -> RankPlan:
     """This rank's part of a save (no I/O, no communication)."""
     plan = RankPlan(ctx)
+    walked: list[LocalTensor] | None = None
     if model is not None:
-        _add_model(plan, model)
+        walked, aliases = model_tensors(model, ctx)  # the one walk of the model
+        _add_model(plan, walked, aliases)
         config = _model_config(model)
         if config is not None:
             plan.meta["hf_config"] = config
         if is_lora_model(model) and ctx.rank == 0:
             plan.meta["lora"] = lora_meta(model)
     if optimizer is not None:
-        items, meta = optimizer_save_items(optimizer, model, ctx)
+        items, meta = optimizer_save_items(optimizer, model, ctx, walked=walked)
         for item in items:
             plan.add(item)
         plan.meta["optimizer"] = meta
