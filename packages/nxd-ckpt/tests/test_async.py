@@ -18,7 +18,9 @@ import torch
 from torch import nn
 
 import nxd_ckpt
-from nxd_ckpt import _saver, _stfile, finalize_checkpoint, load_checkpoint, save_checkpoint
+from nxd_ckpt import finalize_checkpoint, load_checkpoint, save_checkpoint
+from nxd_ckpt.format import _stfile
+from nxd_ckpt.save import _saver
 from nxd_state.testing import run_distributed
 
 

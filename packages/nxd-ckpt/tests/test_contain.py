@@ -18,10 +18,10 @@ from torch import nn
 
 import nxd_ckpt
 from nxd_ckpt import FormatError, newest_intact_tag, save_checkpoint, verify_tag
-from nxd_ckpt._boxes import flat_range_boxes
-from nxd_ckpt._jsonstate import check_encoded, encode
-from nxd_ckpt._tags import apply_num_kept, list_tags
-from nxd_ckpt._validate import check_tiling
+from nxd_ckpt.format._boxes import flat_range_boxes
+from nxd_ckpt.format._jsonstate import check_encoded, encode
+from nxd_ckpt.format._tags import apply_num_kept, list_tags
+from nxd_ckpt.format._validate import check_tiling
 
 
 def _model() -> nn.Module:
@@ -145,7 +145,7 @@ def test_which_folders_are_tags_and_what_retention_deletes(tmp_path: Path) -> No
 def test_deletion_removes_done_first_and_the_marker_last(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from nxd_ckpt import _tags
+    from nxd_ckpt.format import _tags
 
     for tag in ("a", "b"):
         save_checkpoint(tmp_path, tag, model=_model())

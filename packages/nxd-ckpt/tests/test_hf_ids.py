@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from nxd_ckpt import export_hf, save_checkpoint
-from nxd_ckpt._hf_config import export_configs, tokenizer_ids
+from nxd_ckpt.sources._hf_config import export_configs, tokenizer_ids
 
 VOCAB = {"<pad>": 0, "<s>": 1, '"': 2, "a": 3, "b": 4, "<|endoftext|>": 5}
 VOCAB.update({f"t{i}": i for i in range(6, 16)})

@@ -22,8 +22,9 @@ import pytest
 import torch
 from torch import nn
 
-from nxd_ckpt import _tags, load_checkpoint, save_checkpoint
-from nxd_ckpt._reader import CheckpointReader
+from nxd_ckpt import load_checkpoint, save_checkpoint
+from nxd_ckpt.format import _tags
+from nxd_ckpt.load._reader import CheckpointReader
 
 
 def _model(step: int) -> nn.Module:

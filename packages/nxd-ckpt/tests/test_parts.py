@@ -29,9 +29,9 @@ import torch
 from torch import nn
 
 from nxd_ckpt import CHECKPOINT_PARTS, StoredPart, load_checkpoint, read_index, save_checkpoint
-from nxd_ckpt._boxes import Box
-from nxd_ckpt._model_tensors import LocalTensor, Part, declared_parts
-from nxd_ckpt._sharding import Block, ShardSpec, part_spec
+from nxd_ckpt.format._boxes import Box
+from nxd_ckpt.layout._model_tensors import LocalTensor, Part, declared_parts
+from nxd_ckpt.layout._sharding import Block, ShardSpec, part_spec
 from nxd_state.testing import run_distributed
 
 HIDDEN, HEAD_DIM, Q_SIZE, KV_SIZE = 8, 4, 8, 4  # 2 query heads, 1 KV head

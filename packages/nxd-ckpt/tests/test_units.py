@@ -14,17 +14,17 @@ import pytest
 import torch
 from torch import nn
 
-from nxd_ckpt import FormatError, save_checkpoint
-from nxd_ckpt._boxes import Box, flat_range_boxes, linear_index
-from nxd_ckpt._context import RankContext
-from nxd_ckpt._jsonstate import decode, encode
-from nxd_ckpt._plan import build_plan
-from nxd_ckpt._sharding import spec_for_tensor
-from nxd_ckpt._stfile import plan_file, write_planned
-from nxd_ckpt._stread import FileReader
-from nxd_ckpt._tags import apply_num_kept, list_tags
+from nxd_ckpt import FormatError, load_checkpoint, save_checkpoint
 from nxd_ckpt.cli import main as cli
 from nxd_ckpt.format import ChunkRecord, FileRecord
+from nxd_ckpt.format._boxes import Box, flat_range_boxes, linear_index
+from nxd_ckpt.format._jsonstate import decode, encode
+from nxd_ckpt.format._stfile import plan_file, write_planned
+from nxd_ckpt.format._stread import FileReader
+from nxd_ckpt.format._tags import apply_num_kept, list_tags
+from nxd_ckpt.layout._context import RankContext
+from nxd_ckpt.layout._sharding import spec_for_tensor
+from nxd_ckpt.save._plan import build_plan
 from nxd_layers import gqa_kv_replica_rows
 
 
@@ -240,7 +240,7 @@ def test_written_files_are_safetensors_and_partial_reads_verify(
 ) -> None:
     from safetensors.torch import load_file
 
-    from nxd_ckpt import _stfile
+    from nxd_ckpt.format import _stfile
 
     monkeypatch.setattr(_stfile, "CRC_BLOCK_BYTES", 64)  # many CRC blocks in a small tensor
     tensors = {
@@ -350,7 +350,7 @@ def test_host_slots_bound_the_holders() -> None:
     import threading
     import time
 
-    from nxd_ckpt._slots import host_slot
+    from nxd_ckpt.format._slots import host_slot
 
     events: list[str] = []
 
@@ -365,3 +365,40 @@ def test_host_slots_bound_the_holders() -> None:
         events.append("released")
     waiter.join(timeout=10)
     assert events == ["released", "third"]
+
+
+class _CountedWalks(nn.Module):
+    """A model that counts how often its tensors are enumerated (``state_dict`` and
+    ``named_modules``: what a walk of the model calls on it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 3)
+        self.b = nn.Linear(3, 2)
+        self.calls: dict[str, int] = {"state_dict": 0, "named_modules": 0}
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls["state_dict"] += 1
+        return super().state_dict(*args, **kwargs)
+
+    def named_modules(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls["named_modules"] += 1
+        return super().named_modules(*args, **kwargs)
+
+
+def test_a_save_walks_the_model_once(tmp_path: Path) -> None:
+    """The optimizer's parameter names come from the same walk of the model as the model's
+    tensors: one ``state_dict`` and one ``named_modules`` call per save."""
+    model = _CountedWalks()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model.b(model.a(torch.ones(2, 4))).sum().backward()
+    optimizer.step()  # optimizer state to save
+    model.calls.update(state_dict=0, named_modules=0)
+    save_checkpoint(tmp_path, "t", model=model, optimizer=optimizer)
+    assert model.calls == {"state_dict": 1, "named_modules": 1}
+    fresh = _CountedWalks()
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    load_checkpoint(tmp_path, "t", model=fresh, optimizer=fresh_optimizer)
+    torch.testing.assert_close(fresh.state_dict(), model.state_dict(), rtol=0, atol=0)
+    saved, loaded = optimizer.state_dict()["state"], fresh_optimizer.state_dict()["state"]
+    torch.testing.assert_close(loaded, saved, rtol=0, atol=0)  # bitwise: a copy of the bytes

@@ -29,7 +29,7 @@
 
 from importlib.metadata import version as _version
 
-from nxd_ckpt._tags import RetentionWarning
+from nxd_ckpt import _tags as _tags  # old path of format._tags (nxd_ckpt._tags.list_tags)
 from nxd_ckpt.checkpoint import (
     finalize_checkpoint,
     has_checkpoint,
@@ -44,6 +44,7 @@ from nxd_ckpt.format import (
     FormatError,
     read_index,
 )
+from nxd_ckpt.format._tags import RetentionWarning
 from nxd_ckpt.hf import export_hf, load_hf_checkpoint
 from nxd_ckpt.integrity import DamagedTag, IntactTag, newest_intact_tag, verify_tag
 from nxd_ckpt.nxd_convert import convert_nxd_checkpoint

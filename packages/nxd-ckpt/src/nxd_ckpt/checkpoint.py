@@ -16,18 +16,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from nxd_ckpt import _jsonstate, _saver, _tags
-from nxd_ckpt._contain import check_tag
-from nxd_ckpt._context import agree, broadcast_int, current_context
-from nxd_ckpt._load_model import load_json, model_reads, rng_names
-from nxd_ckpt._optim_load import optimizer_reads
-from nxd_ckpt._plan import build_plan
-from nxd_ckpt._preflight import verify_reads
-from nxd_ckpt._reader import CheckpointReader
-from nxd_ckpt._restore import apply_scheduler
-from nxd_ckpt._slots import host_slot
-from nxd_ckpt._write import StagingBuffer, file_plan_for
-from nxd_ckpt.format import INDEX_NAME
+from nxd_ckpt.format import INDEX_NAME, _jsonstate, _tags
+from nxd_ckpt.format._contain import check_tag
+from nxd_ckpt.format._slots import host_slot
+from nxd_ckpt.layout._context import agree, broadcast_int, current_context
+from nxd_ckpt.load._load_model import load_json, model_reads, rng_names
+from nxd_ckpt.load._optim_load import optimizer_reads
+from nxd_ckpt.load._preflight import verify_reads
+from nxd_ckpt.load._reader import CheckpointReader
+from nxd_ckpt.load._restore import apply_scheduler
+from nxd_ckpt.save import _saver
+from nxd_ckpt.save._plan import build_plan
+from nxd_ckpt.save._write import StagingBuffer, file_plan_for
 
 __all__ = ["finalize_checkpoint", "has_checkpoint", "load_checkpoint", "save_checkpoint"]
 

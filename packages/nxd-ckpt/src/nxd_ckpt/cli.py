@@ -31,8 +31,8 @@ __all__ = ["main"]
 
 
 def _tag_summary(tag_dir: Path, *, tensors: bool, verify: bool) -> dict[str, Any]:
-    from nxd_ckpt._reader import CheckpointReader
     from nxd_ckpt.format import FormatError
+    from nxd_ckpt.load._reader import CheckpointReader
 
     try:
         with CheckpointReader(tag_dir) as reader:
@@ -73,8 +73,7 @@ def _summary(reader: Any, *, tensors: bool, verify: bool) -> dict[str, Any]:
 
 
 def _info(args: argparse.Namespace) -> int:
-    from nxd_ckpt import _tags
-    from nxd_ckpt.format import INDEX_NAME
+    from nxd_ckpt.format import INDEX_NAME, _tags
 
     path = Path(args.checkpoint)
     if not path.exists():

@@ -4,7 +4,7 @@ Export writes what ``transformers.AutoModelForCausalLM.from_pretrained`` reads:
 ``model.safetensors`` (or ``model-0000k-of-0000n.safetensors`` shards of at most
 ``max_shard_size`` and ``model.safetensors.index.json``), ``config.json`` (``use_cache: true``,
 ``architectures`` as saved), ``generation_config.json`` (the special token ids, checked
-against the tokenizer's: :mod:`nxd_ckpt._hf_config`) and the tokenizer files when given. It
+against the tokenizer's: :mod:`nxd_ckpt.sources._hf_config`) and the tokenizer files when given. It
 streams: each global tensor is assembled from its chunks, written, and dropped, so host memory
 stays near the largest tensor. Names are the stored names (a Hugging Face model parallelised
 in place keeps its own, or declares them: :mod:`nxd_ckpt.parts`); ``name_map`` renames or
@@ -14,7 +14,7 @@ Import builds an in-memory index of a Hugging Face folder (one whole-tensor chun
 tensor) and loads it like a checkpoint: each rank reads only the slices its shards need. The
 index's ``weight_map`` may name only files inside the folder (relative, no ``..``, not
 absolute: :func:`hf_weight_files`); the files themselves may be links (the Hugging Face
-cache is made of them). Headers are parsed and checked by :mod:`nxd_ckpt._stread`, so a
+cache is made of them). Headers are parsed and checked by :mod:`nxd_ckpt.format._stread`, so a
 damaged file is an error naming it.
 """
 
@@ -31,15 +31,21 @@ from typing import Any
 
 import torch
 
-from nxd_ckpt import _tags
-from nxd_ckpt._contain import check_relative
-from nxd_ckpt._context import current_context
-from nxd_ckpt._hf_config import export_configs
-from nxd_ckpt._load_model import load_model
-from nxd_ckpt._reader import CheckpointReader
-from nxd_ckpt._stfile import dtype_from_name, dtype_name, plan_file, write_planned
-from nxd_ckpt._stread import SafetensorsFile
-from nxd_ckpt.format import INDEX_NAME, CheckpointIndex, ChunkRecord, FormatError, TensorRecord
+from nxd_ckpt.format import (
+    INDEX_NAME,
+    CheckpointIndex,
+    ChunkRecord,
+    FormatError,
+    TensorRecord,
+    _tags,
+)
+from nxd_ckpt.format._contain import check_relative
+from nxd_ckpt.format._stfile import dtype_from_name, dtype_name, plan_file, write_planned
+from nxd_ckpt.format._stread import SafetensorsFile
+from nxd_ckpt.layout._context import current_context
+from nxd_ckpt.load._load_model import load_model
+from nxd_ckpt.load._reader import CheckpointReader
+from nxd_ckpt.sources._hf_config import export_configs
 
 __all__ = [
     "HF_INDEX_NAME",
@@ -85,7 +91,7 @@ def parse_size(size: int | str) -> int:
 
 def checkpoint_tag_dir(checkpoint: str | os.PathLike[str], tag: str | None) -> Path:
     """A tag folder (holding ``index.json``) given itself, or its checkpoint path and tag
-    (a plain name; the tag folder is not a link: :func:`nxd_ckpt._tags.resolve_tag_dir`)."""
+    (a plain name; the tag folder is not a link: :func:`nxd_ckpt.format._tags.resolve_tag_dir`)."""
     path = Path(checkpoint)
     if tag is None and os.path.lexists(path / INDEX_NAME):  # a link: refused when read
         return path

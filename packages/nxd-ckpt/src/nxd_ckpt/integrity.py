@@ -1,13 +1,13 @@
 """Check tags without loading them, and find the newest intact one (a resume's fallback).
 
 :func:`verify_tag` checks one tag as a load would, but into no object: the tag folder is a
-plain name and a real folder with ``done``; ``index.json`` is valid (:mod:`nxd_ckpt._validate`:
-types, contained names, chunks that tile every tensor, sizes bounded by the files, a CRC for
-every block); every data file is a regular file inside the tag (no link), of the recorded size,
-with the recorded header CRC and a header whose entries have each chunk's shape, dtype and a
-byte range inside the file; and, with ``data=True`` (default), every chunk's bytes match their
-CRC-32s. A tag in NxD's own layout has no checksums: its files are unpickled with
-``torch.load(weights_only=True)`` (a damaged one fails that).
+plain name and a real folder with ``done``; ``index.json`` is valid
+(:mod:`nxd_ckpt.format._validate`: types, contained names, chunks that tile every tensor, sizes
+bounded by the files, a CRC for every block); every data file is a regular file inside the tag
+(no link), of the recorded size, with the recorded header CRC and a header whose entries have
+each chunk's shape, dtype and a byte range inside the file; and, with ``data=True`` (default),
+every chunk's bytes match their CRC-32s. A tag in NxD's own layout has no checksums: its files
+are unpickled with ``torch.load(weights_only=True)`` (a damaged one fails that).
 
 :func:`newest_intact_tag` walks the complete tags newest first and returns the first that
 passes, with the newer ones that failed and why, so a resume can fall back with a warning::
@@ -29,9 +29,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from nxd_ckpt import _tags
-from nxd_ckpt._contain import check_tag
-from nxd_ckpt.format import INDEX_NAME, FormatError
+from nxd_ckpt.format import INDEX_NAME, FormatError, _tags
+from nxd_ckpt.format._contain import check_tag
 
 __all__ = ["DamagedTag", "IntactTag", "newest_intact_tag", "verify_tag"]
 
@@ -63,7 +62,7 @@ def verify_tag(path: str | os.PathLike[str], tag: str | None = None, *, data: bo
     (see the module docstring); returns the bytes of the data files checked. Raises what a
     load would: :class:`~nxd_ckpt.FormatError` (damaged or hostile index or file, naming
     it), FileNotFoundError, RuntimeError (an incomplete tag), ValueError (a bad tag name)."""
-    from nxd_ckpt._reader import CheckpointReader
+    from nxd_ckpt.load._reader import CheckpointReader
 
     tag_dir, _ = _tags.resolve_tag_dir(path, tag)
     if not os.path.lexists(tag_dir / INDEX_NAME):  # (a link is refused by the reader)
@@ -73,7 +72,8 @@ def verify_tag(path: str | os.PathLike[str], tag: str | None = None, *, data: bo
 
 
 def _verify_nxd_layout(tag_dir: Path) -> int:
-    from nxd_ckpt.nxd_format import _scan, is_nxd_checkpoint, torch_load_safe
+    from nxd_ckpt.format._nxd_files import is_nxd_checkpoint, scan
+    from nxd_ckpt.nxd_format import torch_load_safe
 
     if not is_nxd_checkpoint(tag_dir):
         raise FileNotFoundError(
@@ -81,7 +81,7 @@ def _verify_nxd_layout(tag_dir: Path) -> int:
         )
     total = 0
     for sub in ("model", "optim"):
-        for file in _scan(tag_dir / sub).values():
+        for file in scan(tag_dir / sub).values():
             try:
                 torch_load_safe(file)
             except Exception as error:  # unpickling a damaged file fails in many ways

@@ -12,7 +12,7 @@ Per-rank files carry no sharding metadata, as in NxD: they load back at the same
 ``sharded=False`` one unsharded state dict (a safetensors file, a Hugging Face folder or a
 ``.pt`` file) into a sharded model, each rank reading only its slices. Inside the folder
 the user names nothing is a link (a rank folder or file that is one is refused, as in
-:mod:`nxd_ckpt._contain`), and a damaged file is an error naming it.
+:mod:`nxd_ckpt.format._contain`), and a damaged file is an error naming it.
 """
 
 from __future__ import annotations
@@ -25,20 +25,20 @@ from typing import Any
 
 import torch
 
-from nxd_ckpt import _jsonstate
-from nxd_ckpt._contain import open_regular, real_dir
-from nxd_ckpt._context import RankContext, barrier, current_context
-from nxd_ckpt._load_model import load_model
-from nxd_ckpt._reader import CheckpointReader
-from nxd_ckpt._stfile import dtype_name, plan_file, write_planned, write_text_atomic
-from nxd_ckpt._stread import SafetensorsFile
 from nxd_ckpt.format import (
     CheckpointIndex,
     ChunkRecord,
     ContainmentError,
     FormatError,
     TensorRecord,
+    _jsonstate,
 )
+from nxd_ckpt.format._contain import open_regular, real_dir
+from nxd_ckpt.format._stfile import dtype_name, plan_file, write_planned, write_text_atomic
+from nxd_ckpt.format._stread import SafetensorsFile
+from nxd_ckpt.layout._context import RankContext, barrier, current_context
+from nxd_ckpt.load._load_model import load_model
+from nxd_ckpt.load._reader import CheckpointReader
 
 __all__ = ["load", "save"]
 
@@ -151,8 +151,8 @@ def _read_rank_file(root: Path, ctx: RankContext, master_dp_only: bool) -> Any:
 @torch.no_grad()
 def _load_local(target: Any, state: dict[str, torch.Tensor], strict: bool) -> None:
     """Copy a rank's own state dict into its local tensors (NxDPPModel stages included)."""
-    from nxd_ckpt._context import agree
-    from nxd_ckpt._model_tensors import model_tensors
+    from nxd_ckpt.layout._context import agree
+    from nxd_ckpt.layout._model_tensors import model_tensors
 
     tensors, aliases = model_tensors(target, current_context())
     known = {local.name for local in tensors} | set(aliases)

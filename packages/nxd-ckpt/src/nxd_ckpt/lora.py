@@ -23,89 +23,18 @@ import os
 from pathlib import Path
 from typing import Any
 
-from nxd_ckpt._context import RankContext, current_context
-from nxd_ckpt._model_tensors import LocalTensor
-from nxd_ckpt._sharding import spec_for_tensor
+from nxd_ckpt.layout._context import current_context
+from nxd_ckpt.layout._model_tensors import is_lora_model, lora_tensors
 
 __all__ = ["export_peft_adapter", "is_lora_model", "load_lora_from_ckpt", "lora_tensors"]
 
 logger = logging.getLogger(__name__)
 
 
-def is_lora_model(model: Any) -> bool:
-    from nxd_lora import LoRAModel
-
-    return isinstance(model, LoRAModel)
-
-
-def _mode(model: Any) -> str:
-    config = model.lora_config
-    return "adapter" if config.merge_sharded_lora else config.save_mode
-
-
-def lora_tensors(model: Any, ctx: RankContext, *, for_load: bool = False) -> list[LocalTensor]:
-    """The tensors the save mode stores, under the unwrapped model's names; for ``merged``
-    the merged weights (when saving) with the base parameters' sharding."""
-    mode = _mode(model)
-    modules = dict(model.module.named_modules())
-    params = dict(model.module.named_parameters())
-    out = []
-    for wrapped, tensor in model.module.state_dict(keep_vars=True).items():
-        adapter = model.is_adapter_key(wrapped) or (
-            wrapped in params and model.is_trainable_name(wrapped)
-        )
-        if (mode == "adapter" and not adapter) or (
-            mode == "merged" and model.is_adapter_key(wrapped)
-        ):
-            continue
-        prefix, _, leaf = wrapped.rpartition(".")
-        spec = spec_for_tensor(
-            tensor,
-            tp_rank=ctx.tp_rank,
-            tp_size=ctx.tp_size,
-            module=modules.get(prefix),
-            local_name=leaf,
-            ep_rank=ctx.ep_rank,
-            ep_size=ctx.ep_size,
-            what=wrapped,
-        )
-        out.append(LocalTensor(model.original_name(wrapped), tensor, spec))
-    if mode == "merged" and not for_load and not model.is_lora_merged:
-        by_name = {local.name: local for local in out}
-        for lora_name, layer in model.lora_layers().items():
-            for param_name, weight in layer.merged_base_weights().items():
-                by_name[f"{lora_name}.{param_name}"].tensor = weight
-    return out
-
-
-def lora_meta(model: Any) -> dict[str, Any]:
-    """Mode, NxD's saved config fields, PEFT config and PEFT key of each adapter tensor."""
-    from nxd_lora import peft_adapter_config
-    from nxd_lora.adapter import PEFT_PREFIX
-
-    mode = _mode(model)
-    meta: dict[str, Any] = {"mode": mode, "config": model.lora_config.selected_fields_to_save()}
-    if mode == "merged":
-        return meta
-    peft_names: dict[str, str] = {}
-    exportable = True
-    for lora_name, layer in model.lora_layers().items():
-        own = [f"{lora_name}.{p}" for p in layer.adapter_parameters()]
-        if layer.peft_tensor_names(lora_name) != own:  # e.g. a fused QKV split into q/k/v
-            exportable = False
-        peft_names.update({name: PEFT_PREFIX + name for name in own})
-    for wrapped, _ in model.module.named_parameters():
-        if not model.is_adapter_key(wrapped) and model.is_trainable_name(wrapped):
-            peft_names[model.original_name(wrapped)] = PEFT_PREFIX + wrapped
-    meta["peft_names"] = peft_names if exportable else None
-    meta["peft_config"] = json.loads(json.dumps(peft_adapter_config(model), default=str))
-    return meta
-
-
 def export_peft_adapter(reader: Any, out_dir: Path, *, progress: bool = True) -> Path:
     """Write an adapter-only tag as a PEFT folder (``adapter_model.safetensors`` +
     ``adapter_config.json``), tensor by tensor."""
-    from nxd_ckpt._stfile import dtype_from_name, plan_file, write_planned
+    from nxd_ckpt.format._stfile import dtype_from_name, plan_file, write_planned
     from nxd_lora import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME
 
     meta = reader.index.lora
@@ -138,9 +67,9 @@ def load_lora_from_ckpt(model: Any, *, strict: bool = True) -> None:
     LoRA config into ``model`` (an ``nxd_lora.LoRAModel``), adopting the saved LoRA config.
     A tag written by ``save_checkpoint`` is read at any TP/PP/DP layout; a folder written by
     ``nxd_lora.save_lora`` goes to nxd_lora's loader. Collective."""
-    from nxd_ckpt._contain import check_tag, is_regular, real_dir
-    from nxd_ckpt._reader import CheckpointReader
     from nxd_ckpt.format import INDEX_NAME
+    from nxd_ckpt.format._contain import check_tag, is_regular, real_dir
+    from nxd_ckpt.load._reader import CheckpointReader
     from nxd_lora import load_lora_checkpoint_into
 
     config = model.lora_config
@@ -157,7 +86,7 @@ def load_lora_from_ckpt(model: Any, *, strict: bool = True) -> None:
 
 
 def _load_lora_tag(model: Any, reader: Any, config: Any, strict: bool) -> None:
-    from nxd_ckpt._load_model import load_model
+    from nxd_ckpt.load._load_model import load_model
 
     folder = reader.tag_dir
     saved = reader.index.lora

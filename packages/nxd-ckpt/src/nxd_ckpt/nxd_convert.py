@@ -16,9 +16,10 @@ from pathlib import Path
 
 import torch
 
-from nxd_ckpt import _tags
 from nxd_ckpt.checkpoint import save_checkpoint
-from nxd_ckpt.nxd_format import _pickled, _scan, is_nxd_checkpoint, torch_load_safe
+from nxd_ckpt.format import _tags
+from nxd_ckpt.format._nxd_files import is_nxd_checkpoint, scan
+from nxd_ckpt.nxd_format import _pickled, torch_load_safe
 
 __all__ = ["LLAMA_RULES", "convert_nxd_checkpoint", "load_rules"]
 
@@ -60,7 +61,7 @@ def convert_nxd_checkpoint(
     any degrees), partition dims from name ``rules`` (default: Llama's). One process."""
     root = Path(source)
     tag_dir = root if is_nxd_checkpoint(root) else _tags.resolve_tag_dir(root, tag)[0]
-    files = {(tp, pp): p for (dp, tp, pp), p in _scan(tag_dir / "model").items() if dp == 0}
+    files = {(tp, pp): p for (dp, tp, pp), p in scan(tag_dir / "model").items() if dp == 0}
     if not files:
         raise FileNotFoundError(f"{tag_dir} is not an NxD checkpoint (no model/*.pt files)")
     size = max(tp for tp, _ in files) + 1

@@ -10,8 +10,8 @@ only with ``allow_pickle=True``.
 
 The files become an in-memory index (for each saved rank t of T, the blocks of its tensor
 under the target's sharding attributes, with NxD's per-rank padding and GQA head order mapped
-as :mod:`nxd_ckpt._nxd_layout` says), so loading reshards to any TP degree with the same code
-as this package's own format. Optimizer state (plain, or torch-xla ZeRO-1's
+as :mod:`nxd_ckpt.sources._nxd_layout` says), so loading reshards to any TP degree with the
+same code as this package's own format. Optimizer state (plain, or torch-xla ZeRO-1's
 ``base_state`` sharded along dim 0 per parameter, unpadded with ``shape_info``) maps
 positions to parameter names through the target optimizer, at the saved pipeline degree.
 """
@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import re
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -29,30 +28,29 @@ from typing import Any
 
 import torch
 
-from nxd_ckpt import _jsonstate
-from nxd_ckpt._boxes import Box
-from nxd_ckpt._context import RankContext, current_context
-from nxd_ckpt._load_model import model_reads
-from nxd_ckpt._nxd_layout import SavedGQA, saved_gqa_layouts, saved_spec
-from nxd_ckpt._optim_common import encode_scalar, resolve_optimizer
-from nxd_ckpt._optim_load import optimizer_reads
-from nxd_ckpt._reader import CheckpointReader
-from nxd_ckpt._restore import apply_scheduler
-from nxd_ckpt._sharding import ShardSpec
-from nxd_ckpt._stfile import dtype_name
 from nxd_ckpt.format import (
     CheckpointIndex,
     ChunkRecord,
-    ContainmentError,
     FormatError,
     TensorRecord,
+    _jsonstate,
 )
+from nxd_ckpt.format._boxes import Box
+from nxd_ckpt.format._nxd_files import is_nxd_checkpoint, refuse_link, scan
+from nxd_ckpt.format._stfile import dtype_name
+from nxd_ckpt.layout._context import RankContext, current_context
+from nxd_ckpt.layout._optim_common import encode_scalar, resolve_optimizer
+from nxd_ckpt.layout._sharding import ShardSpec
+from nxd_ckpt.load._load_model import model_reads
+from nxd_ckpt.load._optim_load import optimizer_reads
+from nxd_ckpt.load._reader import CheckpointReader
+from nxd_ckpt.load._restore import apply_scheduler
+from nxd_ckpt.sources._nxd_layout import SavedGQA, saved_gqa_layouts, saved_spec
 
 __all__ = ["is_nxd_checkpoint", "load_nxd_checkpoint", "torch_load_safe"]
 
 logger = logging.getLogger(__name__)
 
-_FILE = re.compile(r"^dp_rank_(\d+)_tp_rank_(\d+)_pp_rank_(\d+)\.pt$")
 _XSER_NAME = "torch_xla.utils.serialization.TensorReference"
 
 
@@ -68,7 +66,7 @@ def _resolve_xser(value: Any, folder: Path) -> Any:
         if isinstance(tid, bool) or not isinstance(tid, int) or tid < 0:
             raise FormatError(f"{folder}: an xser tensor reference has tensor id {tid!r}")
         path = folder / f"tensor_{tid}.pt"
-        _refuse_link(path)
+        refuse_link(path)
         return torch_load_safe(path)
     if isinstance(value, dict):
         return {k: _resolve_xser(v, folder) for k, v in value.items()}
@@ -87,50 +85,8 @@ def torch_load_safe(path: str | os.PathLike[str]) -> Any:
             value = torch.load(path, map_location="cpu", weights_only=True)
     tensors = path.with_name(path.name + ".tensors")
     if tensors.is_symlink():
-        _refuse_link(tensors)
+        refuse_link(tensors)
     return _resolve_xser(value, tensors) if tensors.is_dir() else value
-
-
-def _refuse_link(path: Path) -> None:
-    if path.is_symlink():
-        raise ContainmentError(
-            f"{path} is a symbolic link: nxd-ckpt does not follow links inside a checkpoint folder"
-        )
-
-
-def _scan(folder: Path, *, strict: bool = True) -> dict[tuple[int, int, int], Path]:
-    """(dp, tp, pp) -> file of one of NxD's ``model`` / ``optim`` folders; a link (the
-    folder or a file) is refused with ``strict``, else ignored."""
-    found: dict[tuple[int, int, int], Path] = {}
-    if folder.is_symlink():
-        if strict:
-            _refuse_link(folder)
-        return found
-    if not folder.is_dir():
-        return found
-    for path in folder.iterdir():
-        if path.is_symlink():
-            if strict and _FILE.match(path.name):
-                _refuse_link(path)
-            continue
-        if "_ep_rank_" in path.name:
-            raise NotImplementedError(
-                f"{path}: expert-parallel NxD checkpoints are not supported (nxd has no EP)"
-            )
-        match = _FILE.match(path.name)
-        if match:
-            dp, tp, pp = (int(g) for g in match.groups())
-            found[(dp, tp, pp)] = path
-    return found
-
-
-def is_nxd_checkpoint(tag_dir: str | os.PathLike[str]) -> bool:
-    """Whether ``tag_dir`` holds NxD's layout (``model/`` or ``optim/`` rank files; links
-    are not counted)."""
-    try:
-        return any(_scan(Path(tag_dir) / sub, strict=False) for sub in ("model", "optim"))
-    except NotImplementedError:  # expert-parallel files: NxD's, refused when loaded
-        return True
 
 
 class _TorchSource:
@@ -187,9 +143,9 @@ def _model_index(
     dict[str, torch.nn.Module],
     dict[str, SavedGQA],
 ]:
-    from nxd_ckpt._model_tensors import _stages, model_tensors
+    from nxd_ckpt.layout._model_tensors import _stages, model_tensors
 
-    files = {(tp, pp): path for (dp, tp, pp), path in _scan(tag_dir / "model").items() if dp == 0}
+    files = {(tp, pp): path for (dp, tp, pp), path in scan(tag_dir / "model").items() if dp == 0}
     if not files:
         raise FileNotFoundError(f"{tag_dir}/model holds no dp_rank_00_tp_rank_XX_pp_rank_YY.pt")
     size = max(tp for tp, _ in files) + 1
@@ -239,7 +195,7 @@ def _optimizer_index(
     layouts: dict[str, SavedGQA],
 ) -> tuple[dict[str, TensorRecord], dict[str, Any], dict[str, _TorchSource]]:
     """Optimizer state of an NxD tag as global tensors named ``<param>/<key>``."""
-    files = _scan(tag_dir / "optim")
+    files = scan(tag_dir / "optim")
     if not files:
         raise FileNotFoundError(f"{tag_dir}/optim holds no NxD optimizer files")
     pp_saved = max(pp for _, _, pp in files) + 1
@@ -329,7 +285,7 @@ def _optimizer_tensors(states: list[dict[str, Any]], zero1: bool) -> dict[str, t
 
 def _pickled(tag_dir: Path, name: str, allow_pickle: bool) -> Any:
     path = tag_dir / name
-    _refuse_link(path)
+    refuse_link(path)
     if not path.exists():
         return None
     if not allow_pickle:

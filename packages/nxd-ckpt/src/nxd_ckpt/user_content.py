@@ -11,10 +11,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from nxd_ckpt import _tags
-from nxd_ckpt._load_model import load_json
-from nxd_ckpt._reader import CheckpointReader
-from nxd_ckpt.format import INDEX_NAME
+from nxd_ckpt.format import INDEX_NAME, _tags
+from nxd_ckpt.load._load_model import load_json
+from nxd_ckpt.load._reader import CheckpointReader
 
 __all__ = ["read_user_content"]
 

@@ -4,7 +4,7 @@ A native index (``index.json``) is accepted only when
 
 * every field has its type (an index that is a list, a shape of strings, a chunk with an
   unknown field: one :class:`FormatError` naming the index and the field);
-* every file name is a contained relative path (:func:`nxd_ckpt._contain.check_relative`);
+* every file name is a contained relative path (:func:`nxd_ckpt.format._contain.check_relative`);
 * every tensor's dtype is one safetensors stores, and its chunks **tile** its global shape:
   each box lies inside the shape, the boxes are pairwise disjoint and their volumes add up
   to the tensor's, so every element is written by exactly one chunk;
@@ -13,11 +13,11 @@ A native index (``index.json``) is accepted only when
   chunks of a file promise fit in that file's recorded size, so nothing is allocated for a
   shape no file can hold (a 2^40-element entry fails here);
 * the JSON content (scheduler state, user content, optimizer hyper-parameters) uses only the
-  encoded forms :mod:`nxd_ckpt._jsonstate` writes, nests at most ``MAX_DEPTH`` levels and
+  encoded forms :mod:`nxd_ckpt.format._jsonstate` writes, nests at most ``MAX_DEPTH`` levels and
   refers only to stored tensors; aliases point at stored tensors.
 
 The data files are checked against the index when they are opened
-(:class:`nxd_ckpt._stread.FileReader`: size, header CRC, each chunk's stored dtype, shape and
+(:class:`nxd_ckpt.format._stread.FileReader`: size, header CRC, each chunk's stored dtype, shape and
 byte range).
 """
 
@@ -27,9 +27,9 @@ import math
 from dataclasses import fields
 from typing import Any
 
-from nxd_ckpt._contain import check_relative
-from nxd_ckpt._jsonstate import check_encoded
-from nxd_ckpt._records import (
+from nxd_ckpt.format._contain import check_relative
+from nxd_ckpt.format._jsonstate import check_encoded
+from nxd_ckpt.format._records import (
     CATEGORIES,
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -44,7 +44,7 @@ __all__ = ["check_tiling", "expected_crcs", "parse_index", "storable_dtypes"]
 
 def storable_dtypes() -> dict[str, int]:
     """dtype name -> item size, for the dtypes safetensors stores."""
-    from nxd_ckpt._stfile import _ST_DTYPES, dtype_name
+    from nxd_ckpt.format._stfile import _ST_DTYPES, dtype_name
 
     return {dtype_name(d): d.itemsize for d in _ST_DTYPES}
 

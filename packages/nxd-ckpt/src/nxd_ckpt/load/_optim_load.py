@@ -22,12 +22,12 @@ from typing import Any
 
 import torch
 
-from nxd_ckpt import _jsonstate
-from nxd_ckpt._boxes import Box
-from nxd_ckpt._context import RankContext
-from nxd_ckpt._items import DenseSource, FlatSource, TensorItem, pieces
-from nxd_ckpt._load_model import check_keys
-from nxd_ckpt._optim_common import (
+from nxd_ckpt.format import _jsonstate
+from nxd_ckpt.format._boxes import Box
+from nxd_ckpt.format._stfile import dtype_from_name
+from nxd_ckpt.layout._context import RankContext
+from nxd_ckpt.layout._items import DenseSource, FlatSource, TensorItem, pieces
+from nxd_ckpt.layout._optim_common import (
     MASTER_KEY,
     OptimizerView,
     decode_scalar,
@@ -36,9 +36,9 @@ from nxd_ckpt._optim_common import (
     zero1_inner,
     zero1_parts,
 )
-from nxd_ckpt._reader import CheckpointReader
-from nxd_ckpt._sharding import shape_mismatch, spec_for_stored_shape
-from nxd_ckpt._stfile import dtype_from_name
+from nxd_ckpt.layout._sharding import shape_mismatch, spec_for_stored_shape
+from nxd_ckpt.load._load_model import check_keys
+from nxd_ckpt.load._reader import CheckpointReader
 
 __all__ = ["OptimizerReads", "load_optimizer", "optimizer_reads"]
 

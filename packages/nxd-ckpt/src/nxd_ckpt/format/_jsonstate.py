@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from nxd_ckpt._records import FormatError
+from nxd_ckpt.format._records import FormatError
 
 __all__ = ["MAX_DEPTH", "check_encoded", "decode", "encode"]
 

@@ -17,14 +17,13 @@ from typing import Any
 
 import torch
 
-from nxd_ckpt import _jsonstate
-from nxd_ckpt._boxes import Box
-from nxd_ckpt._context import RankContext, agree, sum_counts
-from nxd_ckpt._items import DenseSource, TensorItem, pieces
-from nxd_ckpt._model_tensors import model_tensors
-from nxd_ckpt._plan import rank_local_name
-from nxd_ckpt._reader import CheckpointReader
-from nxd_ckpt._sharding import shape_mismatch, spec_for_stored_shape
+from nxd_ckpt.format import _jsonstate
+from nxd_ckpt.format._boxes import Box
+from nxd_ckpt.layout._context import RankContext, agree, sum_counts
+from nxd_ckpt.layout._items import DenseSource, TensorItem, pieces
+from nxd_ckpt.layout._model_tensors import model_tensors
+from nxd_ckpt.layout._sharding import rank_local_name, shape_mismatch, spec_for_stored_shape
+from nxd_ckpt.load._reader import CheckpointReader
 
 __all__ = [
     "ModelReads",

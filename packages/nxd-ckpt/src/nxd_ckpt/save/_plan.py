@@ -2,7 +2,7 @@
 
 Every rank declares every global tensor it holds a piece of (shape, dtype, sharding), so the
 merged index knows each tensor even where another rank wrote the data. Each piece is written
-by exactly one of the ranks holding it (:func:`nxd_ckpt._items.is_writer`): replicas over
+by exactly one of the ranks holding it (:func:`nxd_ckpt.layout._items.is_writer`): replicas over
 data parallelism (and over tensor parallelism for replicated tensors) share the work and
 write nothing twice; ZeRO-1 shards are written by their owners. At expert parallelism > 1
 the EP ranks of a DP group hold different boxes of an expert tensor (its experts), each
@@ -18,21 +18,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from nxd_ckpt import _jsonstate
-from nxd_ckpt._boxes import Box
-from nxd_ckpt._context import RankContext
-from nxd_ckpt._items import DenseSource, TensorItem, is_writer, pieces
-from nxd_ckpt._model_tensors import model_tensors
-from nxd_ckpt._optim_save import optimizer_save_items
-from nxd_ckpt._sharding import ShardSpec, rank_local_spec
-from nxd_ckpt._stfile import dtype_name
+from nxd_ckpt.format import _jsonstate
+from nxd_ckpt.format._boxes import Box
+from nxd_ckpt.format._stfile import dtype_name
+from nxd_ckpt.layout._context import RankContext
+from nxd_ckpt.layout._items import DenseSource, TensorItem, is_writer, pieces
+from nxd_ckpt.layout._model_tensors import LocalTensor, is_lora_model, lora_mode, model_tensors
+from nxd_ckpt.layout._sharding import ShardSpec, rank_local_name, rank_local_spec
+from nxd_ckpt.save._optim_save import optimizer_save_items
 
-__all__ = ["RankPlan", "WriteChunk", "build_plan", "rank_local_name"]
-
-
-def rank_local_name(name: str, ctx: RankContext) -> str:
-    """Stored name of a tensor of unknown sharding: one per (TP, PP) coordinate."""
-    return f"{name}#tp{ctx.tp_rank:02d}pp{ctx.pp_rank:02d}"
+__all__ = ["RankPlan", "WriteChunk", "build_plan"]
 
 
 @dataclass
@@ -95,8 +90,7 @@ def _whole(category: str, name: str, tensor: torch.Tensor) -> TensorItem:
     )
 
 
-def _add_model(plan: RankPlan, model: Any) -> None:
-    tensors, aliases = model_tensors(model, plan.ctx)
+def _add_model(plan: RankPlan, tensors: list[LocalTensor], aliases: dict[str, str]) -> None:
     for local in tensors:
         stable = isinstance(local.tensor, nn.Parameter)  # buffers may change in forward
         for stored, spec in local.stored():  # its own name, or its declared parts
@@ -121,6 +115,30 @@ def _add_json(plan: RankPlan, category: str, value: Any, what: str) -> None:
     plan.meta[f"has_{category}"] = True
     for path, tensor in tensors.items():
         plan.add(_whole(category, path, tensor))
+
+
+def lora_meta(model: Any) -> dict[str, Any]:
+    """Mode, NxD's saved config fields, PEFT config and PEFT key of each adapter tensor."""
+    from nxd_lora import peft_adapter_config
+    from nxd_lora.adapter import PEFT_PREFIX
+
+    mode = lora_mode(model)
+    meta: dict[str, Any] = {"mode": mode, "config": model.lora_config.selected_fields_to_save()}
+    if mode == "merged":
+        return meta
+    peft_names: dict[str, str] = {}
+    exportable = True
+    for lora_name, layer in model.lora_layers().items():
+        own = [f"{lora_name}.{p}" for p in layer.adapter_parameters()]
+        if layer.peft_tensor_names(lora_name) != own:  # e.g. a fused QKV split into q/k/v
+            exportable = False
+        peft_names.update({name: PEFT_PREFIX + name for name in own})
+    for wrapped, _ in model.module.named_parameters():
+        if not model.is_adapter_key(wrapped) and model.is_trainable_name(wrapped):
+            peft_names[model.original_name(wrapped)] = PEFT_PREFIX + wrapped
+    meta["peft_names"] = peft_names if exportable else None
+    meta["peft_config"] = json.loads(json.dumps(peft_adapter_config(model), default=str))
+    return meta
 
 
 def _model_config(model: Any) -> dict[str, Any] | None:
@@ -157,17 +175,17 @@ def build_plan(
 ) -> RankPlan:
     """This rank's part of a save (no I/O, no communication)."""
     plan = RankPlan(ctx)
+    walked: list[LocalTensor] | None = None
     if model is not None:
-        _add_model(plan, model)
+        walked, aliases = model_tensors(model, ctx)  # the one walk of the model
+        _add_model(plan, walked, aliases)
         config = _model_config(model)
         if config is not None:
             plan.meta["hf_config"] = config
-        from nxd_ckpt.lora import is_lora_model, lora_meta
-
         if is_lora_model(model) and ctx.rank == 0:
             plan.meta["lora"] = lora_meta(model)
     if optimizer is not None:
-        items, meta = optimizer_save_items(optimizer, model, ctx)
+        items, meta = optimizer_save_items(optimizer, model, ctx, walked=walked)
         for item in items:
             plan.add(item)
         plan.meta["optimizer"] = meta

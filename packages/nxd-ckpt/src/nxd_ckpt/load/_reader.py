@@ -4,9 +4,9 @@ For a requested box R of tensor T, every chunk C of T with R ∩ C ≠ ∅ contr
 ``C[(R ∩ C) - C.offsets]`` to ``out[(R ∩ C) - R.offsets]``; chunks are disjoint, so the
 request is complete exactly when the intersections' volumes add up to R's (checked). Only
 the rows of each chunk that R needs are read (widened to the chunk's CRC blocks). Every file
-is opened inside the tag folder only (:mod:`nxd_ckpt._contain`: no link followed, names
+is opened inside the tag folder only (:mod:`nxd_ckpt.format._contain`: no link followed, names
 checked) and checked against its record and the chunks' shapes and dtypes
-(:mod:`nxd_ckpt._stread`). :meth:`CheckpointReader.close` closes the files it opened.
+(:mod:`nxd_ckpt.format._stread`). :meth:`CheckpointReader.close` closes the files it opened.
 """
 
 from __future__ import annotations
@@ -18,10 +18,6 @@ from typing import Any
 
 import torch
 
-from nxd_ckpt._boxes import Box
-from nxd_ckpt._contain import check_relative, no_links_below
-from nxd_ckpt._stfile import dtype_from_name
-from nxd_ckpt._stread import FileReader
 from nxd_ckpt.format import (
     CheckpointIndex,
     ContainmentError,
@@ -29,6 +25,10 @@ from nxd_ckpt.format import (
     TensorRecord,
     read_index,
 )
+from nxd_ckpt.format._boxes import Box
+from nxd_ckpt.format._contain import check_relative, no_links_below
+from nxd_ckpt.format._stfile import dtype_from_name
+from nxd_ckpt.format._stread import FileReader
 
 __all__ = ["CheckpointReader", "DamagedFileError", "LinkedFileError", "damaged"]
 
@@ -67,7 +67,7 @@ class CheckpointReader:
     ) -> None:
         """``index``: an index built in memory for foreign files (a Hugging Face folder,
         NxD's layout), whose files have no records and chunks no CRCs; by default
-        ``tag_dir/index.json`` (validated: :mod:`nxd_ckpt._validate`). ``sources``: readers
+        ``tag_dir/index.json`` (validated: :mod:`nxd_ckpt.format._validate`). ``sources``: readers
         (``read(chunk, box)``) standing in for named files (NxD's pickled ``.pt`` files).
         ``follow_links``: files may be links (a Hugging Face folder: its cache is made of
         them); names are checked to stay inside either way."""

@@ -17,10 +17,11 @@ from typing import Any
 
 import torch
 
-from nxd_ckpt import _jsonstate
-from nxd_ckpt._context import RankContext
-from nxd_ckpt._items import DenseSource, FlatSource, TensorItem
-from nxd_ckpt._optim_common import (
+from nxd_ckpt.format import _jsonstate
+from nxd_ckpt.layout._context import RankContext
+from nxd_ckpt.layout._items import DenseSource, FlatSource, TensorItem
+from nxd_ckpt.layout._model_tensors import LocalTensor
+from nxd_ckpt.layout._optim_common import (
     MASTER_KEY,
     OptimizerView,
     encode_scalar,
@@ -131,10 +132,11 @@ def _plain_items(view: OptimizerView) -> tuple[list[TensorItem], dict]:
 
 
 def optimizer_save_items(
-    optimizer: Any, model: Any, ctx: RankContext
+    optimizer: Any, model: Any, ctx: RankContext, *, walked: list[LocalTensor] | None = None
 ) -> tuple[list[TensorItem], dict[str, Any]]:
-    """This rank's optimizer tensors and the JSON metadata of its optimizer."""
-    view = resolve_optimizer(optimizer, model, ctx)
+    """This rank's optimizer tensors and the JSON metadata of its optimizer; ``walked``: the
+    model's tensors when the caller has walked it already (else the model is walked here)."""
+    view = resolve_optimizer(optimizer, model, ctx, walked=walked)
     items, meta = _zero1_items(view) if view.kind == "zero1" else _plain_items(view)
     meta.update(
         {

@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
-from nxd_ckpt._context import RankContext
-from nxd_ckpt._model_tensors import LocalTensor, model_tensors
-from nxd_ckpt._sharding import ShardSpec, spec_for_tensor
+from nxd_ckpt.layout._context import RankContext
+from nxd_ckpt.layout._model_tensors import LocalTensor, model_tensors
+from nxd_ckpt.layout._sharding import ShardSpec, spec_for_tensor
 
 __all__ = [
     "FlatPiece",
@@ -236,12 +236,15 @@ class OptimizerView:
 
 
 def _param_names(
-    model: Any, optimizer_params: list[torch.Tensor], ctx: RankContext
+    model: Any,
+    optimizer_params: list[torch.Tensor],
+    ctx: RankContext,
+    walked: list[LocalTensor] | None,
 ) -> tuple[dict[int, str], dict[str, LocalTensor]]:
     names: dict[int, str] = {}
     described: dict[str, LocalTensor] = {}
     if model is not None:
-        tensors, _ = model_tensors(model, ctx)
+        tensors = walked if walked is not None else model_tensors(model, ctx)[0]
         for local in tensors:
             names.setdefault(id(local.tensor), local.name)
             described[local.name] = local
@@ -300,8 +303,12 @@ def _ep_zero1_halves(core: Any, ctx: RankContext) -> list[Any]:
     return halves
 
 
-def resolve_optimizer(optimizer: Any, model: Any, ctx: RankContext) -> OptimizerView:
-    """Classify ``optimizer`` and name its parameters from ``model``."""
+def resolve_optimizer(
+    optimizer: Any, model: Any, ctx: RankContext, *, walked: list[LocalTensor] | None = None
+) -> OptimizerView:
+    """Classify ``optimizer`` and name its parameters from ``model`` (from ``walked``, the
+    model's tensors as :func:`~nxd_ckpt.layout._model_tensors.model_tensors` returned them, when
+    the caller has walked the model already: a save walks it once)."""
     from nxd_optim import NeuronEPZero1Optimizer, NeuronZero1Optimizer, NxDOptimizer
 
     wrapper = optimizer if isinstance(optimizer, NxDOptimizer) else None
@@ -309,7 +316,7 @@ def resolve_optimizer(optimizer: Any, model: Any, ctx: RankContext) -> Optimizer
     if isinstance(core, NeuronEPZero1Optimizer):
         zeros = _ep_zero1_halves(core, ctx)
         params = [p for group in core.param_groups for p in group["params"]]
-        names, tensors = _param_names(model, params, ctx)
+        names, tensors = _param_names(model, params, ctx, walked)
         in_ckpt = bool(core.use_master_weights_in_ckpt)
         return _view("zero1", core, names, tensors, zeros=zeros, masters_in_ckpt=in_ckpt)
     if isinstance(core, NeuronZero1Optimizer):
@@ -324,7 +331,7 @@ def resolve_optimizer(optimizer: Any, model: Any, ctx: RankContext) -> Optimizer
                 "with zero_one_enabled=True builds it at EP > 1) or, without ZeRO-1, from "
                 "NxDOptimizer with zero_one_enabled=False",
             )
-        names, tensors = _param_names(model, params, ctx)
+        names, tensors = _param_names(model, params, ctx, walked)
         return _view(
             "zero1",
             core,
@@ -345,7 +352,9 @@ def resolve_optimizer(optimizer: Any, model: Any, ctx: RankContext) -> Optimizer
         model_param = {id(master): param for param, master in masters.items()}
         masters_in_ckpt = bool(masters) and bool(wrapper.config.use_master_weights_in_ckpt)
     inner_params = [p for group in core.param_groups for p in group["params"]]
-    names, tensors = _param_names(model, [model_param.get(id(p), p) for p in inner_params], ctx)
+    names, tensors = _param_names(
+        model, [model_param.get(id(p), p) for p in inner_params], ctx, walked
+    )
     return _view(
         "plain",
         wrapper if wrapper is not None else core,

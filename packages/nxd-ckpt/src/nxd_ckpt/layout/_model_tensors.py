@@ -20,11 +20,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from nxd_ckpt._context import RankContext
-from nxd_ckpt._sharding import ShardSpec, part_spec, rank_local_spec, spec_for_tensor
+from nxd_ckpt.layout._context import RankContext
+from nxd_ckpt.layout._sharding import ShardSpec, part_spec, rank_local_spec, spec_for_tensor
 from nxd_ckpt.parts import CHECKPOINT_PARTS, StoredPart
 
-__all__ = ["LocalTensor", "Part", "declared_parts", "model_tensors", "named_parameters"]
+__all__ = [
+    "LocalTensor",
+    "Part",
+    "declared_parts",
+    "is_lora_model",
+    "lora_mode",
+    "lora_tensors",
+    "model_tensors",
+    "named_parameters",
+]
 
 
 @dataclass
@@ -81,7 +90,7 @@ def declared_parts(
     module: nn.Module | None, prefix: str, local: str, spec: ShardSpec
 ) -> list[Part] | None:
     """The stored parts ``module`` (at ``prefix``) declares for its tensor ``local``, with
-    their specs cut from ``spec`` (:func:`nxd_ckpt._sharding.part_spec`); None if none."""
+    their specs cut from ``spec`` (:func:`nxd_ckpt.layout._sharding.part_spec`); None if none."""
     declared = getattr(module, CHECKPOINT_PARTS, None) if module is not None else None
     if not declared or local not in declared:
         return None
@@ -114,6 +123,53 @@ def declared_parts(
     return out
 
 
+def is_lora_model(model: Any) -> bool:
+    from nxd_lora import LoRAModel
+
+    return isinstance(model, LoRAModel)
+
+
+def lora_mode(model: Any) -> str:
+    config = model.lora_config
+    return "adapter" if config.merge_sharded_lora else config.save_mode
+
+
+def lora_tensors(model: Any, ctx: RankContext, *, for_load: bool = False) -> list[LocalTensor]:
+    """The tensors a ``LoRAModel``'s save mode stores (:mod:`nxd_ckpt.lora`), under the
+    unwrapped model's names; for ``merged`` the merged weights (when saving) with the base
+    parameters' sharding."""
+    mode = lora_mode(model)
+    modules = dict(model.module.named_modules())
+    params = dict(model.module.named_parameters())
+    out = []
+    for wrapped, tensor in model.module.state_dict(keep_vars=True).items():
+        adapter = model.is_adapter_key(wrapped) or (
+            wrapped in params and model.is_trainable_name(wrapped)
+        )
+        if (mode == "adapter" and not adapter) or (
+            mode == "merged" and model.is_adapter_key(wrapped)
+        ):
+            continue
+        prefix, _, leaf = wrapped.rpartition(".")
+        spec = spec_for_tensor(
+            tensor,
+            tp_rank=ctx.tp_rank,
+            tp_size=ctx.tp_size,
+            module=modules.get(prefix),
+            local_name=leaf,
+            ep_rank=ctx.ep_rank,
+            ep_size=ctx.ep_size,
+            what=wrapped,
+        )
+        out.append(LocalTensor(model.original_name(wrapped), tensor, spec))
+    if mode == "merged" and not for_load and not model.is_lora_merged:
+        by_name = {local.name: local for local in out}
+        for lora_name, layer in model.lora_layers().items():
+            for param_name, weight in layer.merged_base_weights().items():
+                by_name[f"{lora_name}.{param_name}"].tensor = weight
+    return out
+
+
 def _stages(model: Any) -> list[nn.Module]:
     """The modules holding this rank's weights: an NxDPPModel's local stages, else the model."""
     from nxd_pipeline import NxDPPModel
@@ -139,12 +195,10 @@ def model_tensors(
 ) -> tuple[list[LocalTensor], dict[str, str]]:
     """Every tensor of ``model`` on this rank (state-dict names) and the aliases of tied ones.
 
-    A LoRA model contributes what its save mode stores (:mod:`nxd_ckpt.lora`); ``for_load``:
+    A LoRA model contributes what its save mode stores (:func:`lora_tensors`); ``for_load``:
     the tensors to fill (the base weights, not merged copies, for the merged mode)."""
     if isinstance(model, Mapping):
         return _dict_tensors(model, ctx), {}
-    from nxd_ckpt.lora import is_lora_model, lora_tensors
-
     if is_lora_model(model):
         return lora_tensors(model, ctx, for_load=for_load), {}
     if not isinstance(model, nn.Module):

@@ -31,11 +31,11 @@ from typing import TypeGuard
 
 import torch
 
-from nxd_ckpt._boxes import Box
-from nxd_ckpt._contain import open_regular
-from nxd_ckpt._crc import crc32
-from nxd_ckpt._stfile import _ST_DTYPES, dtype_name
-from nxd_ckpt.format import ChunkRecord, FileRecord, FormatError
+from nxd_ckpt.format._boxes import Box
+from nxd_ckpt.format._contain import open_regular
+from nxd_ckpt.format._crc import crc32
+from nxd_ckpt.format._records import ChunkRecord, FileRecord, FormatError
+from nxd_ckpt.format._stfile import _ST_DTYPES, dtype_name
 
 __all__ = ["Entry", "FileReader", "SafetensorsFile"]
 
@@ -179,7 +179,7 @@ def _is_ints(value: object) -> TypeGuard[list[int]]:
 
 
 def _crc_of(tensor: torch.Tensor) -> int:
-    from nxd_ckpt._stfile import as_bytes
+    from nxd_ckpt.format._stfile import as_bytes
 
     return crc32(as_bytes(tensor.contiguous()))
 
@@ -196,7 +196,7 @@ class FileReader:
         follow: bool = False,
     ) -> None:
         """``record`` None: a foreign safetensors file (Hugging Face), no CRCs to verify.
-        ``path`` must have been checked by the caller (:mod:`nxd_ckpt._contain`)."""
+        ``path`` must have been checked by the caller (:mod:`nxd_ckpt.format._contain`)."""
         self.path = path
         self.verify = verify and record is not None
         self.file = SafetensorsFile(

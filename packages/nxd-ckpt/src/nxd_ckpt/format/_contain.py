@@ -27,7 +27,7 @@ import os
 import stat
 from pathlib import Path, PurePosixPath
 
-from nxd_ckpt._records import ContainmentError
+from nxd_ckpt.format._records import ContainmentError
 
 __all__ = [
     "check_relative",

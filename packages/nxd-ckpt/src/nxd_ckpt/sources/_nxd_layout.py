@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from nxd_ckpt._sharding import ShardSpec, gqa_spec, is_gqa, spec_for_tensor
+from nxd_ckpt.layout._sharding import ShardSpec, gqa_spec, is_gqa, spec_for_tensor
 
 __all__ = ["SavedGQA", "saved_gqa_layouts", "saved_spec"]
 

@@ -16,10 +16,10 @@ from collections.abc import Callable, Iterable
 
 import torch.distributed as dist
 
-from nxd_ckpt._boxes import Box
-from nxd_ckpt._context import sum_counts
-from nxd_ckpt._reader import CheckpointReader, DamagedFileError
 from nxd_ckpt.format import FormatError
+from nxd_ckpt.format._boxes import Box
+from nxd_ckpt.layout._context import sum_counts
+from nxd_ckpt.load._reader import CheckpointReader, DamagedFileError
 
 __all__ = ["verify_reads"]
 

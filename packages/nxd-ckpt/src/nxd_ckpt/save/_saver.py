@@ -5,7 +5,7 @@ slot, ``num_workers`` per host). *Commit* (rank 0 only): wait until every rank's
 exists, merge them into ``index.json`` (atomic replace: the commit point), write ``done``,
 remove data of older saves of the tag and apply ``num_kept_ckpts``. Once ``done`` is written
 the save has succeeded: a problem while cleaning up or removing old tags is a
-:class:`~nxd_ckpt._tags.RetentionWarning` (and a log line), never the save's error.
+:class:`~nxd_ckpt.format._tags.RetentionWarning` (and a log line), never the save's error.
 
 Synchronously, ranks agree on the write outcome before rank 0 commits, and on the commit
 outcome before returning. Asynchronously the write (and rank 0's commit) run in a thread
@@ -28,14 +28,20 @@ from pathlib import Path
 
 import torch
 
-from nxd_ckpt import _step_gate, _tags
-from nxd_ckpt._contain import real_dir
-from nxd_ckpt._context import RankContext, agree
-from nxd_ckpt._plan import RankPlan
-from nxd_ckpt._slots import host_slot
-from nxd_ckpt._stfile import FilePlan, write_text_atomic
-from nxd_ckpt._write import DeferredCopy, copy_deferred, manifest_path, merge_manifests, write_rank
-from nxd_ckpt.format import DONE_MARKER, INDEX_NAME
+from nxd_ckpt.format import DONE_MARKER, INDEX_NAME, _tags
+from nxd_ckpt.format._contain import real_dir
+from nxd_ckpt.format._slots import host_slot
+from nxd_ckpt.format._stfile import FilePlan, write_text_atomic
+from nxd_ckpt.layout._context import RankContext, agree
+from nxd_ckpt.save import _step_gate
+from nxd_ckpt.save._plan import RankPlan
+from nxd_ckpt.save._write import (
+    DeferredCopy,
+    copy_deferred,
+    manifest_path,
+    merge_manifests,
+    write_rank,
+)
 
 __all__ = ["SaveJob", "pending_job", "wait_pending"]
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from nxd_ckpt._boxes import Box, flat_range_boxes, linear_index
-from nxd_ckpt._context import RankContext
-from nxd_ckpt._sharding import ShardSpec
+from nxd_ckpt.format._boxes import Box, flat_range_boxes, linear_index
+from nxd_ckpt.layout._context import RankContext
+from nxd_ckpt.layout._sharding import ShardSpec
 
 __all__ = ["DenseSource", "FlatSource", "Piece", "TensorItem", "pieces"]
 

@@ -17,9 +17,6 @@ from typing import Any
 
 import torch
 
-from nxd_ckpt._memcopy import copy_into
-from nxd_ckpt._plan import RankPlan, WriteChunk
-from nxd_ckpt._stfile import FilePlan, plan_file, write_planned, write_text_atomic
 from nxd_ckpt.format import (
     FORMAT_VERSION,
     CheckpointIndex,
@@ -28,6 +25,9 @@ from nxd_ckpt.format import (
     FormatError,
     TensorRecord,
 )
+from nxd_ckpt.format._stfile import FilePlan, plan_file, write_planned, write_text_atomic
+from nxd_ckpt.save._memcopy import copy_into
+from nxd_ckpt.save._plan import RankPlan, WriteChunk
 
 __all__ = [
     "DeferredCopy",

@@ -38,7 +38,8 @@ from typing import Any, Protocol, TypeGuard
 import torch
 from torch import nn
 
-from nxd_ckpt._boxes import Box
+from nxd_ckpt.format._boxes import Box
+from nxd_ckpt.layout._context import RankContext
 
 __all__ = [
     "Block",
@@ -47,6 +48,7 @@ __all__ = [
     "gqa_spec",
     "is_gqa",
     "part_spec",
+    "rank_local_name",
     "rank_local_spec",
     "shape_mismatch",
     "spec_for_stored_shape",
@@ -425,3 +427,8 @@ def rank_local_spec(tensor: torch.Tensor) -> ShardSpec:
     shape = tuple(tensor.shape)
     block = Block(Box.whole(shape), (0,) * len(shape))
     return ShardSpec(shape, [block], tp_replicated=False, rank_local=True)
+
+
+def rank_local_name(name: str, ctx: RankContext) -> str:
+    """Stored name of a tensor of unknown sharding: one per (TP, PP) coordinate."""
+    return f"{name}#tp{ctx.tp_rank:02d}pp{ctx.pp_rank:02d}"
