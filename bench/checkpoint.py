@@ -122,7 +122,8 @@ def _diagnostic(kind: str) -> Any:
     """nxd-ckpt with one cost removed (the files are not valid checkpoints): ``nocrc``, the
     CRC-32s replaced by zeros; ``nodirsync``, only the data file fsynced (no folder, index
     or ``done`` fsyncs)."""
-    from nxd_ckpt import _crc, _saver, _stfile, _tags, _write
+    from nxd_ckpt.format import _crc, _stfile, _tags
+    from nxd_ckpt.save import _saver, _write
 
     real_atomic = _stfile.write_text_atomic
 
@@ -266,7 +267,7 @@ def _loop_blocked(model: nn.Module, optimizer: Any, async_save: Any, wait: Any) 
     """A training step (forward and backward of ``LOOP_BATCH`` rows, ``optimizer.step()``) right
     after an async save in each mode: the loop is blocked for the call plus whatever the
     step waited at the step gate for a deferred copy (measured by the gate itself)."""
-    from nxd_ckpt import _step_gate
+    from nxd_ckpt.save import _step_gate
 
     batch = torch.randn(LOOP_BATCH, HIDDEN)
     out = {}

@@ -425,13 +425,13 @@ def test_retention_keeps_tensorflow_and_etl_folders(case: Case) -> None:
     assert sorted(p.name for p in case.ckpt.iterdir()) == ["etl-2024-01-01", "t3", "tf_model"]
     assert sorted(p.name for p in tensorflow.iterdir()) == ["checkpoint", "model.ckpt-1.index"]
     assert sorted(p.name for p in etl.iterdir()) == ["done", "part-0000.csv"]
-    assert [t.name for t in nxd_ckpt._tags.list_tags(case.ckpt)] == ["t3"]
+    assert [t.name for t in nxd_ckpt.format._tags.list_tags(case.ckpt)] == ["t3"]
 
 
 def test_a_retention_failure_is_a_warning_after_the_commit(
     case: Case, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from nxd_ckpt import _tags
+    from nxd_ckpt.format import _tags
 
     def refuse(path: Any, *args: Any, **kwargs: Any) -> None:
         raise PermissionError(13, "Permission denied", str(path))
@@ -464,7 +464,7 @@ def _rewrite_file(case: Case, tensors: dict[str, torch.Tensor], tag: str = "t2")
     """Replace the tag's data file by one holding ``tensors`` (key -> tensor), with the
     index's file record and chunk CRCs made consistent; returns the index document (not
     written) for further edits."""
-    from nxd_ckpt._stfile import plan_file, write_planned
+    from nxd_ckpt.format._stfile import plan_file, write_planned
 
     path = case.data_file(tag)
     items = [(key, t.dtype, tuple(t.shape)) for key, t in tensors.items()]
@@ -605,7 +605,7 @@ def _rewrite_header(case: Case, edit: Callable[[dict[str, Any]], bytes | dict]) 
     """Replace the data file's safetensors header by ``edit(header)`` (a dict to serialise,
     or raw bytes), data unchanged, and make the index's size and header CRC agree, so the
     header itself is what a load must judge."""
-    from nxd_ckpt._crc import crc32
+    from nxd_ckpt.format._crc import crc32
 
     path = case.data_file()
     raw = path.read_bytes()

@@ -29,7 +29,6 @@
 
 from importlib.metadata import version as _version
 
-from nxd_ckpt import _tags as _tags  # old path of format._tags (nxd_ckpt._tags.list_tags)
 from nxd_ckpt.checkpoint import (
     finalize_checkpoint,
     has_checkpoint,

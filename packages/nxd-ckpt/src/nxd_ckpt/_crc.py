@@ -1,9 +1,0 @@
-"""Old path of :mod:`nxd_ckpt.format._crc` (moved there; tests-reliability still imports this
-one). The same module object, so attributes set on it (monkeypatching) reach the real one.
-Import :mod:`nxd_ckpt.format._crc` in new code."""
-
-import sys
-
-from nxd_ckpt.format import _crc
-
-sys.modules[__name__] = _crc
