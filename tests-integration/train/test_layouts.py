@@ -54,9 +54,10 @@ def test_two_nodes_on_localhost(tmp_path: Path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    # --no-export: the export is test_train.py's
     common = [*R.TINY, "--steps", "3", "--runs-dir", str(tmp_path), "--nnodes", "2",
               "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
-              "--no-export"]  # fmt: skip  (the export is test_train.py's)
+              "--no-export"]  # fmt: skip
     nodes = [
         subprocess.Popen(
             R.command([*common, "--node-rank", str(rank)]),
