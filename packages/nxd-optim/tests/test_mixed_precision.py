@@ -88,7 +88,13 @@ def _resumes_exactly(model: nn.Module, opt: NxDOptimizer, fp32_acc: bool, direct
     for restore in ("sharded", "state_dict"):
         resumed = _model().to(torch.bfloat16)
         resumed.load_state_dict(weights)
-        opt2 = NxDOptimizer(resumed.parameters(), torch.optim.AdamW, config=opt.config, lr=1e-3)
+        opt2 = NxDOptimizer(
+            resumed.parameters(),
+            torch.optim.AdamW,
+            config=opt.config,
+            mixed_precision=opt.mixed_precision,
+            lr=1e-3,
+        )
         if restore == "sharded":
             opt2.load_sharded_state_dict(directory)
         else:
