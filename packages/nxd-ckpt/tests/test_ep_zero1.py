@@ -71,7 +71,7 @@ def _build(
     """(model, NxDOptimizer) at EP=``ep``, TP=``tp``, CP=``cp`` over every rank
     (re-initialises the state; the experts' intermediate dim is split over TP)."""
     import nxd_state
-    from nxd_optim import NxDOptimizer, OptimizerConfig
+    from nxd_optim import MixedPrecisionConfig, NxDOptimizer, OptimizerConfig
 
     if nxd_state.model_parallel_is_initialized():
         nxd_state.destroy_model_parallel()
@@ -79,8 +79,13 @@ def _build(
         tensor_model_parallel_size=tp, expert_model_parallel_size=ep, context_parallel_size=cp
     )
     model = DenseThenMoE(seed, dtype)
-    config = OptimizerConfig(zero_one_enabled=zero1, use_master_weights_in_ckpt=True)
-    return model, NxDOptimizer(model.parameters(), torch.optim.AdamW, config=config, lr=LR)
+    config = OptimizerConfig(zero_one_enabled=zero1)
+    mixed = MixedPrecisionConfig(
+        use_master_weights=True, use_fp32_grad_acc=False, use_master_weights_in_ckpt=True
+    )
+    return model, NxDOptimizer(
+        model.parameters(), torch.optim.AdamW, config=config, mixed_precision=mixed, lr=LR
+    )
 
 
 def _train(model: nn.Module, optimizer: Any, steps: int, seed: int, dtype: torch.dtype) -> None:

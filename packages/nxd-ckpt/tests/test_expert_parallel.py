@@ -59,10 +59,11 @@ class DenseThenMoE(nn.Module):
 
 
 def _optimizer(model: nn.Module) -> Any:
-    from nxd_optim import NxDOptimizer, OptimizerConfig
+    from nxd_optim import MixedPrecisionConfig, NxDOptimizer
 
-    config = OptimizerConfig(use_master_weights_in_ckpt=True)  # bf16: fp32 masters saved
-    return NxDOptimizer(model.parameters(), torch.optim.AdamW, config=config, lr=1e-2)
+    # bf16: fp32 masters kept and saved
+    mixed = MixedPrecisionConfig(use_master_weights=True, use_master_weights_in_ckpt=True)
+    return NxDOptimizer(model.parameters(), torch.optim.AdamW, mixed_precision=mixed, lr=1e-2)
 
 
 def _train(model: nn.Module, optimizer: Any, rank: int, dtype: torch.dtype) -> None:

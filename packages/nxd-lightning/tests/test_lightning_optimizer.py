@@ -14,13 +14,19 @@ def _zero_grad_and_step_through_lightning(zero: bool) -> list[float]:
     from lightning.pytorch.core.optimizer import LightningOptimizer
 
     import nxd_state
-    from nxd_optim import NxDOptimizer, OptimizerConfig
+    from nxd_optim import MixedPrecisionConfig, NxDOptimizer, OptimizerConfig
 
     nxd_state.initialize_model_parallel()
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 4)
     inner = NxDOptimizer(
-        model.parameters(), torch.optim.SGD, config=OptimizerConfig(zero_one_enabled=zero), lr=0.1
+        model.parameters(),
+        torch.optim.SGD,
+        config=OptimizerConfig(zero_one_enabled=zero),
+        # Gradients stay in p.grad (not ZeRO-1's default fp32 accumulators), where the test
+        # reads them to see zero_grad clear them.
+        mixed_precision=MixedPrecisionConfig(use_fp32_grad_acc=False),
+        lr=0.1,
     )
     optimizer = LightningOptimizer(inner)
     assert optimizer.optimizer is inner  # Lightning's property, not nxd's

@@ -7,6 +7,7 @@ must win) with 2 accumulated micro-batches, equals one process on the global bat
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -89,3 +90,28 @@ def test_trainer_clip_and_accumulation(results: list[dict[str, Any]], name: str)
             torch.testing.assert_close(value, full, **R.TOL, msg=key)
             covered.add(key)
     assert covered == set(reference["params"])
+
+
+def test_clip_value_goes_through_the_optimizer_config() -> None:
+    """``gradient_clip_val`` rewrites ``optimizer_config`` through ``nxd_optim.OptimizerConfig``
+    (a dict or an instance), so a bad key fails naming the closest one; no processes."""
+    from nxd_lightning.module import _with_clipping
+    from nxd_optim import OptimizerConfig
+
+    given = OptimizerConfig(zero_one_enabled=True)  # clips at 1.0: replaced, with a warning
+    with pytest.warns(UserWarning, match=r"replaces nxd_config's optimizer_config max_grad_norm"):
+        out = _with_clipping({"tensor_parallel_size": 2, "optimizer_config": given}, CLIP)
+    assert out["tensor_parallel_size"] == 2
+    assert OptimizerConfig.from_nxd(out["optimizer_config"]) == OptimizerConfig(
+        zero_one_enabled=True, grad_clipping=True, max_grad_norm=CLIP
+    )
+    with warnings.catch_warnings():  # nothing was clipped at another value: no warning
+        warnings.simplefilter("error")
+        off = _with_clipping({"optimizer_config": {"grad_clipping": False}}, CLIP)
+        assert _with_clipping({}, CLIP)["optimizer_config"]["max_grad_norm"] == CLIP
+    assert (off["optimizer_config"]["grad_clipping"], off["optimizer_config"]["max_grad_norm"]) == (
+        True,
+        CLIP,
+    )
+    with pytest.raises(ValueError, match=r"'max_grad_nrom' \(did you mean 'max_grad_norm'"):
+        _with_clipping({"optimizer_config": {"max_grad_nrom": 1.0}}, CLIP)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 import nxd_state
-from nxd_optim import NeuronZero1Optimizer, NxDOptimizer, OptimizerConfig
+from nxd_optim import MixedPrecisionConfig, NeuronZero1Optimizer, NxDOptimizer, OptimizerConfig
 from nxd_state.testing import run_distributed
 
 STEPS = 3
@@ -41,7 +41,12 @@ def _optimizer(model: nn.Module, kind: str, clipping: bool) -> torch.optim.Optim
         config = OptimizerConfig(
             zero_one_enabled=kind == "zero1", grad_clipping=clipping, max_grad_norm=math.inf
         )
-        return NxDOptimizer(model.parameters(), torch.optim.SGD, config=config, **hyper)
+        # Gradients stay in p.grad (not ZeRO-1's default fp32 accumulators): the test reads
+        # them there for the reference norm.
+        mixed = MixedPrecisionConfig(use_fp32_grad_acc=False)
+        return NxDOptimizer(
+            model.parameters(), torch.optim.SGD, config=config, mixed_precision=mixed, **hyper
+        )
     return NeuronZero1Optimizer(
         list(model.parameters()),
         torch.optim.SGD,

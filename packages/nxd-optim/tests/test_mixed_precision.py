@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 import nxd_state
-from nxd_optim import NxDOptimizer, OptimizerConfig
+from nxd_optim import MixedPrecisionConfig, NxDOptimizer, OptimizerConfig
 from nxd_state.testing import run_distributed
 
 STEPS = 5
@@ -61,14 +61,13 @@ def _run(zero: bool, masters: bool, fp32_acc: bool) -> tuple[nn.Module, nn.Modul
     ref = _model()
     model = copy.deepcopy(ref).to(torch.bfloat16)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    config = OptimizerConfig(
-        zero_one_enabled=zero,
-        grad_clipping=False,
-        use_master_weights=masters,
-        use_fp32_grad_acc=fp32_acc,
-        use_master_weights_in_ckpt=True,
+    config = OptimizerConfig(zero_one_enabled=zero, grad_clipping=False)
+    mixed = MixedPrecisionConfig(
+        use_master_weights=masters, use_fp32_grad_acc=fp32_acc, use_master_weights_in_ckpt=masters
     )
-    opt = NxDOptimizer(model.parameters(), torch.optim.AdamW, config=config, lr=1e-3)
+    opt = NxDOptimizer(
+        model.parameters(), torch.optim.AdamW, config=config, mixed_precision=mixed, lr=1e-3
+    )
     for step in range(STEPS):
         x, y = _batch(step)
         ref_opt.zero_grad()
@@ -89,7 +88,13 @@ def _resumes_exactly(model: nn.Module, opt: NxDOptimizer, fp32_acc: bool, direct
     for restore in ("sharded", "state_dict"):
         resumed = _model().to(torch.bfloat16)
         resumed.load_state_dict(weights)
-        opt2 = NxDOptimizer(resumed.parameters(), torch.optim.AdamW, config=opt.config, lr=1e-3)
+        opt2 = NxDOptimizer(
+            resumed.parameters(),
+            torch.optim.AdamW,
+            config=opt.config,
+            mixed_precision=opt.mixed_precision,
+            lr=1e-3,
+        )
         if restore == "sharded":
             opt2.load_sharded_state_dict(directory)
         else:

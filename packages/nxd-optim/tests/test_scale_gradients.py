@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 import nxd_state
-from nxd_optim import NeuronZero1Optimizer, NxDOptimizer, OptimizerConfig
+from nxd_optim import MixedPrecisionConfig, NeuronZero1Optimizer, NxDOptimizer, OptimizerConfig
 from nxd_state.testing import run_distributed
 
 K = 4  # micro-batches per step
@@ -76,13 +76,18 @@ def _model(dtype: torch.dtype) -> nn.Module:
 
 
 def _optimizer(model: nn.Module, zero: bool, acc: bool) -> NxDOptimizer:
-    config = OptimizerConfig(zero_one_enabled=zero, max_grad_norm=MAX_NORM, use_fp32_grad_acc=acc)
+    config = OptimizerConfig(zero_one_enabled=zero, max_grad_norm=MAX_NORM)
+    mixed = MixedPrecisionConfig(use_master_weights=True, use_fp32_grad_acc=acc)
     params = list(model.parameters())
     if params[0].dtype == torch.float32:
-        return NxDOptimizer(params, torch.optim.AdamW, config=config, lr=1e-2, weight_decay=0.1)
+        return NxDOptimizer(
+            params, torch.optim.AdamW, config=config, mixed_precision=mixed, lr=1e-2,
+            weight_decay=0.1,
+        )  # fmt: skip
     return NxDOptimizer(
-        params, torch.optim.SGD, config=config, lr=0.1, momentum=0.9, weight_decay=0.1
-    )
+        params, torch.optim.SGD, config=config, mixed_precision=mixed, lr=0.1, momentum=0.9,
+        weight_decay=0.1,
+    )  # fmt: skip
 
 
 def _masters(opt: NxDOptimizer) -> list[torch.Tensor]:

@@ -53,6 +53,29 @@ def test_defaults_are_nxds() -> None:
     assert (explicit.use_master_weights, explicit.use_fp32_grad_acc) == (True, False)
 
 
+def test_optimizer_sections_are_nxd_optims_classes() -> None:
+    import nxd_optim
+    import nxd_trainer
+    from nxd_trainer import sections
+
+    # One class per concept: nxd-trainer re-exports nxd-optim's, it does not define its own.
+    assert nxd_trainer.OptimizerConfig is nxd_optim.OptimizerConfig
+    assert nxd_trainer.MixedPrecisionConfig is nxd_optim.MixedPrecisionConfig
+    assert sections.OptimizerConfig is nxd_optim.OptimizerConfig
+    assert sections.MixedPrecisionConfig is nxd_optim.MixedPrecisionConfig
+    # NxDConfig takes the instances as NxD's dicts, keeps the optimizer section itself and
+    # resolves the mixed-precision one against ZeRO-1 (given values kept).
+    optimizer = OptimizerConfig(zero_one_enabled=True, max_grad_norm=0.5)
+    config = NxDConfig(
+        optimizer_config=optimizer,
+        mixed_precision_config=MixedPrecisionConfig(use_fp32_grad_acc=False),
+    )
+    assert config.optimizer_config is optimizer
+    mixed = config.mixed_precision_config
+    assert (mixed.use_master_weights, mixed.use_fp32_grad_acc) == (True, False)
+    assert NxDConfig.from_nxd(config.to_nxd()) == config
+
+
 def test_dict_round_trip_keeps_every_setting() -> None:
     def init(module: torch.nn.Module) -> None:
         pass

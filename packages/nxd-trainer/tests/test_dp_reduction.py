@@ -74,6 +74,10 @@ def check_optimizer_wrapper_reduces_once() -> None:
     optimizer = nxd.initialize_parallel_optimizer(
         config, torch.optim.SGD, model.parameters(), lr=0.1
     )
+    # The optimizer holds the config's own sections (one class each, nothing converted).
+    parsed = nxd.NxDConfig.from_nxd(config)
+    assert optimizer.config == parsed.optimizer_config
+    assert optimizer.mixed_precision == parsed.mixed_precision_config
     ids = R.batches()[0]
     with nxd_state.count_collectives() as counter:
         model.run_train(_my_rows(ids), _my_rows(ids))

@@ -129,7 +129,7 @@ def run_feature(kind: str) -> dict[str, Any]:
     )
     if kind == "bf16":  # ZeRO-1 with mixed_precision_config's defaults: fp32 masters
         assert nxd_config["mixed_precision_config"]["use_master_weights"] is True
-        assert optimizer.config.use_master_weights
+        assert optimizer.mixed_precision.use_master_weights
         assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     losses = []
     for ids in R.batches():

@@ -26,6 +26,7 @@ A custom ``training_step`` calls the same two pieces::
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 from collections.abc import Callable, Mapping
@@ -47,6 +48,24 @@ def _check_callable(name: str, value: Any, allow_none: bool = False) -> None:
         return
     if not callable(value):
         raise TypeError(f"{name} must be callable, got {type(value).__qualname__}")
+
+
+def _with_clipping(config: dict[str, Any], clip: float) -> dict[str, Any]:
+    """``config`` with its ``optimizer_config`` (a dict or an ``nxd_optim.OptimizerConfig``,
+    read through that class, so a bad key fails here) clipping at ``clip``, as NxD's dict; a
+    warning when the config clipped at another value it gave."""
+    from nxd_optim import OptimizerConfig
+
+    given = config.get("optimizer_config")
+    optimizer = OptimizerConfig.from_nxd(given)
+    explicit = isinstance(given, OptimizerConfig) or "max_grad_norm" in (given or {})
+    if optimizer.grad_clipping and explicit and optimizer.max_grad_norm != clip:
+        rank_zero_warn(
+            f"Trainer(gradient_clip_val={clip}) replaces nxd_config's "
+            f"optimizer_config max_grad_norm={optimizer.max_grad_norm}"
+        )
+    clipped = dataclasses.replace(optimizer, grad_clipping=True, max_grad_norm=clip)
+    return {**config, "optimizer_config": dataclasses.asdict(clipped)}
 
 
 def _inner(optimizer: Any) -> Any:
@@ -289,17 +308,7 @@ class NeuronLTModule(LightningModule):
                     f"Trainer(gradient_clip_algorithm={algorithm!r}) with a NeuronLTModule: the "
                     f"nxd optimizer clips by norm only; expected gradient_clip_algorithm='norm'"
                 )
-            config = dict(self.nxd_config)
-            optimizer = dict(config.get("optimizer_config") or {})
-            before = optimizer.get("max_grad_norm")
-            if optimizer.get("grad_clipping", True) and before not in (None, clip):
-                rank_zero_warn(
-                    f"Trainer(gradient_clip_val={clip}) replaces nxd_config's "
-                    f"optimizer_config max_grad_norm={before}"
-                )
-            optimizer.update(grad_clipping=True, max_grad_norm=float(clip))
-            config["optimizer_config"] = optimizer
-            self.nxd_config = config
+            self.nxd_config = _with_clipping(dict(self.nxd_config), float(clip))
             trainer.gradient_clip_val = None
 
     def get_param_groups_by_weight_decay(self) -> list[dict[str, Any]]:

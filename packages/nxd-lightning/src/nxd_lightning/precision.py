@@ -68,7 +68,7 @@ class NeuronXLAPrecisionPlugin(Precision):
 
             for optimizer in optimizers:
                 keeps_masters = isinstance(optimizer, NxDOptimizer) and (
-                    optimizer.config.use_master_weights
+                    optimizer.mixed_precision.master_weights
                 )
                 if not keeps_masters:
                     raise ValueError(

@@ -13,8 +13,10 @@
 * :class:`NeuronEPZero1Optimizer`: NxD's EP-aware ZeRO-1 (what ``NxDOptimizer`` with ZeRO-1
   builds at EP > 1): expert state sharded over the expert-DP group, the rest over DP x CP,
   one gradient norm with each expert counted once.
-* :class:`OptimizerConfig` and :func:`build_optimizer`: NxD's ``optimizer_config`` /
-  ``mixed_precision_config`` keys as a dataclass, and the factory that applies them.
+* :class:`OptimizerConfig` and :class:`MixedPrecisionConfig`: NxD's ``optimizer_config`` and
+  ``mixed_precision_config`` dicts as validated dataclasses (the only ones: nxd-trainer
+  re-exports them), and :func:`build_optimizer`, the factory that applies NxD's two dicts.
+  :mod:`nxd_optim.checks`: the validation helpers every NxD config dataclass uses.
 * :class:`AdamWFP32OptimParams` (NxD's ``AdamW_FP32OptimParams``): Hugging Face-style AdamW
   keeping fp32 state (and fp32 arithmetic) for bf16/fp16 params.
 """
@@ -24,7 +26,7 @@ from importlib.metadata import version as _version
 from nxd_optim._buckets import DtypeBucket
 from nxd_optim._flat import FlatLayout
 from nxd_optim.adamw_fp32 import AdamW_FP32OptimParams, AdamWFP32OptimParams
-from nxd_optim.config import OptimizerConfig
+from nxd_optim.config import MixedPrecisionConfig, OptimizerConfig
 from nxd_optim.ep_zero1 import NeuronEPZero1Optimizer
 from nxd_optim.wrapper import NxDOptimizer, build_optimizer
 from nxd_optim.zero1 import NeuronZero1Optimizer
@@ -36,6 +38,7 @@ __all__ = [
     "AdamW_FP32OptimParams",
     "DtypeBucket",
     "FlatLayout",
+    "MixedPrecisionConfig",
     "NeuronEPZero1Optimizer",
     "NeuronZero1Optimizer",
     "NxDOptimizer",

@@ -42,7 +42,7 @@ from nxd_optim._grad_sync import (
 from nxd_optim._groups import check_params_on_backend_device
 from nxd_optim._mixed_precision import GradientStore, is_low_precision
 from nxd_optim._state_io import read_state, write_state
-from nxd_optim.config import OptimizerConfig
+from nxd_optim.config import MixedPrecisionConfig, OptimizerConfig
 from nxd_optim.ep_zero1 import NeuronEPZero1Optimizer
 from nxd_optim.zero1 import NeuronZero1Optimizer, as_param_groups
 from nxd_state import collectives
@@ -63,6 +63,12 @@ class NxDOptimizer(Optimizer):
     :class:`NeuronZero1Optimizer` over the data x context parallel group, at EP > 1 a
     :class:`~nxd_optim.NeuronEPZero1Optimizer` (experts over the expert-DP group), as NxD's
     ``initialize_optimizer_from_class`` picks.
+
+    ``config`` is NxD's ``optimizer_config`` and ``mixed_precision`` its
+    ``mixed_precision_config``: each an :class:`~nxd_optim.OptimizerConfig` /
+    :class:`~nxd_optim.MixedPrecisionConfig`, NxD's dict, or None (the defaults). The mixed
+    precision settings are resolved against ZeRO-1 (NxD's defaults: master weights and fp32
+    gradient accumulation exactly with ZeRO-1) and kept as ``self.mixed_precision``.
     """
 
     def __init__(
@@ -70,11 +76,16 @@ class NxDOptimizer(Optimizer):
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
         optimizer_class: type[Optimizer],
         *,
-        config: OptimizerConfig | None = None,
+        config: OptimizerConfig | Mapping[str, Any] | None = None,
+        mixed_precision: MixedPrecisionConfig | Mapping[str, Any] | None = None,
         **defaults: Any,
     ) -> None:
         # Optimizer.__init__ is not called: the wrapped optimizer owns the groups and state.
-        self.config = config if config is not None else OptimizerConfig()
+        self.config = OptimizerConfig.from_nxd(config)
+        self.mixed_precision = MixedPrecisionConfig.from_nxd(mixed_precision).resolved(
+            self.config.zero_one_enabled
+        )
+        mixed = self.mixed_precision
         self.parallel_state = nxd_state.get_parallel_state()
         groups = as_param_groups(params, "NxDOptimizer")
         self._params = [p for group in groups for p in group["params"]]
@@ -97,16 +108,14 @@ class NxDOptimizer(Optimizer):
                 # DP x CP: context-parallel ranks hold the same weights and partial gradients.
                 sharding_groups=self.parallel_state.data_context_parallel_group,
                 grad_norm_groups=self.parallel_state.tensor_parallel_group,
-                use_master_weights=self.config.use_master_weights,
-                use_fp32_grad_acc=self.config.use_fp32_grad_acc,
-                use_master_weights_in_ckpt=self.config.use_master_weights_in_ckpt,
+                use_master_weights=mixed.master_weights,
+                use_fp32_grad_acc=mixed.fp32_grad_acc,
+                use_master_weights_in_ckpt=mixed.use_master_weights_in_ckpt,
                 **defaults,
             )
             self._grads: GradientStore | None = None
         else:
-            self._grads = GradientStore(
-                self._params, fp32_accumulation=self.config.use_fp32_grad_acc
-            )
+            self._grads = GradientStore(self._params, fp32_accumulation=mixed.fp32_grad_acc)
             self._inner = optimizer_class([self._inner_group(g) for g in groups], **defaults)
         logger.info(
             "NxDOptimizer(%s): zero1=%s clipping=%s max_norm=%s masters=%d fp32_grad_acc=%s",
@@ -115,7 +124,7 @@ class NxDOptimizer(Optimizer):
             self.config.grad_clipping,
             self.config.max_grad_norm,
             len(self._masters),
-            self.config.use_fp32_grad_acc,
+            mixed.fp32_grad_acc,
         )
 
     @property
@@ -133,7 +142,7 @@ class NxDOptimizer(Optimizer):
         """The group the wrapped optimizer steps: fp32 masters stand in for bf16/fp16 params."""
         params = []
         for param in group["params"]:
-            if self.config.use_master_weights and is_low_precision(param.dtype):
+            if self.mixed_precision.master_weights and is_low_precision(param.dtype):
                 master = param.detach().clone().float()
                 copy_tensor_model_parallel_attributes(master, param)
                 copy_expert_attributes(master, param)  # the norm sums experts over EP
@@ -203,7 +212,10 @@ class NxDOptimizer(Optimizer):
         return dict(self._masters)
 
     def __repr__(self) -> str:
-        return f"NxDOptimizer({self._inner!r}, config={self.config})"
+        return (
+            f"NxDOptimizer({self._inner!r}, config={self.config}, "
+            f"mixed_precision={self.mixed_precision})"
+        )
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         group = as_param_groups([param_group], "NxDOptimizer.add_param_group")[0]
@@ -316,7 +328,7 @@ class NxDOptimizer(Optimizer):
         """The wrapped optimizer's state dict (this rank's shard with ZeRO-1); with
         ``use_master_weights_in_ckpt`` also ``master_weights`` (in param order)."""
         out = self._inner.state_dict()
-        if self._masters and self.config.use_master_weights_in_ckpt:
+        if self._masters and self.mixed_precision.use_master_weights_in_ckpt:
             out["master_weights"] = [m.detach().clone() for m in self._masters.values()]
         return out
 
@@ -380,18 +392,18 @@ def build_optimizer(
     optimizer_class: type[Optimizer],
     parameters: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
     *,
-    mixed_precision_config: Mapping[str, Any] | None = None,
+    mixed_precision_config: Mapping[str, Any] | MixedPrecisionConfig | None = None,
     **defaults: Any,
 ) -> NxDOptimizer:
-    """An :class:`NxDOptimizer` from NxD's ``optimizer_config`` dict (keys zero_one_enabled,
-    grad_clipping, max_grad_norm) and ``mixed_precision_config`` dict (use_master_weights,
-    use_fp32_grad_acc, use_master_weights_in_ckpt); ``defaults`` go to ``optimizer_class``."""
-    if isinstance(optimizer_config, OptimizerConfig):
-        if mixed_precision_config:
-            raise ValueError(
-                "pass mixed precision settings inside the OptimizerConfig, not as a dict as well"
-            )
-        config = optimizer_config
-    else:
-        config = OptimizerConfig.from_nxd(optimizer_config, mixed_precision_config)
-    return NxDOptimizer(parameters, optimizer_class, config=config, **defaults)
+    """An :class:`NxDOptimizer` from NxD's ``optimizer_config`` (keys zero_one_enabled,
+    grad_clipping, max_grad_norm; nxd's norm_type, bucket_cap_mb) and
+    ``mixed_precision_config`` (use_master_weights, use_fp32_grad_acc,
+    use_master_weights_in_ckpt), each a dict, its dataclass or None; ``defaults`` go to
+    ``optimizer_class``."""
+    return NxDOptimizer(
+        parameters,
+        optimizer_class,
+        config=optimizer_config,
+        mixed_precision=mixed_precision_config,
+        **defaults,
+    )

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import nxd_state
-from nxd_trainer._checks import (
+from nxd_optim.checks import (
     as_bool,
     check_bool,
     check_positive_int,
@@ -115,7 +115,8 @@ class NxDConfig:
     ``transformer_layer_cls`` by ``"full"`` activation checkpointing at any PP)."""
 
     optimizer_config: OptimizerConfig = field(default_factory=OptimizerConfig)
-    """:class:`~nxd_trainer.OptimizerConfig`: ZeRO-1, clipping."""
+    """:class:`~nxd_optim.OptimizerConfig` (also ``nxd_trainer.OptimizerConfig``): ZeRO-1,
+    clipping."""
 
     activation_checkpoint_config: Any = None
     """``"full"`` (recompute every transformer layer), module classes (recompute those), or
@@ -140,7 +141,8 @@ class NxDConfig:
     ``enable_lora`` is not consulted)."""
 
     mixed_precision_config: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
-    """:class:`~nxd_trainer.MixedPrecisionConfig`, resolved against ZeRO-1 on creation."""
+    """:class:`~nxd_optim.MixedPrecisionConfig` (also ``nxd_trainer.MixedPrecisionConfig``),
+    resolved against ZeRO-1 on creation."""
 
     lnc_size: int = 1
     """NxD's logical NeuronCores per rank (trn2): a positive int, passed to

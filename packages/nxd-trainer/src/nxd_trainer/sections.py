@@ -4,45 +4,32 @@ NxD scripts pass plain dicts (``optimizer_config={"zero_one_enabled": True, ...}
 section here is the typed form of one of them: its fields are the dict's keys with NxD's
 defaults, every field is checked on creation, and :meth:`from_nxd` turns the dict (or ``None``,
 or an instance) into the section, refusing unknown keys with the closest valid one suggested.
-Cross-section rules (ZeRO-1 vs the pipeline's flag, meta init vs ``param_init_fn`` ...) live
-in :class:`nxd_trainer.NxDConfig`.
+``optimizer_config`` and ``mixed_precision_config`` are nxd-optim's
+:class:`~nxd_optim.OptimizerConfig` and :class:`~nxd_optim.MixedPrecisionConfig` (the same
+classes, re-exported here). Cross-section rules (ZeRO-1 vs the pipeline's flag, meta init vs
+``param_init_fn`` ...) live in :class:`nxd_trainer.NxDConfig`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from types import ModuleType
-from typing import Any, TypeVar
+from typing import Any
 
-from nxd_trainer._checks import (
+from nxd_optim import MixedPrecisionConfig, OptimizerConfig
+from nxd_optim.checks import (
     as_bool,
     check_choice,
     check_positive_int,
+    parse_section,
     reject_unknown_keys,
-    section_fields,
 )
 
 __all__ = ["MixedPrecisionConfig", "ModelInitConfig", "OptimizerConfig", "PipelineConfig"]
 
-S = TypeVar("S")
-
 # NxD's documented range for sequential_move_factor.
 MAX_SEQUENTIAL_MOVE_FACTOR = 32
-
-
-def _parse(cls: type[S], section: str, value: Any) -> S:
-    """``None`` -> defaults, a dict -> checked keys, an instance -> itself."""
-    if value is None:
-        return cls()
-    if isinstance(value, cls):
-        return value
-    if not isinstance(value, Mapping):
-        raise TypeError(
-            f"{section} must be a dict (or a {cls.__name__}), got {type(value).__name__}"
-        )
-    reject_unknown_keys(section, value, section_fields(cls))
-    return cls(**dict(value))
 
 
 def as_dict(section: Any) -> dict[str, Any]:
@@ -51,109 +38,6 @@ def as_dict(section: Any) -> dict[str, Any]:
     out = {f.name: getattr(section, f.name) for f in fields(section)}
     out.update(out.pop("xla_runtime_options", None) or {})
     return out
-
-
-@dataclass(kw_only=True)
-class OptimizerConfig:
-    """NxD's ``optimizer_config``: how the optimizer wrapper reduces, clips and shards."""
-
-    zero_one_enabled: bool = False
-    """ZeRO-1: shard optimizer state (and fp32 master weights) over the data-parallel group;
-    gradients are reduce-scattered instead of all-reduced."""
-
-    grad_clipping: bool = True
-    """Clip the global gradient norm (across DP, TP and PP) to ``max_grad_norm`` each step."""
-
-    max_grad_norm: float = 1.0
-    """The norm gradients are clipped to when ``grad_clipping`` is on: positive; ``math.inf``
-    measures the norm (``optimizer.grad_norm``) and clips nothing."""
-
-    norm_type: float = 2.0
-    """nxd: p of the clipping p-norm (``math.inf`` for the max norm)."""
-
-    bucket_cap_mb: float = 25.0
-    """nxd: largest flat bucket (MiB) of the data-parallel gradient all-reduce without ZeRO-1."""
-
-    def __post_init__(self) -> None:
-        section = "optimizer_config"
-        self.zero_one_enabled = as_bool(section, "zero_one_enabled", self.zero_one_enabled)
-        self.grad_clipping = as_bool(section, "grad_clipping", self.grad_clipping)
-        if self.grad_clipping and not (
-            isinstance(self.max_grad_norm, (int, float))
-            and not isinstance(self.max_grad_norm, bool)
-            and self.max_grad_norm > 0  # NaN fails this too
-        ):
-            raise ValueError(
-                f"optimizer_config['max_grad_norm'] must be a positive number (math.inf: "
-                f"measure the norm, clip nothing) when grad_clipping is on, got "
-                f"{self.max_grad_norm!r}"
-            )
-        if not (isinstance(self.norm_type, (int, float)) and self.norm_type > 0):
-            raise ValueError(
-                f"optimizer_config['norm_type'] must be positive (or math.inf), "
-                f"got {self.norm_type!r}"
-            )
-        if not (isinstance(self.bucket_cap_mb, (int, float)) and self.bucket_cap_mb > 0):
-            raise ValueError(
-                f"optimizer_config['bucket_cap_mb'] must be positive, got {self.bucket_cap_mb!r}"
-            )
-
-    @classmethod
-    def from_nxd(cls, value: Any) -> OptimizerConfig:
-        return _parse(cls, "optimizer_config", value)
-
-
-@dataclass(kw_only=True)
-class MixedPrecisionConfig:
-    """NxD's ``mixed_precision_config``: fp32 master weights and gradient accumulation.
-
-    ``None`` fields take NxD's defaults once ZeRO-1 is known (:meth:`resolved`): master weights
-    and fp32 accumulation are on exactly when ZeRO-1 is.
-    """
-
-    use_master_weights: bool | None = None
-    """For bf16/fp16 parameters the optimizer steps fp32 copies and casts them back
-    (default: ``zero_one_enabled``). nxd also supports this without ZeRO-1."""
-
-    use_fp32_grad_acc: bool | None = None
-    """Accumulate micro-step gradients in fp32 buffers, not in the parameters' dtype
-    (default: ``zero_one_enabled``)."""
-
-    use_master_weights_in_ckpt: bool = False
-    """Put the fp32 master weights in the optimizer's state dict (else they are rebuilt from
-    the model's parameters on load)."""
-
-    def __post_init__(self) -> None:
-        section = "mixed_precision_config"
-        for name in ("use_master_weights", "use_fp32_grad_acc"):
-            value = getattr(self, name)
-            if value is not None:
-                setattr(self, name, as_bool(section, name, value))
-        self.use_master_weights_in_ckpt = as_bool(
-            section, "use_master_weights_in_ckpt", self.use_master_weights_in_ckpt
-        )
-
-    def resolved(self, zero_one_enabled: bool) -> MixedPrecisionConfig:
-        """NxD's defaults filled in from ``zero_one_enabled``; rejects contradictions."""
-        out = replace(
-            self,
-            use_master_weights=(
-                zero_one_enabled if self.use_master_weights is None else self.use_master_weights
-            ),
-            use_fp32_grad_acc=(
-                zero_one_enabled if self.use_fp32_grad_acc is None else self.use_fp32_grad_acc
-            ),
-        )
-        if out.use_master_weights_in_ckpt and not out.use_master_weights:
-            raise ValueError(
-                "mixed_precision_config['use_master_weights_in_ckpt'] is True but "
-                "'use_master_weights' is False: there are no master weights to save"
-            )
-        return out
-
-    @classmethod
-    def from_nxd(cls, value: Any) -> MixedPrecisionConfig:
-        return _parse(cls, "mixed_precision_config", value)
 
 
 @dataclass(kw_only=True)
@@ -187,7 +71,7 @@ class ModelInitConfig:
 
     @classmethod
     def from_nxd(cls, value: Any) -> ModelInitConfig:
-        return _parse(cls, "model_init_config", value)
+        return parse_section(cls, "model_init_config", value)
 
 
 def _check_classes(section: str, name: str, value: Any) -> None:
@@ -371,7 +255,7 @@ class PipelineConfig:
                     **rest,
                     "xla_runtime_options": {**rest.get("xla_runtime_options", {}), **knobs},
                 }
-        return None if value is None else _parse(cls, "pipeline_config", value)
+        return None if value is None else parse_section(cls, "pipeline_config", value)
 
 
 def _check_runtime_options(options: Any) -> None:

@@ -377,10 +377,11 @@ def initialize_parallel_optimizer(
     (all-reduce, or ZeRO-1's reduce-scatter), clips the global norm across TP/PP/DP (read it
     as ``optimizer.grad_norm``), steps (fp32 masters for bf16 parameters when set) and, with
     ZeRO-1, all-gathers the parameters. Gradients of several ``run_train`` calls accumulate
-    until ``step()``.
+    until ``step()``; after k of them ``optimizer.scale_gradients(1/k)`` makes their sum the
+    mean. The optimizer holds the config's own ``optimizer_config`` and (resolved)
+    ``mixed_precision_config`` as ``optimizer.config`` / ``optimizer.mixed_precision``.
     """
     from nxd_optim import NxDOptimizer
-    from nxd_optim import OptimizerConfig as NxDOptimConfig
 
     config = NxDConfig.from_nxd(nxd_config)
     is_class = isinstance(optimizer_class, type)
@@ -400,18 +401,13 @@ def initialize_parallel_optimizer(
     if not params:
         raise ValueError("initialize_parallel_optimizer got no (trainable) parameters")
     _model_parallel_state(config)
-    opt, mixed = config.optimizer_config, config.mixed_precision_config
-    optim_config = NxDOptimConfig(
-        zero_one_enabled=opt.zero_one_enabled,
-        grad_clipping=opt.grad_clipping,
-        max_grad_norm=opt.max_grad_norm,
-        norm_type=opt.norm_type,
-        bucket_cap_mb=opt.bucket_cap_mb,
-        use_master_weights=bool(mixed.use_master_weights),
-        use_fp32_grad_acc=bool(mixed.use_fp32_grad_acc),
-        use_master_weights_in_ckpt=mixed.use_master_weights_in_ckpt,
+    optimizer = NxDOptimizer(
+        params,
+        optimizer_class,
+        config=config.optimizer_config,
+        mixed_precision=config.mixed_precision_config,
+        **defaults,
     )
-    optimizer = NxDOptimizer(params, optimizer_class, config=optim_config, **defaults)
     flat = [p for item in params for p in (item["params"] if isinstance(item, dict) else [item])]
     models = claim_dp_reduction(flat)
     names = {id(p): n for model in models for n, p in model.named_parameters()}

@@ -350,7 +350,7 @@ def resolve_optimizer(
     if wrapper is not None:
         masters = nxd_optimizer_masters(wrapper)
         model_param = {id(master): param for param, master in masters.items()}
-        masters_in_ckpt = bool(masters) and bool(wrapper.config.use_master_weights_in_ckpt)
+        masters_in_ckpt = bool(masters) and wrapper.mixed_precision.use_master_weights_in_ckpt
     inner_params = [p for group in core.param_groups for p in group["params"]]
     names, tensors = _param_names(
         model, [model_param.get(id(p), p) for p in inner_params], ctx, walked

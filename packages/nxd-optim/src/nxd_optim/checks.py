@@ -1,7 +1,9 @@
-"""Validation helpers shared by the config sections: unknown keys, types, suggestions.
+"""Validation of NxD's config dicts: unknown keys (with the closest valid one), types, choices.
 
-Every check is pure (no communication), so a bad config fails identically on every rank before
-any process group is built.
+Shared by every config dataclass: nxd-optim's :class:`~nxd_optim.OptimizerConfig` and
+:class:`~nxd_optim.MixedPrecisionConfig`, and nxd-trainer's sections. Every check is pure (no
+communication), so a bad config fails identically on every rank before any process group is
+built, and every message names the key, the value and what was expected.
 """
 
 from __future__ import annotations
@@ -9,17 +11,21 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterable, Mapping
 from dataclasses import fields
-from typing import Any
+from typing import Any, TypeVar
 
 __all__ = [
     "as_bool",
     "check_bool",
     "check_choice",
     "check_positive_int",
+    "check_positive_number",
     "closest",
+    "parse_section",
     "reject_unknown_keys",
     "section_fields",
 ]
+
+S = TypeVar("S")
 
 
 def closest(key: str, valid: Iterable[str]) -> str | None:
@@ -54,6 +60,22 @@ def section_fields(cls: type) -> list[str]:
     return [f.name for f in fields(cls)]
 
 
+def parse_section(cls: type[S], section: str, value: Any) -> S:
+    """NxD's dict for the dataclass ``cls`` as an instance: ``None`` -> the defaults, a dict
+    -> its keys checked (an unknown one is an error naming the closest valid key), an
+    instance -> itself; anything else is a TypeError naming the type."""
+    if value is None:
+        return cls()
+    if isinstance(value, cls):
+        return value
+    if not isinstance(value, Mapping):
+        raise TypeError(
+            f"{section} must be a dict (or a {cls.__name__}), got {type(value).__name__}"
+        )
+    reject_unknown_keys(section, value, section_fields(cls))
+    return cls(**dict(value))
+
+
 def check_bool(section: str, name: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{section}[{name!r}] must be a bool, got {value!r}")
@@ -76,6 +98,14 @@ def check_positive_int(section: str, name: str, value: Any, upper: int | None = 
     if not ok:
         bound = f" in [1, {upper}]" if upper is not None else ""
         raise ValueError(f"{section}[{name!r}] must be a positive integer{bound}, got {value!r}")
+
+
+def check_positive_number(section: str, name: str, value: Any, meaning: str = "") -> None:
+    """``value`` a positive int or float (``math.inf`` allowed; NaN, bools and 0 are not);
+    ``meaning`` is appended to the message (what the value does, what inf means)."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not (number and value > 0):  # NaN fails the comparison
+        raise ValueError(f"{section}[{name!r}] must be a positive number{meaning}, got {value!r}")
 
 
 def check_choice(section: str, name: str, value: Any, choices: Iterable[Any]) -> None:
