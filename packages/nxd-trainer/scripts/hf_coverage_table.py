@@ -67,12 +67,12 @@ def pp_cell(family: str) -> str:
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
     from nxd_trainer.hf import UnsupportedModelError
-    from nxd_trainer.hf.plan import check_pipeline_stack, pipeline_layers
+    from nxd_trainer.hf.plan import PIPELINE_REFUSED, check_pipeline_stack, pipeline_layers
 
     if family in PP_TESTED:
         return "✓"
     path = pipeline_layers(family)
-    if path is None:
+    if path is None or family in PIPELINE_REFUSED:
         return "refused"
     try:
         with torch.device("meta"):

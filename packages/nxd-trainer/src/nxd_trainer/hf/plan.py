@@ -33,6 +33,15 @@ __all__ = ["PlanParallelizer", "pipeline_layers", "plan_parallelizer", "text_tp_
 
 _CLASSES: dict[str, type[PlanParallelizer]] = {}
 
+PIPELINE_REFUSED = {
+    "deepseek_v4": (
+        "its pipeline stages do not complete (the stage-to-stage exchange waits forever at "
+        "PP=2 in the sweep of every family with a pipeline plan); pipeline parallelism is "
+        "refused for it until that is understood"
+    ),
+}
+"""Families whose declared pipeline plan was tried and does not work: refused by name."""
+
 
 def text_tp_plan(model_type: str, config: Any = None) -> dict[str, str]:
     """The tensor-parallel plan transformers declares for ``model_type`` (``config``'s when
@@ -94,6 +103,9 @@ class PlanParallelizer(Parallelizer):
                 "transformers declares no pipeline plan (base_model_pp_plan) naming its "
                 "decoder layers, the stack pipeline stages are cut from",
             )
+        known = PIPELINE_REFUSED.get(cls.spec.model_type)
+        if known is not None:
+            raise UnsupportedModelError(cls.spec.model_type, known)
         check_pipeline_stack(model, cls.spec.model_type, cls.spec.layers)
         super()._check_pipeline(model, input_names)
 
