@@ -35,12 +35,13 @@ _CLASSES: dict[str, type[PlanParallelizer]] = {}
 
 PIPELINE_REFUSED = {
     "deepseek_v4": (
-        "its pipeline stages do not complete (the stage-to-stage exchange waits forever at "
-        "PP=2 in the sweep of every family with a pipeline plan); pipeline parallelism is "
-        "refused for it until that is understood"
+        "its captured pipeline stages specialise on the sequence length (its compressed "
+        "attention's blocks of 4 tokens: a guard on input_ids.size(1) // 4 fails at other "
+        "lengths); pipeline parallelism is refused for it"
     ),
 }
-"""Families whose declared pipeline plan was tried and does not work: refused by name."""
+"""Families whose declared pipeline plan was tried (a sweep of every family with one, at PP=2)
+and does not work: refused by name."""
 
 
 def text_tp_plan(model_type: str, config: Any = None) -> dict[str, str]:
