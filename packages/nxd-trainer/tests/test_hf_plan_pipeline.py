@@ -146,3 +146,18 @@ def test_a_family_whose_stages_specialise_is_refused_by_name() -> None:
     parallelizer = ParallelizersManager.parallelizer_for_model("deepseek_v4")
     with pytest.raises(UnsupportedModelError, match="specialise on the sequence length"):
         parallelizer._check_pipeline(nn.Module(), ["input_ids", "labels"])
+
+
+def test_router_aux_loss_at_pp_is_refused() -> None:
+    """Mixtral with ``output_router_logits=True``: its auxiliary loss sums the router logits of
+    every layer, which no single stage holds; refused rather than computed from one stage."""
+    from nxd_trainer.hf import ParallelizersManager, UnsupportedModelError
+    from nxd_trainer.hf.plan import pipeline_layers
+
+    if "mixtral" not in R.families() or pipeline_layers("mixtral") is None:
+        pytest.skip("this transformers has no mixtral with a pipeline plan")
+    model = R.build("mixtral")
+    model.config.output_router_logits = True
+    parallelizer = ParallelizersManager.parallelizer_for_model(model)
+    with pytest.raises(UnsupportedModelError, match="output_router_logits=True at PP > 1"):
+        parallelizer._check_pipeline(model, ["input_ids", "labels"])

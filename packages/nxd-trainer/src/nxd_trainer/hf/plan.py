@@ -107,6 +107,13 @@ class PlanParallelizer(Parallelizer):
         known = PIPELINE_REFUSED.get(cls.spec.model_type)
         if known is not None:
             raise UnsupportedModelError(cls.spec.model_type, known)
+        if getattr(getattr(model, "config", None), "output_router_logits", False):
+            raise UnsupportedModelError(
+                cls.spec.model_type,
+                "output_router_logits=True at PP > 1: transformers sums the auxiliary loss over "
+                "router logits collected from every layer, but each stage holds only its own "
+                "layers; set output_router_logits=False or use PP=1",
+            )
         check_pipeline_stack(model, cls.spec.model_type, cls.spec.layers)
         super()._check_pipeline(model, input_names)
 
