@@ -21,11 +21,8 @@ refused (:class:`UnsupportedModelError`, naming family and feature).
 """
 
 from nxd_trainer.hf._rules import UnsupportedModelError
-from nxd_trainer.hf.checkpoint import (
-    export_hf,
-    load_model_sharded_checkpoint,
-    save_model_sharded_checkpoint,
-)
+from nxd_trainer.hf.checkpoint import load_model_sharded_checkpoint, save_model_sharded_checkpoint
+from nxd_trainer.hf.export import export_hf
 from nxd_trainer.hf.families import (
     LlamaParallelizer,
     MistralParallelizer,
@@ -34,12 +31,11 @@ from nxd_trainer.hf.families import (
 )
 from nxd_trainer.hf.lazy import lazy_load_for_parallelism
 from nxd_trainer.hf.manager import ParallelizersManager
+from nxd_trainer.hf.mapping import original_parameter_ids, parameter_mapping
 from nxd_trainer.hf.optim import (
     LazyOptimizer,
     make_optimizer_constructor_lazy,
     optimizer_for_mp,
-    original_parameter_ids,
-    parameter_mapping,
 )
 from nxd_trainer.hf.parallelizer import Parallelizer
 from nxd_trainer.hf.plan import PlanParallelizer, plan_parallelizer

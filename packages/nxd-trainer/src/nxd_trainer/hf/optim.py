@@ -8,9 +8,9 @@ on other pipeline ranks). optimum-neuron's two tools:
   lr=...)`` records the class, the param groups and the hyper-parameters, touching no
   parameter and creating no state;
 * :func:`optimizer_for_mp`: the optimizer over the parallel parameters, from a mapping
-  ``id(original parameter) -> parallel parameter`` (:func:`parameter_mapping` builds it):
-  every group keeps its hyper-parameters, its parameters are replaced, those not on this
-  rank (other pipeline stages) are left out. A lazy optimizer gives exactly the intended
+  ``id(original parameter) -> parallel parameter`` (:func:`nxd_trainer.hf.parameter_mapping`
+  builds it): every group keeps its hyper-parameters, its parameters are replaced, those not
+  on this rank (other pipeline stages) are left out. A lazy optimizer gives exactly the intended
   optimizer; a regular one is rebuilt as its class with its groups (its state, if any, is
   not carried over, as in optimum-neuron).
 """
@@ -27,8 +27,6 @@ __all__ = [
     "LazyOptimizer",
     "make_optimizer_constructor_lazy",
     "optimizer_for_mp",
-    "original_parameter_ids",
-    "parameter_mapping",
 ]
 
 
@@ -64,40 +62,6 @@ def make_optimizer_constructor_lazy(
 
     constructor.__name__ = f"lazy_{optimizer_cls.__name__}"
     return constructor
-
-
-def original_parameter_ids(model: nn.Module) -> dict[str, int]:
-    """``name -> id(parameter)`` of a model before parallelisation (every tied name)."""
-    return {name: id(p) for name, p in model.named_parameters(remove_duplicate=False)}
-
-
-def parameter_mapping(
-    original_ids: Mapping[str, int], parallel_model: nn.Module
-) -> dict[int, nn.Parameter]:
-    """``id(original parameter) -> parallel parameter`` for :func:`optimizer_for_mp`, from
-    :func:`original_parameter_ids` taken before parallelising and the parallel model (an
-    NxDPPModel: this rank's stages). The GQA projection's ``weight_q/k/v`` stand for the
-    original ``q_proj/k_proj/v_proj`` weights; a fused ``weight_qkv`` for all three."""
-    from nxd_trainer.hf.manager import ParallelizersManager
-
-    named = getattr(parallel_model, "local_named_parameters", None)
-    pairs = list(named()) if callable(named) else list(parallel_model.named_parameters())
-    parallelizer = ParallelizersManager.parallelizer_for_model(_config_holder(parallel_model))
-    out: dict[int, nn.Parameter] = {}
-    for name, param in pairs:
-        for hf_name in parallelizer.hf_names(name):
-            original = original_ids.get(hf_name)
-            if original is not None:
-                out[original] = param
-    return out
-
-
-def _config_holder(model: nn.Module) -> Any:
-    """The model (or, in pipeline stages, the first submodule) with ``config.model_type``."""
-    for sub in model.modules():
-        if hasattr(sub, "config") and hasattr(sub.config, "model_type"):
-            return sub
-    raise TypeError(f"{type(model).__name__} holds no Hugging Face model (no config.model_type)")
 
 
 def optimizer_for_mp(
