@@ -17,6 +17,7 @@ from nxd_layers.moe import (
     RouterTopK,
     SharedExperts,
     expert_capacity,
+    grouped_mm_supported,
     load_balancing_loss_func,
     router_z_loss_func,
 )
@@ -64,6 +65,45 @@ def test_block_equals_loop_over_tokens(
     torch.testing.assert_close(out, loop_reference(moe, x, cap), rtol=1e-12, atol=1e-12)
     if capacity_factor == 0.5:
         assert moe.expert_mlps.last_dropped > 0
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 0.5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_products_equal_the_padded_batch(
+    capacity_factor: float | None, dtype: torch.dtype
+) -> None:
+    """``torch._grouped_mm`` over the rows sorted by expert (the default on CUDA; CPU runs the
+    same interface, which is what CI can check) against the zero-padded ``bmm``: the output,
+    the input's and every weight's gradient. Each row meets the same expert weights either
+    way, only through another kernel, so the two agree to round-off of ``dtype`` (float32
+    1e-5; bfloat16, an 8-bit mantissa over 16-term sums, 2e-2); a misrouted row moves values
+    by O(1)."""
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    results = []
+    for grouped in (True, False):
+        moe = tiny_moe(capacity_factor, dtype=dtype)
+        moe.expert_mlps.grouped_mm = grouped
+        gen = torch.Generator().manual_seed(1)
+        x = torch.randn(12, HIDDEN, generator=gen).to(dtype).requires_grad_()
+        out, _ = moe(x)
+        out.float().square().sum().backward()
+        grads = [p.grad for p in moe.expert_mlps.parameters()]
+        results.append((out, x.grad, *grads))
+    assert grouped_mm_supported(x, moe.expert_mlps.gate_up_proj.weight)
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, **tol)
+    if capacity_factor is not None:
+        assert moe.expert_mlps.last_dropped > 0
+
+
+def test_grouped_products_are_refused_where_torch_lacks_them() -> None:
+    moe = tiny_moe(None)  # float64: no grouped kernel, the default takes the padded bmm
+    x = torch.randn(4, HIDDEN, dtype=torch.float64)
+    assert not grouped_mm_supported(x, moe.expert_mlps.gate_up_proj.weight)
+    moe(x)
+    moe.expert_mlps.grouped_mm = True
+    with pytest.raises(ValueError, match=r"grouped_mm=True: .*float64"):
+        moe(x)
 
 
 def test_ties_go_to_lower_expert_and_earlier_token() -> None:

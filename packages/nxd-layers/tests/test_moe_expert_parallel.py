@@ -9,7 +9,10 @@ rank's loss holds its own tokens, the one-process loss all of them).
 Tolerance: float64 everywhere; the parallel run computes the same products, only summed in
 another order (the loss statistics summed per rank then all-reduced; bmm over a different
 number of padded rows), so results agree to a few ulps of float64: 1e-10 is far above that
-and far below any real mistake (a wrong or dropped token moves values by ~1e-1).
+and far below any real mistake (a wrong or dropped token moves values by ~1e-1). One case runs
+in float32 through torch's grouped products (``ExpertMLPs.grouped_mm=True``: no float64
+kernel) on both sides: the same per-row products in other groupings, so a few float32 ulps
+(~1e-7 relative) reordered: rtol 1e-5 / atol 1e-6, still far below a real mistake.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from nxd_state.testing import load_sibling, run_distributed
 
 M = load_sibling(__file__, "_moe")
 TOL = {"rtol": 1e-10, "atol": 1e-10}  # float64, reordered sums only: see the module docstring
+TOL32 = {"rtol": 1e-5, "atol": 1e-6}  # float32, grouped products: see the module docstring
 BATCH_PER_RANK, SEQ = 2, 3
 
 
@@ -35,15 +39,24 @@ def _losses(moe, x, g, group):  # type: ignore[no-untyped-def]
 
 
 def ep_parity(
-    ep: int, capacity_factor: float | None, act_fn: str, normalize: bool, tp: int = 1
+    ep: int,
+    capacity_factor: float | None,
+    act_fn: str,
+    normalize: bool,
+    tp: int = 1,
+    dtype: torch.dtype = torch.float64,
 ) -> int:
-    """Runs on each of ``ep * tp`` ranks; asserts parity, returns this rank's dropped count."""
+    """Runs on each of ``ep * tp`` ranks; asserts parity, returns this rank's dropped count.
+    float32: the experts run torch's grouped products (float64: the padded bmm)."""
     gen = torch.Generator().manual_seed(7)
-    x_full = torch.randn(ep * BATCH_PER_RANK, SEQ, M.HIDDEN, dtype=torch.float64, generator=gen)
-    g_full = torch.randn(x_full.shape, dtype=torch.float64, generator=gen)
+    x_full = torch.randn(ep * BATCH_PER_RANK, SEQ, M.HIDDEN, dtype=dtype, generator=gen)
+    g_full = torch.randn(x_full.shape, dtype=dtype, generator=gen)
+    grouped = dtype == torch.float32
+    tol = TOL32 if grouped else TOL
 
     # One process, the whole batch (built before any parallel state: no EP group).
-    ref = M.tiny_moe(capacity_factor, act_fn=act_fn, normalize=normalize)
+    ref = M.tiny_moe(capacity_factor, act_fn=act_fn, normalize=normalize, dtype=dtype)
+    ref.expert_mlps.grouped_mm = grouped
     x_ref = x_full.clone().requires_grad_()
     out_ref, aux_ref, z_ref = _losses(ref, x_ref, g_full, None)
     ((out_ref * g_full).sum() + aux_ref + 0.1 * z_ref).backward()
@@ -51,8 +64,9 @@ def ep_parity(
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
     group = ps.get_expert_model_parallel_group()
     rank = ps.get_expert_model_parallel_rank()
-    moe = M.tiny_moe(capacity_factor, act_fn=act_fn, normalize=normalize)
+    moe = M.tiny_moe(capacity_factor, act_fn=act_fn, normalize=normalize, dtype=dtype)
     experts = moe.expert_mlps
+    experts.grouped_mm = grouped
     local = M.EXPERTS // ep
     mine = slice(rank * local, (rank + 1) * local)
     # TP rank t holds intermediate columns t of the gate and of the up projection, rows t of
@@ -74,17 +88,17 @@ def ep_parity(
     # Every rank's loss holds its tokens and 1/ep of the (global, identical) auxiliary losses.
     ((out * g_full[rows]).sum() + (aux + 0.1 * z) / ep).backward()
 
-    torch.testing.assert_close(out, out_ref[rows], **TOL)
-    torch.testing.assert_close(aux, aux_ref, **TOL)
-    torch.testing.assert_close(z, z_ref, **TOL)
-    torch.testing.assert_close(x.grad, x_ref.grad[rows], **TOL)
+    torch.testing.assert_close(out, out_ref[rows], **tol)
+    torch.testing.assert_close(aux, aux_ref, **tol)
+    torch.testing.assert_close(z, z_ref, **tol)
+    torch.testing.assert_close(x.grad, x_ref.grad[rows], **tol)
     for name, (dim, index) in tp_slices.items():
         grad = getattr(experts, name).weight.grad
         every_expert = collectives.all_gather(grad, group, dim=0)  # this TP rank's shard of each
         expected = getattr(ref.expert_mlps, name).weight.grad.index_select(dim, index)
-        torch.testing.assert_close(every_expert, expected, **TOL)
+        torch.testing.assert_close(every_expert, expected, **tol)
     router_grad = collectives.all_reduce(moe.router.linear_router.weight.grad.clone(), group)
-    torch.testing.assert_close(router_grad, ref.router.linear_router.weight.grad, **TOL)
+    torch.testing.assert_close(router_grad, ref.router.linear_router.weight.grad, **tol)
     dropped = torch.tensor([experts.last_dropped])
     collectives.all_reduce(dropped, group)
     assert int(dropped) == ref.expert_mlps.last_dropped
@@ -110,6 +124,12 @@ def test_expert_parallel_equals_one_process(
         assert dropped == [0] * ep
     else:  # the capacity really binds, so the global tie order is exercised
         assert sum(dropped) > 0
+
+
+def test_grouped_products_at_ep2_equal_one_process() -> None:
+    """float32 through ``torch._grouped_mm`` (dropless): EP=2 equals the one-process block."""
+    dropped = run_distributed(ep_parity, 2, 2, None, "softmax", False, 1, torch.float32)
+    assert dropped == [0, 0]
 
 
 def test_tensor_parallel_inside_experts_with_ep() -> None:

@@ -50,6 +50,19 @@ def _padding(value: Any) -> tuple[int, int] | str:
     return _pair(value, "padding")
 
 
+def _check_conv(
+    name: str, in_channels: int, out_channels: int, groups: int, padding_mode: str
+) -> None:
+    """What nxd's (and NxD's) parallel convolutions do not implement, and bad channel counts."""
+    if groups != 1:
+        raise NotImplementedError(f"{name}: groups must be 1, got {groups}")
+    if padding_mode != "zeros":
+        raise NotImplementedError(f"{name}: padding_mode must be 'zeros', got {padding_mode!r}")
+    for key, value in (("in_channels", in_channels), ("out_channels", out_channels)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name}: {key} must be a positive int, got {value!r}")
+
+
 class BaseParallelConv(ParallelModuleMixin, nn.Module):
     """Weight ``[c_out, c_in, kh, kw]`` split along ``partition_dim`` (0: output channels,
     1: input channels) over TP; the master kernel is drawn from the seed as ``nn.Conv2d``
@@ -80,13 +93,7 @@ class BaseParallelConv(ParallelModuleMixin, nn.Module):
     ) -> None:
         super().__init__()
         name = type(self).__name__
-        if groups != 1:
-            raise NotImplementedError(f"{name}: groups must be 1, got {groups}")
-        if padding_mode != "zeros":
-            raise NotImplementedError(f"{name}: padding_mode must be 'zeros', got {padding_mode!r}")
-        for key, value in (("in_channels", in_channels), ("out_channels", out_channels)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name}: {key} must be a positive int, got {value!r}")
+        _check_conv(name, in_channels, out_channels, groups, padding_mode)
         self.kernel_size = _pair(kernel_size, "kernel_size")
         self.stride = _pair(stride, "stride")
         self.padding = _padding(padding)
@@ -98,43 +105,14 @@ class BaseParallelConv(ParallelModuleMixin, nn.Module):
         self.tensor_parallel_group = pick_tensor_parallel_group(tensor_parallel_group, None, name)
         rank, tp = tensor_parallel_rank_and_size(self.tensor_parallel_group)
         self.tensor_parallel_size = tp
-
-        outputs_split = partition_dim == CONV_KERNEL_OUTPUT_CHANNEL_DIMENSION
-        split = out_channels if outputs_split else in_channels
-        what = "out_channels" if outputs_split else "in_channels"
-        self.partition_pad_size = get_padding_length(split, tp)
-        if self.partition_pad_size and not partition_pad:
-            raise ValueError(
-                f"{name}: {what}({split}) is not divisible by tensor_parallel_size({tp}); "
-                f"pass partition_pad=True to pad it to {split + self.partition_pad_size}"
-            )
-        full_in, full_out = in_channels, out_channels
-        if outputs_split:
-            full_out += self.partition_pad_size
-        else:
-            full_in += self.partition_pad_size
-        self.in_channels, self.out_channels = full_in, full_out  # padded, as NxD keeps them
-        self.channels_per_partition = divide(split + self.partition_pad_size, tp)
-        kernel = (full_out, full_in, *self.kernel_size)
-        local = list(kernel)
-        local[partition_dim] = self.channels_per_partition
+        local = self._partition(in_channels, out_channels)
 
         master_weight = master_bias = None
         if not is_meta(device):
-            fan_in = in_channels * math.prod(self.kernel_size)  # the unpadded conv's
-            master_weight = torch.zeros(kernel)
-            master_weight[:out_channels, :in_channels] = init_master(
-                (out_channels, in_channels, *self.kernel_size), self._init_weight
-            )
-            if bias:
-                bound = 1.0 / math.sqrt(fan_in)
-                master_bias = torch.zeros(full_out)
-                master_bias[:out_channels] = init_master(
-                    (out_channels,), lambda b: nn.init.uniform_(b, -bound, bound)
-                )
+            master_weight, master_bias = self._draw_master(in_channels, out_channels, bias)
         self.weight = sharded_parameter(
             master_weight,
-            tuple(local),
+            local,
             partition_dim=partition_dim,
             rank=rank,
             world_size=tp,
@@ -149,10 +127,10 @@ class BaseParallelConv(ParallelModuleMixin, nn.Module):
             return
         # Output-channel split: the bias is split with the channels (added before the gather);
         # input-channel split: replicated, added after the all-reduce.
-        bias_split = outputs_split
+        bias_split = partition_dim == CONV_KERNEL_OUTPUT_CHANNEL_DIMENSION
         self.bias = sharded_parameter(
             master_bias,
-            (self.channels_per_partition if bias_split else full_out,),
+            (self.channels_per_partition if bias_split else self.out_channels,),
             partition_dim=0 if bias_split else None,
             rank=rank,
             world_size=tp,
@@ -160,6 +138,50 @@ class BaseParallelConv(ParallelModuleMixin, nn.Module):
             device=device,
         )
         set_tensor_model_parallel_attributes(self.bias, bias_split, 0 if bias_split else -1, 1)
+
+    def _partition(self, in_channels: int, out_channels: int) -> tuple[int, ...]:
+        """Pad the split channels to a multiple of TP (only with ``partition_pad``), set the
+        padded ``in_channels`` / ``out_channels`` (as NxD keeps them) and
+        ``channels_per_partition``; returns the local kernel's shape."""
+        name, tp = type(self).__name__, self.tensor_parallel_size
+        outputs_split = self.partition_dim == CONV_KERNEL_OUTPUT_CHANNEL_DIMENSION
+        split = out_channels if outputs_split else in_channels
+        what = "out_channels" if outputs_split else "in_channels"
+        self.partition_pad_size = get_padding_length(split, tp)
+        if self.partition_pad_size and not self.partition_pad:
+            raise ValueError(
+                f"{name}: {what}({split}) is not divisible by tensor_parallel_size({tp}); "
+                f"pass partition_pad=True to pad it to {split + self.partition_pad_size}"
+            )
+        full_in, full_out = in_channels, out_channels
+        if outputs_split:
+            full_out += self.partition_pad_size
+        else:
+            full_in += self.partition_pad_size
+        self.in_channels, self.out_channels = full_in, full_out
+        self.channels_per_partition = divide(split + self.partition_pad_size, tp)
+        local = [full_out, full_in, *self.kernel_size]
+        local[self.partition_dim] = self.channels_per_partition
+        return tuple(local)
+
+    def _draw_master(
+        self, in_channels: int, out_channels: int, bias: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The full (padded) kernel and bias from the seed, drawn as ``nn.Conv2d`` draws the
+        unpadded ones; the padding channels are zeros."""
+        fan_in = in_channels * math.prod(self.kernel_size)  # the unpadded conv's
+        master_weight = torch.zeros((self.out_channels, self.in_channels, *self.kernel_size))
+        master_weight[:out_channels, :in_channels] = init_master(
+            (out_channels, in_channels, *self.kernel_size), self._init_weight
+        )
+        master_bias = None
+        if bias:
+            bound = 1.0 / math.sqrt(fan_in)
+            master_bias = torch.zeros(self.out_channels)
+            master_bias[:out_channels] = init_master(
+                (out_channels,), lambda b: nn.init.uniform_(b, -bound, bound)
+            )
+        return master_weight, master_bias
 
     def _init_weight(self, weight: torch.Tensor) -> None:
         """W <- init_method(W), or ``nn.Conv2d``'s kaiming-uniform (a=sqrt(5))."""

@@ -74,6 +74,27 @@ def _reference_layout(
     return None, None, fifth, third, dtype, device
 
 
+def _refuse_unsupported(collect_output: bool, use_spmd_rank: bool, sequence_dimension: int) -> None:
+    """NxD arguments nxd does not implement: one clear error each, before any work."""
+    if collect_output is not True:
+        raise ValueError(
+            f"ParallelEmbedding: collect_output={collect_output!r} is not supported; the "
+            f"output is always collected (all-reduced, reduce-scattered under sequence "
+            f"parallelism, or all-gathered with shard_across_embedding), as with "
+            f"collect_output=True"
+        )
+    if use_spmd_rank:
+        raise ValueError(
+            "ParallelEmbedding: use_spmd_rank=True (an XLA SPMD inference-tracing aid) is "
+            "not supported; ranks come from the process group"
+        )
+    if sequence_dimension not in (0, 1):
+        raise ValueError(
+            "ParallelEmbedding: sequence_dimension must be 0 (output [s/tp, b, h], NxD's) "
+            f"or 1 (output [b, s/tp, h]), got {sequence_dimension!r}"
+        )
+
+
 class ParallelEmbedding(ParallelModuleMixin, nn.Module):
     """Y[t] = E[x_t] with E sharded over TP; ``torch.nn.Embedding``'s options kept.
 
@@ -117,28 +138,12 @@ class ParallelEmbedding(ParallelModuleMixin, nn.Module):
         collect_output: bool = True,
     ) -> None:
         super().__init__()
-        if collect_output is not True:
-            raise ValueError(
-                f"ParallelEmbedding: collect_output={collect_output!r} is not supported; the "
-                f"output is always collected (all-reduced, reduce-scattered under sequence "
-                f"parallelism, or all-gathered with shard_across_embedding), as with "
-                f"collect_output=True"
-            )
+        _refuse_unsupported(collect_output, use_spmd_rank, sequence_dimension)
         pad_idx: int | None  # _validate below refuses anything else
         pad_idx, max_norm, norm_type, init_method, dtype, device = _reference_layout(
             padding_idx, max_norm, norm_type, init_method, dtype, device
         )
         _validate(num_embeddings, embedding_dim, pad_idx, max_norm, norm_type)
-        if use_spmd_rank:
-            raise ValueError(
-                "ParallelEmbedding: use_spmd_rank=True (an XLA SPMD inference-tracing aid) is "
-                "not supported; ranks come from the process group"
-            )
-        if sequence_dimension not in (0, 1):
-            raise ValueError(
-                "ParallelEmbedding: sequence_dimension must be 0 (output [s/tp, b, h], NxD's) "
-                f"or 1 (output [b, s/tp, h]), got {sequence_dimension!r}"
-            )
         self.tensor_parallel_group = pick_tensor_parallel_group(
             tensor_parallel_group, tensor_model_parallel_group, "ParallelEmbedding"
         )
@@ -156,38 +161,8 @@ class ParallelEmbedding(ParallelModuleMixin, nn.Module):
             pad_idx += num_embeddings  # as nn.Embedding
         self._global_padding_idx = pad_idx
 
-        sharded = embedding_dim if shard_across_embedding else num_embeddings
-        what = "embedding_dim" if shard_across_embedding else "num_embeddings"
-        self.pad_size = get_padding_length(sharded, tp)
-        if self.pad_size and not pad:
-            raise ValueError(
-                f"ParallelEmbedding: {what}({sharded}) is not divisible by "
-                f"tensor_parallel_size({tp}); pad it to {sharded + self.pad_size} or pass pad=True"
-            )
-        rows, cols = num_embeddings, embedding_dim
-        self.original_size = sharded  # before padding (NxD keeps only the padded size)
-        if shard_across_embedding:
-            self.embedding_dim = embedding_dim + self.pad_size
-            self.num_embeddings = num_embeddings
-            self.num_embeddings_per_partition = num_embeddings
-            self.embedding_dim_per_partition = self.embedding_dim // tp
-            self.weight_partition_dim = 1
-            self.padding_idx = pad_idx
-            local_shape = (num_embeddings, self.embedding_dim_per_partition)
-        else:
-            self.num_embeddings = num_embeddings + self.pad_size
-            self.embedding_dim = embedding_dim
-            self.num_embeddings_per_partition = self.num_embeddings // tp
-            self.embedding_dim_per_partition = embedding_dim
-            self.weight_partition_dim = 0
-            self.start_index = rank * self.num_embeddings_per_partition
-            self.end_index = self.start_index + self.num_embeddings_per_partition
-            inside = pad_idx is not None and self.start_index <= pad_idx < self.end_index
-            self.padding_idx = pad_idx - self.start_index if inside else None
-            local_shape = (self.num_embeddings_per_partition, embedding_dim)
-        self.per_partition_size = local_shape[self.weight_partition_dim]
-
-        self._unpadded_shape = (rows, cols)
+        local_shape, sharded, what = self._partition(num_embeddings, embedding_dim, pad_idx, rank)
+        self._unpadded_shape = (num_embeddings, embedding_dim)
         master = None
         if not is_meta(device):
             master = self._draw_table()
@@ -203,6 +178,45 @@ class ParallelEmbedding(ParallelModuleMixin, nn.Module):
             device=device,
         )
         set_tensor_model_parallel_attributes(self.weight, True, self.weight_partition_dim, 1)
+
+    def _partition(
+        self, num_embeddings: int, embedding_dim: int, pad_idx: int | None, rank: int
+    ) -> tuple[tuple[int, int], int, str]:
+        """Pad the sharded dimension to a multiple of TP (only with ``pad=True``), set NxD's
+        size attributes and this rank's ``padding_idx``; returns the local weight's shape,
+        the sharded dimension's size before padding and its name."""
+        tp = self.tensor_model_parallel_size
+        sharded = embedding_dim if self.shard_across_embedding else num_embeddings
+        what = "embedding_dim" if self.shard_across_embedding else "num_embeddings"
+        self.pad_size = get_padding_length(sharded, tp)
+        if self.pad_size and not self.pad:
+            raise ValueError(
+                f"ParallelEmbedding: {what}({sharded}) is not divisible by "
+                f"tensor_parallel_size({tp}); pad it to {sharded + self.pad_size} or pass pad=True"
+            )
+        self.original_size = sharded  # before padding (NxD keeps only the padded size)
+        if self.shard_across_embedding:
+            self.embedding_dim = embedding_dim + self.pad_size
+            self.num_embeddings = num_embeddings
+            self.num_embeddings_per_partition = num_embeddings
+            self.embedding_dim_per_partition = self.embedding_dim // tp
+            self.weight_partition_dim = 1
+            self.padding_idx = pad_idx
+            local_shape = (num_embeddings, self.embedding_dim_per_partition)
+        else:
+            self.num_embeddings = num_embeddings + self.pad_size
+            self.embedding_dim = embedding_dim
+            self.num_embeddings_per_partition = self.num_embeddings // tp
+            self.embedding_dim_per_partition = embedding_dim
+            self.weight_partition_dim = 0
+            self.start_index = rank * self.num_embeddings_per_partition
+            self.end_index = self.start_index + self.num_embeddings_per_partition
+            self.padding_idx = None  # on the rank whose rows hold it, its local row
+            if pad_idx is not None and self.start_index <= pad_idx < self.end_index:
+                self.padding_idx = pad_idx - self.start_index
+            local_shape = (self.num_embeddings_per_partition, embedding_dim)
+        self.per_partition_size = local_shape[self.weight_partition_dim]
+        return local_shape, sharded, what
 
     def _draw_table(self) -> torch.Tensor:
         """The full (padded) float32 table from the seed: ``init_method`` on the unpadded

@@ -81,10 +81,43 @@ class BaseParallelLinear(ParallelModuleMixin, nn.Module):
     arg_init_method: InitMethod | None = None
     pad: bool = False
     pad_size: int = 0
+    stride: int = 1
 
     def _init_weight(self, weight: torch.Tensor) -> None:
         """W <- init_method(W), or U(-1/sqrt(fan_in), 1/sqrt(fan_in)) as ``torch.nn.Linear``."""
         (self.arg_init_method or default_linear_init)(weight)
+
+    def _build_bias(
+        self,
+        input_size: int,
+        output_size: int,
+        pad_size: int,
+        *,
+        split: bool,
+        rank: int,
+        tp: int,
+        dtype: torch.dtype,
+        device: torch.device | str | None,
+    ) -> None:
+        """b ~ U(-1/sqrt(input_size), 1/sqrt(input_size)) as ``torch.nn.Linear`` draws it,
+        ``pad_size`` zeros appended; split over TP along the output features (``split``, with
+        the layer's stride) or replicated."""
+        master = None
+        if not is_meta(device):
+            master = padded_master((output_size,), bias_init(input_size), 0, pad_size)
+        full = output_size + pad_size
+        stride = self.stride if split else 1
+        self.bias = sharded_parameter(
+            master,
+            (divide(full, tp) if split else full,),
+            partition_dim=0 if split else None,
+            rank=rank,
+            world_size=tp,
+            stride=stride,
+            dtype=dtype,
+            device=device,
+        )
+        set_tensor_model_parallel_attributes(self.bias, split, 0 if split else -1, stride)
 
 
 class ColumnParallelLinear(BaseParallelLinear):
@@ -148,7 +181,6 @@ class ColumnParallelLinear(BaseParallelLinear):
         self.stride = stride
         self.arg_init_method = init_method
 
-        meta = is_meta(device)
         self.weight, master = sharded_weight(
             (output_size, input_size),
             0,
@@ -162,24 +194,11 @@ class ColumnParallelLinear(BaseParallelLinear):
         )
         self.keep_master_weight = keep_master_weight
         self.master_weight = master if keep_master_weight else None
-        if bias:
-            master_bias = None
-            if not meta:
-                master_bias = padded_master((output_size,), bias_init(input_size), 0, self.pad_size)
-            sharded = not gather_output  # NxD: a gathered output gets the full, replicated bias
-            self.bias = sharded_parameter(
-                master_bias,
-                (self.output_size_per_partition if sharded else self.output_size,),
-                partition_dim=0 if sharded else None,
-                rank=rank,
-                world_size=tp,
-                stride=stride,
-                dtype=dtype,
-                device=device,
-            )
-            set_tensor_model_parallel_attributes(
-                self.bias, sharded, 0 if sharded else -1, stride if sharded else 1
-            )
+        if bias:  # NxD: a gathered output gets the full, replicated bias
+            self._build_bias(
+                input_size, output_size, self.pad_size, split=not gather_output,
+                rank=rank, tp=tp, dtype=dtype, device=device,
+            )  # fmt: skip
         else:
             self.register_parameter("bias", None)
 
@@ -307,7 +326,6 @@ class RowParallelLinear(BaseParallelLinear):
         self.stride = stride
         self.arg_init_method = init_method
 
-        meta = is_meta(device)
         self.weight, master = sharded_weight(
             (output_size, input_size),
             1,
@@ -321,20 +339,11 @@ class RowParallelLinear(BaseParallelLinear):
         )
         self.keep_master_weight = keep_master_weight
         self.master_weight = master if keep_master_weight else None
-        if bias:
-            master_bias = None
-            if not meta:
-                master_bias = padded_master((output_size,), bias_init(input_size), 0, 0)
-            self.bias = sharded_parameter(
-                master_bias,
-                (output_size,),
-                partition_dim=None,
-                rank=rank,
-                world_size=tp,
-                dtype=dtype,
+        if bias:  # replicated, added after the reduction
+            self._build_bias(
+                input_size, output_size, 0, split=False, rank=rank, tp=tp, dtype=dtype,
                 device=device,
-            )
-            set_tensor_model_parallel_attributes(self.bias, False, -1, 1)
+            )  # fmt: skip
             if sequence_parallel_enabled:
                 mark_sequence_parallel_parameter(self.bias)
         else:

@@ -141,6 +141,24 @@ class GQAQKVColumnParallelLinear(BaseParallelLinear):
         self.keep_master_weight = keep_master_weight
         masters = {} if is_meta(device) else self._draw_masters(bias)
         self._keep_masters(masters if keep_master_weight else {}, fuse_qkv)
+        local = self._local_parameters(masters, bias, rank, dtype, device)
+        for kind in ("weight", "bias") if bias else ("weight",):
+            self._register(kind, [local[f"{kind}_{p}"] for p in "qkv"])
+        if not bias:
+            for name in ("bias_qkv",) if fuse_qkv else ("bias_q", "bias_k", "bias_v"):
+                self.register_parameter(name, None)
+
+    def _local_parameters(
+        self,
+        masters: dict[str, torch.Tensor],
+        bias: bool,
+        rank: int,
+        dtype: torch.dtype,
+        device: torch.device | str | None,
+    ) -> dict[str, nn.Parameter]:
+        """This rank's rows of each Q, K, V weight (and bias): K/V heads replicated
+        ``kv_size_multiplier`` times before the split (uninitialised on the meta device)."""
+        tp = self.tensor_parallel_size
         local: dict[str, nn.Parameter] = {}
         for kind in ("weight", "bias") if bias else ("weight",):
             for part in "qkv":
@@ -149,33 +167,33 @@ class GQAQKVColumnParallelLinear(BaseParallelLinear):
                 master = masters.get(f"{kind}_{part}")
                 if master is not None and not q:
                     master = self._replicate(master)
-                shape = (rows, input_size) if kind == "weight" else (rows,)
+                shape = (rows, self.input_size) if kind == "weight" else (rows,)
                 local[f"{kind}_{part}"] = sharded_parameter(
                     master, shape, partition_dim=0, rank=rank, world_size=tp, dtype=dtype,
                     device=device,
                 )  # fmt: skip
-        replicas = 1 if self.kv_size_multiplier == 1 else self.kv_size_multiplier
-        for kind in ("weight", "bias") if bias else ("weight",):
-            parts = [local[f"{kind}_{p}"] for p in "qkv"]
-            if fuse_qkv:
-                fused = nn.Parameter(torch.cat([p.data for p in parts]))
-                set_tensor_model_parallel_attributes(fused, True, 0, 1)
-                if replicas > 1:  # per-row copy counts: Q rows once, K/V rows m times
-                    counts = [1] * parts[0].shape[0] + [replicas] * 2 * parts[1].shape[0]
-                    # a sharding attribute on the parameter (torch's stubs do not know it)
-                    fused.tensor_parallel_replicas = torch.tensor(  # type: ignore[attr-defined]
-                        counts, dtype=torch.float32
-                    )
-                self.register_parameter(f"{kind}_qkv", fused)
-                continue
-            for part, param in zip("qkv", parts):
-                set_tensor_model_parallel_attributes(param, True, 0, 1)
-                if part != "q" and replicas > 1:
-                    param.tensor_parallel_replicas = replicas  # type: ignore[attr-defined]
-                self.register_parameter(f"{kind}_{part}", param)
-        if not bias:
-            for name in ("bias_qkv",) if fuse_qkv else ("bias_q", "bias_k", "bias_v"):
-                self.register_parameter(name, None)
+        return local
+
+    def _register(self, kind: str, parts: list[nn.Parameter]) -> None:
+        """Register ``<kind>_q/k/v``, or their concatenation ``<kind>_qkv`` with
+        ``fuse_qkv``, with the sharding attributes (K/V rows marked with their replica count)."""
+        replicas = self.kv_size_multiplier
+        if self.fuse_qkv:
+            fused = nn.Parameter(torch.cat([p.data for p in parts]))
+            set_tensor_model_parallel_attributes(fused, True, 0, 1)
+            if replicas > 1:  # per-row copy counts: Q rows once, K/V rows m times
+                counts = [1] * parts[0].shape[0] + [replicas] * 2 * parts[1].shape[0]
+                # a sharding attribute on the parameter (torch's stubs do not know it)
+                fused.tensor_parallel_replicas = torch.tensor(  # type: ignore[attr-defined]
+                    counts, dtype=torch.float32
+                )
+            self.register_parameter(f"{kind}_qkv", fused)
+            return
+        for part, param in zip("qkv", parts):
+            set_tensor_model_parallel_attributes(param, True, 0, 1)
+            if part != "q" and replicas > 1:
+                param.tensor_parallel_replicas = replicas  # type: ignore[attr-defined]
+            self.register_parameter(f"{kind}_{part}", param)
 
     def _ensure_kv_shared_groups(self) -> None:
         """NxD's GQA layer builds the KV-shared groups for its ``kv_size_multiplier`` m > 1

@@ -9,7 +9,7 @@ and :func:`router_z_loss_func`.
 
 from nxd_layers.moe._comm import all_to_all_rows
 from nxd_layers.moe.dispatch import DispatchPlan, expert_capacity, plan_dispatch
-from nxd_layers.moe.experts import ExpertMLPs, ExpertMLPsCapacityFactor
+from nxd_layers.moe.experts import ExpertMLPs, ExpertMLPsCapacityFactor, grouped_mm_supported
 from nxd_layers.moe.loss import load_balancing_loss_func, router_z_loss_func
 from nxd_layers.moe.model import MoE
 from nxd_layers.moe.model_utils import ACT2FN, MoESequenceParallelMode
@@ -29,6 +29,7 @@ __all__ = [
     "SharedExperts",
     "all_to_all_rows",
     "expert_capacity",
+    "grouped_mm_supported",
     "load_balancing_loss_func",
     "plan_dispatch",
     "router_z_loss_func",

@@ -179,42 +179,9 @@ def parallel_model_trace(
     if not isinstance(inline_weights_to_neff, bool):
         raise ValueError(f"inline_weights_to_neff must be a bool, got {inline_weights_to_neff!r}")
     device = resolve_device_type(device_type)
-    neuron_reasons = [
-        reason
-        for reason, present in (
-            ("a BucketModelConfig", not isinstance(bucket_config, list | tuple | type(None))),
-            ("states=", states is not None),
-        )
-        if present
-    ]
-    neuron = bool(neuron_reasons) or (device == "xla" and neuron_available())
-    if neuron_flags is not None and not neuron:
-        # neuronx-cc flags tune the Neuron compiler; the portable route compiles nothing
-        # with them (its numerics are the model's own), so NxD's scripts run unchanged.
-        logger.warning(
-            "compiler_args %s are neuronx-cc flags: ignored on the portable route "
-            "(torch.export on %s; torch-neuronx is used on an XLA device where installed)",
-            neuron_flags,
-            device,
-        )
-        neuron_flags = None
-    if neuron:
-        _neuron.require(" and ".join(neuron_reasons) or "tracing on an XLA device")
-        if options.aot_inductor:
-            raise ValueError("aot_inductor is a portable-route option; the Neuron route compiles")
-    if options.aot_inductor and importlib.util.find_spec("setuptools") is None:
-        raise ImportError(
-            f"compiler_args aot_inductor=True: AOTInductor needs setuptools with torch "
-            f"{torch.__version__} (pip install setuptools) and a C++ compiler"
-        )
+    neuron, neuron_flags = _route(device, options, neuron_flags, bucket_config, states)
     _check_device(device, tp_degree, neuron)
-    workdir = Path(compiler_workdir) if compiler_workdir is not None else None
-    own_workdir = None
-    if options.aot_inductor and workdir is None:
-        own_workdir = tempfile.TemporaryDirectory(prefix="nxd-trace-aoti-")
-        workdir = Path(own_workdir.name)
-    if workdir is not None:
-        workdir.mkdir(parents=True, exist_ok=True)
+    workdir, own_workdir = _workdir(compiler_workdir, options)
 
     start = time.perf_counter()
     pool = WorkerPool(
@@ -244,16 +211,7 @@ def parallel_model_trace(
                     "inline_weights_to_neff": inline_weights_to_neff,
                     "states": states,
                 }
-            for first in range(0, tp_degree, max_parallel):
-                ranks = range(first, min(tp_degree, first + max_parallel))
-                replies = pool.request("export", payload, ranks=ranks)
-                for rank, reply in sorted(replies.items()):
-                    logger.info(
-                        "rank %d: %d bucket(s) captured in %s s",
-                        rank,
-                        len(buckets),
-                        reply["seconds"],
-                    )
+            _capture(pool, payload, tp_degree, max_parallel, len(buckets))
     except BaseException:
         pool.close()
         raise
@@ -269,6 +227,68 @@ def parallel_model_trace(
     return TensorParallelModel(
         pool, [signature(args) for args in buckets], info, call_timeout=call_timeout
     )
+
+
+def _route(
+    device: str, options: ExportOptions, neuron_flags: Any, bucket_config: Any, states: Any
+) -> tuple[bool, Any]:
+    """Neuron route or portable route, and the neuronx-cc flags that route uses (None on the
+    portable one, with a warning when some were given)."""
+    neuron_reasons = [
+        reason
+        for reason, present in (
+            ("a BucketModelConfig", not isinstance(bucket_config, list | tuple | type(None))),
+            ("states=", states is not None),
+        )
+        if present
+    ]
+    neuron = bool(neuron_reasons) or (device == "xla" and neuron_available())
+    if neuron_flags is not None and not neuron:
+        # neuronx-cc flags tune the Neuron compiler; the portable route compiles nothing
+        # with them (its numerics are the model's own), so NxD's scripts run unchanged.
+        logger.warning(
+            "compiler_args %s are neuronx-cc flags: ignored on the portable route "
+            "(torch.export on %s; torch-neuronx is used on an XLA device where installed)",
+            neuron_flags,
+            device,
+        )
+        neuron_flags = None
+    if neuron:
+        _neuron.require(" and ".join(neuron_reasons) or "tracing on an XLA device")
+        if options.aot_inductor:
+            raise ValueError("aot_inductor is a portable-route option; the Neuron route compiles")
+    if options.aot_inductor and importlib.util.find_spec("setuptools") is None:
+        raise ImportError(
+            f"compiler_args aot_inductor=True: AOTInductor needs setuptools with torch "
+            f"{torch.__version__} (pip install setuptools) and a C++ compiler"
+        )
+    return neuron, neuron_flags
+
+
+def _workdir(
+    compiler_workdir: str | os.PathLike[str] | None, options: ExportOptions
+) -> tuple[Path | None, tempfile.TemporaryDirectory[str] | None]:
+    """The folder the workers write to (created), and the temporary one nxd owns when
+    AOTInductor needs a folder and none was given (it lives as long as the model)."""
+    workdir = Path(compiler_workdir) if compiler_workdir is not None else None
+    own_workdir = None
+    if options.aot_inductor and workdir is None:
+        own_workdir = tempfile.TemporaryDirectory(prefix="nxd-trace-aoti-")
+        workdir = Path(own_workdir.name)
+    if workdir is not None:
+        workdir.mkdir(parents=True, exist_ok=True)
+    return workdir, own_workdir
+
+
+def _capture(
+    pool: WorkerPool, payload: dict[str, Any], tp_degree: int, max_parallel: int, buckets: int
+) -> None:
+    """Every rank captures its programs, at most ``max_parallel`` ranks at once."""
+    for first in range(0, tp_degree, max_parallel):
+        ranks = range(first, min(tp_degree, first + max_parallel))
+        replies = pool.request("export", payload, ranks=ranks)
+        for rank, reply in sorted(replies.items()):
+            logger.info("rank %d: %d bucket(s) captured in %s s", rank, buckets, reply["seconds"])
 
 
 def parallel_model_save(model: TensorParallelModel, save_dir: str | os.PathLike[str]) -> None:
