@@ -5,6 +5,7 @@
 #
 #     bash bench/gpu/run.sh [main_job.py flags, e.g. --budget-s 420 --only main,peer-amp]
 #     NXD_BENCH_PROFILE=1 bash bench/gpu/run.sh ...   # then profile_step.py (where a step goes)
+#     NXD_BENCH_MOE=0 bash bench/gpu/run.sh ...       # skip moe_experts.py (grouped vs bmm, ~30 s)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 wheels=bench/gpu/.wheels
@@ -24,6 +25,10 @@ out=${OUT:-bench/results/gpu}
 mkdir -p "$out"
 python3 bench/gpu/main_job.py --out "$out" "$@" 2>&1 | tee "$out/console.log"
 rc=${PIPESTATUS[0]}
+if [ "${NXD_BENCH_MOE:-1}" = 1 ]; then
+    python3 bench/gpu/moe_experts.py --out "$out" 2>&1 | tee "$out/moe_experts.log"
+    [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+fi
 if [ "${NXD_BENCH_PROFILE:-0}" = 1 ]; then
     python3 bench/gpu/profile_step.py --out "$out" 2>&1 | tee "$out/profile.log"
     [ "${PIPESTATUS[0]}" = 0 ] || rc=1
