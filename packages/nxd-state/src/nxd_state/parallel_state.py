@@ -123,29 +123,15 @@ def initialize_model_parallel(
         pipeline_model_parallel_size = _clamp_to_world(
             "pipeline_model_parallel_size", pipeline_model_parallel_size, world
         )
+    wanted = (
+        tensor_model_parallel_size,
+        pipeline_model_parallel_size,
+        context_parallel_size,
+        expert_model_parallel_size,
+    )
     if _CURRENT is not None:
-        current = (
-            _CURRENT.tensor_parallel_size,
-            _CURRENT.pipeline_parallel_size,
-            _CURRENT.context_parallel_size,
-            _CURRENT.expert_model_parallel_size,
-        )
-        wanted = (
-            tensor_model_parallel_size,
-            pipeline_model_parallel_size,
-            context_parallel_size,
-            expert_model_parallel_size,
-        )
-        if current == wanted:
-            return _CURRENT
-        raise RuntimeError(
-            f"model parallel is already initialized with tensor_model_parallel_size={current[0]}, "
-            f"pipeline_model_parallel_size={current[1]}, context_parallel_size={current[2]}, "
-            f"expert_model_parallel_size={current[3]}; "
-            f"cannot re-initialize with tensor_model_parallel_size={wanted[0]}, "
-            f"pipeline_model_parallel_size={wanted[1]}, context_parallel_size={wanted[2]}, "
-            f"expert_model_parallel_size={wanted[3]} without destroy_model_parallel() first"
-        )
+        _check_same_sizes(_CURRENT, wanted)
+        return _CURRENT
     _CURRENT = ParallelState.build(
         tensor_model_parallel_size,
         pipeline_model_parallel_size,
@@ -153,6 +139,26 @@ def initialize_model_parallel(
         expert_model_parallel_size=expert_model_parallel_size,
     )
     return _CURRENT
+
+
+def _check_same_sizes(current_state: ParallelState, wanted: tuple[int, int, int, int]) -> None:
+    """A second initialisation must ask for the current (TP, PP, CP, EP) sizes."""
+    current = (
+        current_state.tensor_parallel_size,
+        current_state.pipeline_parallel_size,
+        current_state.context_parallel_size,
+        current_state.expert_model_parallel_size,
+    )
+    if current == wanted:
+        return
+    raise RuntimeError(
+        f"model parallel is already initialized with tensor_model_parallel_size={current[0]}, "
+        f"pipeline_model_parallel_size={current[1]}, context_parallel_size={current[2]}, "
+        f"expert_model_parallel_size={current[3]}; "
+        f"cannot re-initialize with tensor_model_parallel_size={wanted[0]}, "
+        f"pipeline_model_parallel_size={wanted[1]}, context_parallel_size={wanted[2]}, "
+        f"expert_model_parallel_size={wanted[3]} without destroy_model_parallel() first"
+    )
 
 
 def model_parallel_is_initialized() -> bool:
