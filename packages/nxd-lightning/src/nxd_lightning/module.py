@@ -227,6 +227,7 @@ class NeuronLTModule(LightningModule):
         self.automatic_optimization = False
         self._tensor_parallel_size = config.tensor_parallel_size
         self._pipeline_parallel_size = config.pipeline_parallel_size
+        self._expert_parallel_size = config.expert_parallel_size
         # What the last optimizer step reported (NxD's attribute names).
         self.loss: torch.Tensor | None = None
         self.lr: float | None = None
@@ -250,13 +251,21 @@ class NeuronLTModule(LightningModule):
                 f"NeuronLTModule runs under NxDStrategy / NeuronXLAStrategy, got "
                 f"{type(strategy).__qualname__}"
             )
-        wanted = (self._tensor_parallel_size, self._pipeline_parallel_size)
-        have = (strategy.tensor_parallel_size, strategy.pipeline_parallel_size)
+        wanted = (
+            self._tensor_parallel_size,
+            self._pipeline_parallel_size,
+            self._expert_parallel_size,
+        )
+        have = (
+            strategy.tensor_parallel_size,
+            strategy.pipeline_parallel_size,
+            strategy.expert_parallel_size,
+        )
         if wanted != have:
             raise ValueError(
                 f"the module's nxd_config has tensor_parallel_size={wanted[0]}, "
-                f"pipeline_parallel_size={wanted[1]} but the strategy runs {have[0]} and "
-                f"{have[1]}: give both the same config"
+                f"pipeline_parallel_size={wanted[1]}, expert_parallel_size={wanted[2]} but the "
+                f"strategy runs {have[0]}, {have[1]} and {have[2]}: give both the same config"
             )
         if self.model_fn is None:
             raise TypeError(
