@@ -108,7 +108,13 @@ def _fit(ep: int, *, zero1: bool = False, folder: Path | None = None, resume: st
     )
     trainer.fit(module, R.loader(BATCH), ckpt_path=resume or None)
     inner = module.optimizers().optimizer
+    val_loss = None
+    if folder is not None:  # run_eval at EP=2 on 8 sequences: 4 per rank, one batch each
+        metrics = trainer.validate(module, R.loader(BATCH, samples=8), verbose=False)
+        val_loss = metrics[0]["val_loss"]
     return {
+        "val_loss": val_loss,
+        "ep_rank": trainer.strategy.expert_parallel_rank,
         "losses": recorder.losses,
         "params": {n: p.detach().clone() for n, p in module.model.named_parameters()},
         "experts": sorted(n for n, p in module.model.named_parameters() if _is_expert(p)),
@@ -209,8 +215,23 @@ def test_ep2_trains_like_one_process(
         )
         _check(run, reference, 2, rank["ep_rank"], EP)
     assert [rank["ep_rank"] for rank in results] == [0, 1]
+    assert [rank[case]["ep_rank"] for rank in results] == [0, 1]  # the strategy's, the same
     names = {rank[case]["optimizer"] for rank in results}
     assert names == {"NeuronEPZero1Optimizer" if case == "ep2_zero1" else "AdamW"}
+
+
+def test_ep2_validates_like_one_process(
+    results: list[dict[str, Any]], reference: dict[str, Any]
+) -> None:
+    """``val_loss`` after the 2 steps: the DP mean of each rank's batch loss (Lightning's
+    validation sampler deals rank r the rows r, r + 2, ...), with the router loss, in eval."""
+    model = mixtral()
+    model.load_state_dict(reference["params"][1])
+    ids = R.dataset().ids[:8]
+    with torch.no_grad():
+        expected = sum(model(input_ids=ids[r::2], labels=ids[r::2]).loss for r in (0, 1)) / 2
+    for rank in results:
+        torch.testing.assert_close(torch.tensor(rank["ep2"]["val_loss"]), expected, **TOL)
 
 
 def test_ep2_checkpoint_resumes_at_ep1(

@@ -221,6 +221,11 @@ class NxDStrategy(ParallelStrategy):
     def pipeline_parallel_rank(self) -> int:
         return self.layout.coordinates(self.global_rank).pp
 
+    @property
+    def expert_parallel_rank(self) -> int:
+        """This rank's place in its EP group (EP consecutive DP ranks): ``dp_rank mod EP``."""
+        return self.data_parallel_rank % self.expert_parallel_size
+
     def set_world_ranks(self) -> None:
         """Lightning's rank arithmetic (as DDP), then the layout: TP x PP must divide the world
         (checked when the Trainer is built, before any process starts)."""
