@@ -84,7 +84,11 @@ def _sizes(
         if expert_parallel_size > 1:  # the trainer's refusals (EP with PP > 1), by its message
             from nxd_trainer import NxDConfig
 
-            NxDConfig(**given)
+            NxDConfig(
+                tensor_parallel_size=tensor_parallel_size,
+                pipeline_parallel_size=pipeline_parallel_size,
+                expert_parallel_size=expert_parallel_size,
+            )
         return None, tensor_parallel_size, pipeline_parallel_size, expert_parallel_size
     from nxd_trainer import NxDConfig
 
