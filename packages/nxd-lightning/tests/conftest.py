@@ -14,6 +14,7 @@ add_preload(
     "nxd_trainer.hf",
     "nxd_lightning",
     "transformers.models.llama.modeling_llama",
+    "transformers.models.mixtral.modeling_mixtral",
 )
 
 

@@ -64,8 +64,10 @@ def test_strategy_arguments_are_checked() -> None:
         NxDStrategy(tensor_parallel_size=0)
     with pytest.raises(ValueError, match=r"tensor_parallel_size=4 contradicts nxd_config"):
         NxDStrategy(R.config("tiny_lm", 2, 1), tensor_parallel_size=4)
-    with pytest.raises(ValueError, match=r"expert_parallel_size=2"):
-        NxDStrategy(expert_parallel_size=2)
+    # Context parallelism is the trainer API's only: refused by name, not left to fail deep in
+    # the model (or train as plain DP).
+    with pytest.raises(ValueError, match=r"context_parallel_size=2: NxDStrategy has no context"):
+        NxDStrategy(R.config("tiny_lm", 1, 1, context_parallel_size=2))
     with pytest.raises(ValueError, match=r"start_method must be one of"):
         NxDStrategy(start_method="thread")
 

@@ -4,9 +4,10 @@ For a module that is not a :class:`~nxd_lightning.NeuronLTModule` (whose nxd opt
 gradients itself), the strategy
 
 * refuses ``pipeline_parallel_size > 1`` (Lightning's loop cannot run a pipeline schedule),
-  and ``tensor_parallel_size > 1`` when the module holds no nxd tensor-parallel parameter (it
-  would run replicated over TP, each rank doing all the work: not parallel, and not what the
-  degree promises);
+  ``expert_parallel_size > 1`` (DP rank 0's start and the DP mean shard no expert, and would
+  mix experts that EP ranks hold apart), and ``tensor_parallel_size > 1`` when the module holds
+  no nxd tensor-parallel parameter (it would run replicated over TP, each rank doing all the
+  work: not parallel, and not what the degree promises);
 * makes the replicas start equal, as DDP does: every parameter and buffer is broadcast from
   DP rank 0 of its DP group;
 * after the backward of the step's last micro-batch and before clipping and the optimizer,
@@ -55,6 +56,16 @@ def check_plain_module(module: nn.Module, tensor_parallel: int, pipeline_paralle
             f"context_parallel_size={state.context_parallel_size} with {name}, a plain "
             f"LightningModule: its batches are not split over the sequence and its gradients are "
             f"averaged over data parallelism only. Expected context_parallel_size=1"
+        )
+    if state is not None and state.expert_model_parallel_size > 1:
+        raise ValueError(
+            f"expert_parallel_size={state.expert_model_parallel_size} with {name}, a plain "
+            f"LightningModule: the strategy starts its replicas from DP rank 0 and averages "
+            f"every gradient over all of data parallelism, which shards no expert (and would mix "
+            f"different experts' weights if it held nxd_layers.moe layers). Expected "
+            f"expert_parallel_size=1, or a NeuronLTModule (initialize_parallel_model shards the "
+            f"experts of Mixtral / Qwen-MoE and nxd_layers.moe models; its optimizer averages "
+            f"expert gradients over the expert-DP group)"
         )
     if pipeline_parallel > 1:
         raise ValueError(

@@ -155,6 +155,33 @@ def _bind(args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
     return dict(bound.arguments)
 
 
+def _check_arguments(bound: dict[str, Any]) -> None:
+    """Refuse, naming the value, what the module cannot run: ``manual_opt=False`` (NxD
+    supports manual optimisation only), a ``grad_accum_steps`` that is not a positive int, no
+    ``nxd_config``, a ``model_fn`` / ``scheduler_cls`` that is neither None nor callable, an
+    ``opt_cls`` that is not a ``torch.optim.Optimizer`` subclass."""
+    if not bound["manual_opt"]:
+        raise ValueError(
+            "NeuronLTModule(manual_opt=False): automatic optimization is not supported (as "
+            "in NxD); use manual_opt=True: the module's training_step runs each micro-batch "
+            "and steps the optimizer every grad_accum_steps"
+        )
+    grad_accum_steps = bound["grad_accum_steps"]
+    if (
+        not isinstance(grad_accum_steps, int)
+        or isinstance(grad_accum_steps, bool)
+        or (grad_accum_steps < 1)
+    ):
+        raise ValueError(f"grad_accum_steps must be a positive integer, got {grad_accum_steps!r}")
+    if bound["nxd_config"] is None:
+        raise TypeError("NeuronLTModule needs nxd_config (from neuronx_distributed_config)")
+    _check_callable("model_fn", bound["model_fn"], allow_none=True)
+    _check_callable("scheduler_cls", bound["scheduler_cls"], allow_none=True)
+    opt_cls = bound["opt_cls"]
+    if not (isinstance(opt_cls, type) and issubclass(opt_cls, torch.optim.Optimizer)):
+        raise TypeError(f"opt_cls must be a torch.optim.Optimizer subclass, got {opt_cls!r}")
+
+
 class NeuronLTModule(LightningModule):
     """NxD's ``NeuronLTModule``, under both of NxD's argument orders: its current
     ``NeuronLTModule(nxd_config, opt_cls, scheduler_cls, model_args=(), model_kwargs={},
@@ -176,57 +203,30 @@ class NeuronLTModule(LightningModule):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         bound = _bind(args, kwargs)
-        model_fn = bound["model_fn"]
-        nxd_config = bound["nxd_config"]
-        opt_cls = bound["opt_cls"]
-        scheduler_cls = bound["scheduler_cls"]
-        model_args, model_kwargs = bound["model_args"], bound["model_kwargs"]
-        opt_args, opt_kwargs = bound["opt_args"], bound["opt_kwargs"]
-        scheduler_args, scheduler_kwargs = bound["scheduler_args"], bound["scheduler_kwargs"]
-        grad_accum_steps, log_rank0 = bound["grad_accum_steps"], bound["log_rank0"]
-        manual_opt = bound["manual_opt"]
-        train_batch_size, logging_interval = bound["train_batch_size"], bound["logging_interval"]
         super().__init__()
-        if not manual_opt:
-            raise ValueError(
-                "NeuronLTModule(manual_opt=False): automatic optimization is not supported (as "
-                "in NxD); use manual_opt=True: the module's training_step runs each micro-batch "
-                "and steps the optimizer every grad_accum_steps"
-            )
-        if (
-            not isinstance(grad_accum_steps, int)
-            or isinstance(grad_accum_steps, bool)
-            or (grad_accum_steps < 1)
-        ):
-            raise ValueError(
-                f"grad_accum_steps must be a positive integer, got {grad_accum_steps!r}"
-            )
-        if nxd_config is None:
-            raise TypeError("NeuronLTModule needs nxd_config (from neuronx_distributed_config)")
-        _check_callable("model_fn", model_fn, allow_none=True)
-        _check_callable("scheduler_cls", scheduler_cls, allow_none=True)
-        if not (isinstance(opt_cls, type) and issubclass(opt_cls, torch.optim.Optimizer)):
-            raise TypeError(f"opt_cls must be a torch.optim.Optimizer subclass, got {opt_cls!r}")
+        _check_arguments(bound)
         from nxd_trainer import NxDConfig
 
+        nxd_config = bound["nxd_config"]
         config = NxDConfig.from_nxd(nxd_config)  # validates every key, builds no group
         self.nxd_config = nxd_config if isinstance(nxd_config, Mapping) else config.to_nxd()
-        self.model_fn = model_fn
-        self.opt_cls = opt_cls
-        self.scheduler_cls = scheduler_cls
-        self.model_args = tuple(model_args)
-        self.model_kwargs = dict(model_kwargs or {})
-        self.opt_args = tuple(opt_args)
-        self.opt_kwargs = dict(opt_kwargs or {})
-        self.scheduler_args = tuple(scheduler_args)
-        self.scheduler_kwargs = dict(scheduler_kwargs or {})
-        self.grad_accum_steps = grad_accum_steps
-        self.log_rank0 = bool(log_rank0)
-        self.train_batch_size = train_batch_size
-        self.logging_interval = logging_interval
+        self.model_fn = bound["model_fn"]
+        self.opt_cls = bound["opt_cls"]
+        self.scheduler_cls = bound["scheduler_cls"]
+        self.model_args = tuple(bound["model_args"])
+        self.model_kwargs = dict(bound["model_kwargs"] or {})
+        self.opt_args = tuple(bound["opt_args"])
+        self.opt_kwargs = dict(bound["opt_kwargs"] or {})
+        self.scheduler_args = tuple(bound["scheduler_args"])
+        self.scheduler_kwargs = dict(bound["scheduler_kwargs"] or {})
+        self.grad_accum_steps = bound["grad_accum_steps"]
+        self.log_rank0 = bool(bound["log_rank0"])
+        self.train_batch_size = bound["train_batch_size"]
+        self.logging_interval = bound["logging_interval"]
         self.automatic_optimization = False
         self._tensor_parallel_size = config.tensor_parallel_size
         self._pipeline_parallel_size = config.pipeline_parallel_size
+        self._expert_parallel_size = config.expert_parallel_size
         # What the last optimizer step reported (NxD's attribute names).
         self.loss: torch.Tensor | None = None
         self.lr: float | None = None
@@ -250,13 +250,21 @@ class NeuronLTModule(LightningModule):
                 f"NeuronLTModule runs under NxDStrategy / NeuronXLAStrategy, got "
                 f"{type(strategy).__qualname__}"
             )
-        wanted = (self._tensor_parallel_size, self._pipeline_parallel_size)
-        have = (strategy.tensor_parallel_size, strategy.pipeline_parallel_size)
+        wanted = (
+            self._tensor_parallel_size,
+            self._pipeline_parallel_size,
+            self._expert_parallel_size,
+        )
+        have = (
+            strategy.tensor_parallel_size,
+            strategy.pipeline_parallel_size,
+            strategy.expert_parallel_size,
+        )
         if wanted != have:
             raise ValueError(
                 f"the module's nxd_config has tensor_parallel_size={wanted[0]}, "
-                f"pipeline_parallel_size={wanted[1]} but the strategy runs {have[0]} and "
-                f"{have[1]}: give both the same config"
+                f"pipeline_parallel_size={wanted[1]}, expert_parallel_size={wanted[2]} but the "
+                f"strategy runs {have[0]}, {have[1]} and {have[2]}: give both the same config"
             )
         if self.model_fn is None:
             raise TypeError(

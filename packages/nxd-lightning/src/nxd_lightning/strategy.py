@@ -1,13 +1,18 @@
 """The NxD strategy: Lightning's processes on nxd's ``[PP, DP, TP]`` layout.
 
-``world = TP x PP x DP`` ranks. The strategy
+``world = TP x PP x DP`` ranks; with expert parallelism the experts of each MoE layer are split
+over EP consecutive DP ranks (EP divides DP; expert DP = DP / EP). The strategy
 
-1. checks when the Trainer is built that ``TP x PP`` divides Lightning's world size (one error,
-   on every rank, before any process exists or communicates);
+1. checks when it is built that the sizes are ones the trainer API runs (``nxd_config`` read
+   by ``NxDConfig``: EP > 1 needs PP = 1, CP = 1 and no LoRA, refused with the trainer's
+   message), and when the Trainer is built that ``TP x PP`` divides Lightning's world size and
+   EP the DP size (one error, on every rank, before any process exists or communicates);
 2. creates the process group through ``nxd_state.init_distributed`` (gloo on CPU, NCCL on CUDA,
    ``xla`` on XLA devices), or takes the one that exists (``torchrun`` scripts, tests);
-3. builds the TP/PP/DP groups with ``nxd_state.initialize_model_parallel`` from ``nxd_config``
-   (or the two sizes), unless they exist with the same sizes;
+3. builds the TP/PP/DP (and EP) groups with ``nxd_state.initialize_model_parallel`` from
+   ``nxd_config`` (or the sizes), unless they exist with the same sizes; at EP > 1 the
+   module's ``initialize_parallel_model`` shards the experts and its nxd optimizer averages
+   expert gradients over the expert-DP group (ZeRO-1: ``NeuronEPZero1Optimizer``);
 4. gives Lightning's ``DistributedSampler`` the data-parallel rank and size, not the world's:
    the TP and PP ranks of one replica read the same samples;
 5. leaves the model alone (``NeuronLTModule.setup`` builds it in place through
@@ -16,7 +21,7 @@
    (nxd-ckpt's sharded safetensors, Lightning's loop state as JSON), on every rank;
 6. gives a plain ``LightningModule`` what DDP would (:mod:`nxd_lightning._plain`): the start
    from DP rank 0, the DP gradient mean each step, clipping over the whole model at TP > 1,
-   and a clear refusal of the TP / PP degrees it cannot honour.
+   and a clear refusal of the TP / PP / EP degrees it cannot honour.
 
 :class:`NxDStrategy` runs on CPU, CUDA and XLA devices; :class:`NeuronXLAStrategy` is NxD's name
 and signature for the same strategy.
@@ -59,30 +64,49 @@ StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 _START_METHODS = get_args(StartMethod)
 
 
-def _sizes(nxd_config: Any, tensor_parallel_size: int, pipeline_parallel_size: int) -> tuple:
-    """(config dict or None, TP, PP), the config read through nxd-trainer's validation."""
-    for name, value in (
-        ("tensor_parallel_size", tensor_parallel_size),
-        ("pipeline_parallel_size", pipeline_parallel_size),
-    ):
+def _sizes(
+    nxd_config: Any,
+    tensor_parallel_size: int,
+    pipeline_parallel_size: int,
+    expert_parallel_size: int,
+) -> tuple:
+    """(config dict or None, TP, PP, EP), read through nxd-trainer's validation: the config's
+    every rule, or without one, EP > 1 under the trainer's rules (PP = 1)."""
+    given = {
+        "tensor_parallel_size": tensor_parallel_size,
+        "pipeline_parallel_size": pipeline_parallel_size,
+        "expert_parallel_size": expert_parallel_size,
+    }
+    for name, value in given.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if nxd_config is None:
-        return None, tensor_parallel_size, pipeline_parallel_size
+        if expert_parallel_size > 1:  # the trainer's refusals (EP with PP > 1), by its message
+            from nxd_trainer import NxDConfig
+
+            NxDConfig(
+                tensor_parallel_size=tensor_parallel_size,
+                pipeline_parallel_size=pipeline_parallel_size,
+                expert_parallel_size=expert_parallel_size,
+            )
+        return None, tensor_parallel_size, pipeline_parallel_size, expert_parallel_size
     from nxd_trainer import NxDConfig
 
     config = NxDConfig.from_nxd(nxd_config)
-    given = {
-        "tensor_parallel_size": tensor_parallel_size,
-        "pipeline_parallel_size": (pipeline_parallel_size),
-    }
     for name, value in given.items():
         if value != 1 and value != getattr(config, name):
             raise ValueError(
                 f"{name}={value} contradicts nxd_config[{name!r}]={getattr(config, name)}: "
                 f"give the sizes in nxd_config only"
             )
-    return config.to_nxd(), config.tensor_parallel_size, config.pipeline_parallel_size
+    if config.context_parallel_size > 1:
+        raise ValueError(
+            f"nxd_config has context_parallel_size={config.context_parallel_size}: NxDStrategy "
+            f"has no context parallelism yet (its groups and sampler are [PP, DP, TP]); expected "
+            f"context_parallel_size=1 (the trainer API and nxd-train --cp run it)"
+        )
+    sizes = (config.tensor_parallel_size, config.pipeline_parallel_size)
+    return config.to_nxd(), *sizes, config.expert_parallel_size
 
 
 def _clip_over_the_whole_model(plugin: Any) -> None:
@@ -96,12 +120,15 @@ def _clip_over_the_whole_model(plugin: Any) -> None:
 
 
 class NxDStrategy(ParallelStrategy):
-    """Lightning strategy for NxD's tensor, pipeline and data parallelism (module docstring).
+    """Lightning strategy for NxD's tensor, pipeline, expert and data parallelism (module
+    docstring).
 
     ``nxd_config``: the config of ``neuronx_distributed_config`` (or an ``nxd_trainer.NxDConfig``,
     which builds no process group: use it before Lightning's launcher starts the processes);
-    without it, ``tensor_parallel_size`` and ``pipeline_parallel_size``. ``save_load_xser`` is
-    passed to :class:`NeuronCheckpointIO` (accepted; the format writes tensor by tensor).
+    without it, ``tensor_parallel_size``, ``pipeline_parallel_size`` and
+    ``expert_parallel_size`` (a size given besides the config must equal the config's).
+    ``save_load_xser`` is passed to :class:`NeuronCheckpointIO` (accepted; the format writes
+    tensor by tensor).
     Keyword-only (nxd): ``start_method`` for Lightning's launcher (``"popen"`` re-runs the
     script per device, as Lightning's ``"ddp"``; ``"spawn"``/``"fork"``/``"forkserver"``), the
     process group ``timeout``, ``checkpoint_io`` and ``cluster_environment``.
@@ -122,13 +149,9 @@ class NxDStrategy(ParallelStrategy):
         debug: bool = False,
         sync_module_states: bool = False,
     ) -> None:
-        config, tp, pp = _sizes(nxd_config, tensor_parallel_size, pipeline_parallel_size)
-        if expert_parallel_size != 1:
-            raise ValueError(
-                f"expert_parallel_size={expert_parallel_size!r}: NxDStrategy has no expert "
-                f"parallelism yet, only 1 is supported (the trainer API has it: "
-                f"neuronx_distributed_config(expert_parallel_size=...), and nxd-train --ep)"
-            )
+        config, tp, pp, ep = _sizes(
+            nxd_config, tensor_parallel_size, pipeline_parallel_size, expert_parallel_size
+        )
         if start_method not in _START_METHODS:
             raise ValueError(f"start_method must be one of {_START_METHODS}, got {start_method!r}")
         if checkpoint_io is None:
@@ -151,7 +174,7 @@ class NxDStrategy(ParallelStrategy):
         self.nxd_config = config
         self.tensor_parallel_size = tp
         self.pipeline_parallel_size = pp
-        self.expert_parallel_size = expert_parallel_size
+        self.expert_parallel_size = ep
         self.save_load_xser = save_load_xser
         self.debug = debug
         self.sync_module_states = sync_module_states
@@ -202,6 +225,11 @@ class NxDStrategy(ParallelStrategy):
     def pipeline_parallel_rank(self) -> int:
         return self.layout.coordinates(self.global_rank).pp
 
+    @property
+    def expert_parallel_rank(self) -> int:
+        """This rank's place in its EP group (EP consecutive DP ranks): ``dp_rank mod EP``."""
+        return self.data_parallel_rank % self.expert_parallel_size
+
     def set_world_ranks(self) -> None:
         """Lightning's rank arithmetic (as DDP), then the layout: TP x PP must divide the world
         (checked when the Trainer is built, before any process starts)."""
@@ -217,6 +245,7 @@ class NxDStrategy(ParallelStrategy):
             world_size=self.world_size,
             tensor_parallel_size=self.tensor_parallel_size,
             pipeline_parallel_size=self.pipeline_parallel_size,
+            expert_model_parallel_size=self.expert_parallel_size,
         )
 
     @property
@@ -280,26 +309,31 @@ class NxDStrategy(ParallelStrategy):
                 )
         else:
             self._init_process_group()
+        sizes = (self.tensor_parallel_size, self.pipeline_parallel_size, self.expert_parallel_size)
         if nxd_state.model_parallel_is_initialized():
             state = nxd_state.get_parallel_state()
-            have = (state.tensor_parallel_size, state.pipeline_parallel_size)
-            if have != (self.tensor_parallel_size, self.pipeline_parallel_size):
+            have = (
+                state.tensor_parallel_size,
+                state.pipeline_parallel_size,
+                state.expert_model_parallel_size,
+            )
+            if have != sizes:
                 raise RuntimeError(
                     f"model parallelism is initialised with tensor_parallel_size={have[0]}, "
-                    f"pipeline_parallel_size={have[1]}, but the strategy was given "
-                    f"{self.tensor_parallel_size} and {self.pipeline_parallel_size}"
+                    f"pipeline_parallel_size={have[1]}, expert_parallel_size={have[2]}, but the "
+                    f"strategy was given {sizes[0]}, {sizes[1]} and {sizes[2]}"
                 )
         else:
             nxd_state.initialize_model_parallel(
-                tensor_model_parallel_size=self.tensor_parallel_size,
-                pipeline_model_parallel_size=self.pipeline_parallel_size,
+                tensor_model_parallel_size=sizes[0],
+                pipeline_model_parallel_size=sizes[1],
+                expert_model_parallel_size=sizes[2],
             )
         logger.info(
-            "NxD strategy: rank %d of %d, TP=%d PP=%d DP=%d (tp %d, pp %d, dp %d)",
+            "NxD strategy: rank %d of %d, TP=%d PP=%d EP=%d DP=%d (tp %d, pp %d, dp %d)",
             self.global_rank,
             self.world_size,
-            self.tensor_parallel_size,
-            self.pipeline_parallel_size,
+            *sizes,
             self.data_parallel_size,
             self.tensor_parallel_rank,
             self.pipeline_parallel_rank,
