@@ -32,14 +32,21 @@ the expert-DP group only (``ShardSpec.expert_parallel``), which picks its writer
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeGuard
 
 import torch
 from torch import nn
 
-from nxd_ckpt.format._boxes import Box
 from nxd_ckpt.layout._context import RankContext
+from nxd_state.shards import (
+    Block,
+    Box,
+    ShardSpec,
+    part_spec,
+    rank_local_spec,
+    shape_mismatch,
+    spec_for_stored_shape,
+)
 
 __all__ = [
     "Block",
@@ -54,62 +61,6 @@ __all__ = [
     "spec_for_stored_shape",
     "spec_for_tensor",
 ]
-
-
-@dataclass(frozen=True)
-class Block:
-    """``local`` box of the local tensor == the same-shaped box at ``global_offsets``."""
-
-    local: Box
-    global_offsets: tuple[int, ...]
-    primary: bool = True
-    """False for a GQA replica: another TP rank's primary block holds the same elements."""
-
-    @property
-    def global_box(self) -> Box:
-        return Box(self.global_offsets, self.local.shape)
-
-
-@dataclass
-class ShardSpec:
-    """The blocks of one local tensor and the global tensor's shape."""
-
-    global_shape: tuple[int, ...]
-    blocks: list[Block]
-    tp_replicated: bool
-    """Every TP rank holds the whole tensor (so any of them may write it)."""
-    info: dict[str, Any] = field(default_factory=dict)
-    """Recorded in the index: partition_dim, partition_stride, tp_size, GQA layout."""
-    rank_local: bool = False
-    """Sharding unknown (a plain state dict): saved per (TP, PP) rank, loads only there."""
-    padded: ShardSpec | None = None
-    """For a padded parameter (whose global tensor is the unpadded one): the spec of the
-    padded tensor, which checkpoints written before padding was recorded hold."""
-    expert_parallel: bool = False
-    """Dim 0 holds experts split over EP: replicated over the expert-DP group only."""
-
-
-def spec_for_stored_shape(spec: ShardSpec, shape: tuple[int, ...]) -> ShardSpec | None:
-    """``spec`` if a stored tensor of global ``shape`` fits it; for a padded parameter, its
-    padded spec if the stored tensor is the padded one (older checkpoints); else None."""
-    if tuple(spec.global_shape) == tuple(shape):
-        return spec
-    if spec.padded is not None and tuple(spec.padded.global_shape) == tuple(shape):
-        return spec.padded
-    return None
-
-
-def shape_mismatch(name: str, spec: ShardSpec, stored: tuple[int, ...]) -> str:
-    """Why a stored tensor of global shape ``stored`` does not fit ``spec``: for an expert
-    tensor whose stored experts the EP degree does not divide, that, naming both."""
-    ep = int(spec.info.get("expert_model_parallel_size", 1))
-    if spec.expert_parallel and stored and stored[0] % ep:
-        return (
-            f"{name}: the checkpoint holds {stored[0]} experts (shape {tuple(stored)}), which "
-            f"expert_model_parallel_size={ep} does not divide (the model holds "
-            f"{spec.global_shape[0]})"
-        )
-    return f"{name}: checkpoint {tuple(stored)}, model {tuple(spec.global_shape)}"
 
 
 def _rows_blocks(shape: tuple[int, ...], runs: list[tuple[int, int, int, bool]]) -> list[Block]:
@@ -385,48 +336,6 @@ def _padded_spec(
     if not shape:
         raise ValueError("a 0-d tensor cannot be tensor-parallel")
     return _partitioned(shape, dim, stride, tp_rank, tp_size)
-
-
-def part_spec(spec: ShardSpec, start: int, rows: int, what: str) -> ShardSpec:
-    """Global rows ``[start, start + rows)`` of ``spec``'s tensor as a tensor of its own
-    (a stored part, :mod:`nxd_ckpt.parts`): every block cut to those rows along dim 0, its
-    local box still a box of the same local tensor, its global offset shifted by ``-start``:
-
-        block (local rows [l, l + n) = global rows [g, g + n))  ∩  [start, start + rows)
-        = local rows [l + a - g, l + b - g) = part rows [a - start, b - start),
-        a = max(g, start), b = min(g + n, start + rows).
-    """
-    if spec.rank_local or spec.padded is not None or not spec.global_shape:
-        kind = "rank-local" if spec.rank_local else "padded" if spec.padded else "0-d"
-        raise ValueError(f"{what}: a {kind} tensor cannot be stored in parts")
-    if start < 0 or rows <= 0 or start + rows > spec.global_shape[0]:
-        raise ValueError(
-            f"{what}: part rows [{start}, {start + rows}) are outside the global tensor's "
-            f"{spec.global_shape[0]} rows"
-        )
-    blocks = []
-    for block in spec.blocks:
-        g, n = block.global_offsets[0], block.local.shape[0]
-        lo, hi = max(g, start), min(g + n, start + rows)
-        if lo >= hi:
-            continue
-        local_offsets, local_shape = list(block.local.offsets), list(block.local.shape)
-        local_offsets[0] += lo - g
-        local_shape[0] = hi - lo
-        global_offsets = (lo - start, *block.global_offsets[1:])
-        local = Box(tuple(local_offsets), tuple(local_shape))
-        blocks.append(Block(local, global_offsets, block.primary))
-    shape = (rows, *spec.global_shape[1:])
-    return ShardSpec(
-        shape, blocks, spec.tp_replicated, dict(spec.info), expert_parallel=spec.expert_parallel
-    )
-
-
-def rank_local_spec(tensor: torch.Tensor) -> ShardSpec:
-    """A tensor whose sharding is unknown: it is its own global tensor, per (TP, PP) rank."""
-    shape = tuple(tensor.shape)
-    block = Block(Box.whole(shape), (0,) * len(shape))
-    return ShardSpec(shape, [block], tp_replicated=False, rank_local=True)
 
 
 def rank_local_name(name: str, ctx: RankContext) -> str:
