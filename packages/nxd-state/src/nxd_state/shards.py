@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -35,11 +35,13 @@ from nxd_state.parallel_state import get_parallel_state, model_parallel_is_initi
 __all__ = [
     "Block",
     "Box",
+    "CheckpointMetadata",
     "CheckpointState",
     "CheckpointTensor",
     "CheckpointTensors",
     "FlatBucket",
-    "FlatLayout",
+    "FlatCheckpointLayout",
+    "FlatShardGroup",
     "FlatShardedState",
     "RankContext",
     "ShardSpec",
@@ -367,50 +369,70 @@ class CheckpointState(Protocol):
         ...
 
 
+@runtime_checkable
+class CheckpointMetadata(Protocol):
+    """An object with checkpoint metadata of its own (LoRA: its save mode and PEFT config)."""
+
+    def checkpoint_metadata(self) -> dict[str, Any]:
+        """JSON-safe entries a checkpoint index keeps beside the tensors, by key."""
+        ...
+
+
 @dataclass(frozen=True)
 class FlatBucket:
     """One flat buffer of a ZeRO-1 optimizer, seen from this rank.
 
     The bucket's params p_1 … p_k lie end to end in a flat vector zero-padded to n·S elements
     (S = ceil(Σ numel / n), n = ``num_shards``); rank r holds elements [rS, (r+1)S) as
-    ``master``, which ``optimizer`` steps and keys its state by."""
+    ``master``, which the inner optimizer steps and keys its state by."""
 
     group_index: int
-    """The caller's param group the params belong to."""
+    """The param group (of the optimizer holding the bucket) its params belong to."""
     params: list[torch.Tensor]
     """The model params flattened into it, in flat order."""
     master: torch.Tensor
     """This rank's shard (1-d, S elements)."""
     num_shards: int
     rank: int
-    optimizer: torch.optim.Optimizer
-    """The inner optimizer stepping ``master``."""
-    replicas: Literal["data_parallel", "expert_data_parallel"] = "data_parallel"
-    """The ranks it is sharded over: DP x CP, or the expert-DP group (expert params)."""
 
     @property
     def shapes(self) -> list[tuple[int, ...]]:
         return [tuple(p.shape) for p in self.params]
 
 
-@dataclass(frozen=True)
-class FlatLayout:
-    """A ZeRO-1 optimizer's state as :meth:`FlatShardedState.flat_layout` describes it."""
+@dataclass(frozen=True, eq=False)
+class FlatShardGroup:
+    """One ZeRO-1 optimizer's buckets (a whole ZeRO-1 optimizer, or one half of an EP-aware
+    one: the dense params over DP x CP, the expert params over expert-DP)."""
 
+    optimizer: Any
+    """The ZeRO-1 optimizer: its ``param_groups`` (hyper-parameters) and
+    ``refresh_masters_from_params()`` (rebuilds the masters when a checkpoint has none)."""
+    inner: torch.optim.Optimizer
+    """The optimizer stepping the master shards, keying its state by them."""
     buckets: list[FlatBucket]
-    param_groups: list[dict[str, Any]]
-    """The caller's param groups over the model's parameters."""
+
+
+@dataclass(frozen=True, eq=False)
+class FlatCheckpointLayout:
+    """A ZeRO-1 optimizer's state as :meth:`FlatShardedState.flat_checkpoint_layout` says."""
+
+    optimizer: Any
+    """The optimizer holding the caller's param groups (over the model's parameters)."""
+    groups: list[FlatShardGroup]
     optimizer_class: str
-    """The name of the inner optimizer's class (recorded in the index)."""
+    """The name of the inner optimizer's class (recorded in a checkpoint)."""
     masters_in_checkpoint: bool
-    """The fp32 masters are saved too (``use_master_weights_in_ckpt``)."""
+    """The fp32 master shards are saved too (``use_master_weights_in_ckpt``)."""
 
 
 @runtime_checkable
 class FlatShardedState(Protocol):
-    """An optimizer whose state lies in flat ZeRO-1 buffers (nxd-optim's ZeRO-1 optimizers,
-    and ``NxDOptimizer`` wrapping one)."""
+    """An optimizer that may hold its state in flat ZeRO-1 buffers (nxd-optim's ZeRO-1
+    optimizers, and ``NxDOptimizer`` wrapping one)."""
 
-    def flat_layout(self) -> FlatLayout:
-        """This rank's buckets; raises if the optimizer has not sharded its params yet."""
+    def flat_checkpoint_layout(self, ctx: RankContext) -> FlatCheckpointLayout | None:
+        """This rank's buckets under the layout ``ctx`` (None: the state is not flat-sharded);
+        raises if they cannot be described exactly (not sharded yet, built under another
+        layout)."""
         ...
