@@ -402,3 +402,16 @@ def test_a_save_walks_the_model_once(tmp_path: Path) -> None:
     torch.testing.assert_close(fresh.state_dict(), model.state_dict(), rtol=0, atol=0)
     saved, loaded = optimizer.state_dict()["state"], fresh_optimizer.state_dict()["state"]
     torch.testing.assert_close(loaded, saved, rtol=0, atol=0)  # bitwise: a copy of the bytes
+
+
+def test_the_shard_types_are_nxd_states() -> None:
+    """nxd-ckpt's old names of the shard types are nxd_state.shards' objects (moved upstream)."""
+    import nxd_state.shards
+    from nxd_ckpt.format import _boxes
+    from nxd_ckpt.layout import _context, _sharding
+
+    assert _boxes.Box is nxd_state.shards.Box
+    assert _boxes.flat_range_boxes is nxd_state.shards.flat_range_boxes
+    assert _sharding.ShardSpec is nxd_state.shards.ShardSpec
+    assert _sharding.Block is nxd_state.shards.Block
+    assert _context.RankContext is nxd_state.shards.RankContext

@@ -1,7 +1,8 @@
 """LoRA models in checkpoints: NxD's three save modes, PEFT export, ``load_lora_from_ckpt``.
 
 For an ``nxd_lora.LoRAModel`` the config's save mode picks what ``save_checkpoint`` stores
-(sharded like any model tensor, so it reshards):
+(sharded like any model tensor, so it reshards); the model says so itself
+(``LoRAModel.checkpoint_tensors`` / ``checkpoint_metadata``, :mod:`nxd_lora.checkpoint_state`):
 
 * ``adapter`` (``save_lora_base=False``): the adapter (``lora_A``/``lora_B``, trained biases,
   ``modules_to_save``), under the unwrapped model's names;
@@ -23,12 +24,26 @@ import os
 from pathlib import Path
 from typing import Any
 
-from nxd_ckpt.layout._context import current_context
-from nxd_ckpt.layout._model_tensors import is_lora_model, lora_tensors
+from nxd_ckpt.layout._context import RankContext, current_context
+from nxd_ckpt.layout._model_tensors import LocalTensor
 
 __all__ = ["export_peft_adapter", "is_lora_model", "load_lora_from_ckpt", "lora_tensors"]
 
 logger = logging.getLogger(__name__)
+
+
+def is_lora_model(model: Any) -> bool:
+    """Whether ``model`` is an ``nxd_lora.LoRAModel``."""
+    from nxd_lora import LoRAModel
+
+    return isinstance(model, LoRAModel)
+
+
+def lora_tensors(model: Any, ctx: RankContext, *, for_load: bool = False) -> list[LocalTensor]:
+    """The tensors a ``LoRAModel``'s save mode stores (``LoRAModel.checkpoint_tensors``,
+    :mod:`nxd_lora.checkpoint_state`: the one place its save modes are decided)."""
+    described = model.checkpoint_tensors(ctx, for_load=for_load)
+    return [LocalTensor(t.name, t.tensor, t.spec) for t in described.tensors]
 
 
 def export_peft_adapter(reader: Any, out_dir: Path, *, progress: bool = True) -> Path:

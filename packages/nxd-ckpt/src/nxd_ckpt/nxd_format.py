@@ -46,6 +46,7 @@ from nxd_ckpt.load._optim_load import optimizer_reads
 from nxd_ckpt.load._reader import CheckpointReader
 from nxd_ckpt.load._restore import apply_scheduler
 from nxd_ckpt.sources._nxd_layout import SavedGQA, saved_gqa_layouts, saved_spec
+from nxd_state.shards import CheckpointState
 
 __all__ = ["is_nxd_checkpoint", "load_nxd_checkpoint", "torch_load_safe"]
 
@@ -134,6 +135,16 @@ def _chunks(spec: ShardSpec, relative: str, key: str, t: int, p: int) -> list[Ch
     ]
 
 
+def _modules(model: Any, walked: list[Any]) -> dict[str, torch.nn.Module]:
+    """Module name -> module under the original names: a model's own modules; for a model
+    describing its own checkpoint state (a pipeline model's stages), the modules holding the
+    tensors it named (a LoRA model names none: its own modules)."""
+    owners = {t.name.rpartition(".")[0]: t.owner for t in walked if t.owner is not None}
+    if owners and isinstance(model, CheckpointState):
+        return owners
+    return dict(model.named_modules()) if isinstance(model, torch.nn.Module) else {}
+
+
 def _model_index(
     tag_dir: Path, model: Any, ctx: RankContext
 ) -> tuple[
@@ -143,7 +154,7 @@ def _model_index(
     dict[str, torch.nn.Module],
     dict[str, SavedGQA],
 ]:
-    from nxd_ckpt.layout._model_tensors import _stages, model_tensors
+    from nxd_ckpt.layout._model_tensors import model_tensors
 
     files = {(tp, pp): path for (dp, tp, pp), path in scan(tag_dir / "model").items() if dp == 0}
     if not files:
@@ -155,7 +166,7 @@ def _model_index(
     }
     targets, _ = model_tensors(model, ctx)
     by_name = {local.name: local for local in targets}
-    modules = {n: m for stage in _stages(model) for n, m in stage.named_modules()}
+    modules = _modules(model, targets)
     first_rank: dict[str, Any] = {}  # TP rank 0 of every stage: the saved GQA layouts
     for (t, _), path in files.items():
         if t == 0:

@@ -11,7 +11,7 @@ degree builds the TP=1 model. The autograd collectives are in :mod:`nxd_layers.m
 
 from importlib.metadata import version as _version
 
-from nxd_layers import mappings, utils
+from nxd_layers import checkpoint_shards, mappings, utils
 from nxd_layers._attributes import (
     copy_tensor_model_parallel_attributes,
     divide,
@@ -25,6 +25,7 @@ from nxd_layers._attributes import (
     set_tensor_model_parallel_attributes,
     shard_for_rank,
 )
+from nxd_layers.checkpoint_shards import module_checkpoint_tensors, tensor_shard_spec
 from nxd_layers.conv import (
     BaseParallelConv,
     InputChannelParallelConv2d,
@@ -88,6 +89,7 @@ __all__ = [
     "bucket_allreduce_gradients",
     "cast_all",
     "cast_tensor",
+    "checkpoint_shards",
     "clip_grad_norm",
     "clip_grads_with_norm",
     "copy_tensor_model_parallel_attributes",
@@ -106,6 +108,7 @@ __all__ = [
     "mappings",
     "mark_sequence_parallel_parameter",
     "merge_shards",
+    "module_checkpoint_tensors",
     "move_model_to_device",
     "neuronx_gqa_rank_map",
     "pad_model",
@@ -120,5 +123,6 @@ __all__ = [
     "split_tensor_along_last_dim",
     "split_tensor_along_second_dim",
     "tensor_norms",
+    "tensor_shard_spec",
     "utils",
 ]

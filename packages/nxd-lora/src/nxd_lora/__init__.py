@@ -27,6 +27,7 @@ from nxd_lora.checkpoint import (
     lora_checkpoint_dir,
     save_lora,
 )
+from nxd_lora.checkpoint_state import lora_checkpoint_metadata, lora_checkpoint_tensors
 from nxd_lora.config import BIAS_MODES, INIT_MODES, LoraConfig
 from nxd_lora.layers import LoraConv2d, LoraEmbedding, LoraLayer, LoraLinear
 from nxd_lora.model import LoRAModel, LoraModel, get_lora_model, lora_requested
@@ -58,6 +59,8 @@ __all__ = [
     "load_peft_adapter",
     "load_peft_state_dict",
     "lora_checkpoint_dir",
+    "lora_checkpoint_metadata",
+    "lora_checkpoint_tensors",
     "lora_requested",
     "peft_adapter_config",
     "read_peft_adapter",

@@ -145,8 +145,10 @@ class LoraConfig:
 
     @property
     def save_mode(self) -> str:
-        """``"adapter"``, ``"base_and_adapter"`` or ``"merged"``, from the two save flags."""
-        if not self.save_lora_base:
+        """``"adapter"``, ``"base_and_adapter"`` or ``"merged"``, from the two save flags
+        (``merge_sharded_lora`` saves the adapter alone, as in NxD). The one place the mode is
+        decided: ``save_lora``, ``state_dict`` and checkpoints (``checkpoint_tensors``) read it."""
+        if self.merge_sharded_lora or not self.save_lora_base:
             return "adapter"
         return "merged" if self.merge_lora else "base_and_adapter"
 

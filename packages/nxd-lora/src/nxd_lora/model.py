@@ -17,8 +17,10 @@ import torch
 from torch import nn
 
 from nxd_lora._targets import default_target_modules, match_modules
+from nxd_lora.checkpoint_state import lora_checkpoint_metadata, lora_checkpoint_tensors
 from nxd_lora.config import LoraConfig
 from nxd_lora.layers import LoraConv2d, LoraEmbedding, LoraLayer, LoraLinear
+from nxd_state.shards import CheckpointTensors, RankContext
 
 __all__ = [
     "LoRAModel",
@@ -203,6 +205,15 @@ class LoraModel(nn.Module):
                 for param_name, weight in layer.merged_base_weights().items():
                     out[f"{lora_name}.{param_name}"] = weight
         return out
+
+    # Checkpoint state (nxd_state.shards' protocol; nxd-ckpt reads it) -------------------------
+    def checkpoint_tensors(self, ctx: RankContext, *, for_load: bool = False) -> CheckpointTensors:
+        """What the save mode stores, sharded (:mod:`nxd_lora.checkpoint_state`)."""
+        return lora_checkpoint_tensors(self, ctx, for_load=for_load)
+
+    def checkpoint_metadata(self) -> dict[str, Any]:
+        """The index's ``lora`` entry: save mode, config fields, PEFT names."""
+        return lora_checkpoint_metadata(self)
 
     def state_dict(  # type: ignore[override]
         self, *args: Any, destination: dict[str, Any] | None = None, prefix: str = "", **kwargs: Any

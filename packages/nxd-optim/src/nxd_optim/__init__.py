@@ -26,6 +26,11 @@ from importlib.metadata import version as _version
 from nxd_optim._buckets import DtypeBucket
 from nxd_optim._flat import FlatLayout
 from nxd_optim.adamw_fp32 import AdamW_FP32OptimParams, AdamWFP32OptimParams
+from nxd_optim.checkpoint_layout import (
+    ep_zero1_checkpoint_layout,
+    flat_buckets,
+    zero1_checkpoint_layout,
+)
 from nxd_optim.config import MixedPrecisionConfig, OptimizerConfig
 from nxd_optim.ep_zero1 import NeuronEPZero1Optimizer
 from nxd_optim.wrapper import NxDOptimizer, build_optimizer
@@ -45,4 +50,7 @@ __all__ = [
     "OptimizerConfig",
     "__version__",
     "build_optimizer",
+    "ep_zero1_checkpoint_layout",
+    "flat_buckets",
+    "zero1_checkpoint_layout",
 ]

@@ -41,7 +41,9 @@ from nxd_optim._grad_sync import is_expert_param
 from nxd_optim._groups import GroupSpec, current_state_or_none, shard_norm_group
 from nxd_optim._params import as_param_groups
 from nxd_optim._zero1_norm import global_grad_norm
+from nxd_optim.checkpoint_layout import ep_zero1_checkpoint_layout
 from nxd_optim.zero1 import NeuronZero1Optimizer
+from nxd_state.shards import FlatCheckpointLayout, RankContext
 
 __all__ = ["NeuronEPZero1Optimizer"]
 
@@ -190,6 +192,11 @@ class NeuronEPZero1Optimizer(NeuronZero1Optimizer):
             )
         self._adopt_half_hyperparameters()
         self.inited = True
+
+    def flat_checkpoint_layout(self, ctx: RankContext) -> FlatCheckpointLayout:
+        """Both halves' flat layouts, each checked against ``ctx``'s groups, for checkpoints
+        (:mod:`nxd_optim.checkpoint_layout`)."""
+        return ep_zero1_checkpoint_layout(self, ctx)
 
     def _check_sharding_spec(self) -> None:
         """None, or the DP x CP groups (as a ProcessGroup or NxD's ``as_list`` form)."""

@@ -46,6 +46,7 @@ from nxd_optim.config import MixedPrecisionConfig, OptimizerConfig
 from nxd_optim.ep_zero1 import NeuronEPZero1Optimizer
 from nxd_optim.zero1 import NeuronZero1Optimizer, as_param_groups
 from nxd_state import collectives
+from nxd_state.shards import FlatCheckpointLayout, FlatShardedState, RankContext
 
 __all__ = ["NxDOptimizer", "build_optimizer"]
 
@@ -126,6 +127,11 @@ class NxDOptimizer(Optimizer):
             len(self._masters),
             mixed.fp32_grad_acc,
         )
+
+    def flat_checkpoint_layout(self, ctx: RankContext) -> FlatCheckpointLayout | None:
+        """The wrapped ZeRO-1 optimizer's flat layout, for checkpoints; None without ZeRO-1."""
+        inner = self._inner
+        return inner.flat_checkpoint_layout(ctx) if isinstance(inner, FlatShardedState) else None
 
     @property
     def optimizer(self) -> Optimizer:

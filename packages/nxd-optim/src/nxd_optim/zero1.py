@@ -34,6 +34,8 @@ from nxd_optim._params import as_param_groups
 from nxd_optim._zero1_base import Zero1Setup
 from nxd_optim._zero1_comm import all_gather_flat, all_gather_flat_into, reduce_flat
 from nxd_optim._zero1_norm import GradSpan, global_grad_norm
+from nxd_optim.checkpoint_layout import zero1_checkpoint_layout
+from nxd_state.shards import FlatCheckpointLayout, RankContext
 
 __all__ = ["NeuronZero1Optimizer", "as_param_groups"]
 
@@ -132,6 +134,11 @@ class NeuronZero1Optimizer(Zero1Setup):
         )
         if not lazy_init:
             self.init_zero()
+
+    def flat_checkpoint_layout(self, ctx: RankContext) -> FlatCheckpointLayout:
+        """The flat layout of the state, for checkpoints (:mod:`nxd_optim.checkpoint_layout`,
+        the protocol :class:`nxd_state.shards.FlatShardedState`)."""
+        return zero1_checkpoint_layout(self, ctx, exact=type(self) is NeuronZero1Optimizer)
 
     # The step ------------------------------------------------------------------------
     @property

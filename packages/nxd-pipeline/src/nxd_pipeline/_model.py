@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from nxd_pipeline._build import LocalStages, build_manual, build_traced
+from nxd_pipeline._checkpoint import stage_checkpoint_tensors
 from nxd_pipeline._inputs import signature, split_manual, split_traced
 from nxd_pipeline._local import LocalStagesMixin
 from nxd_pipeline._loss import select_loss
@@ -31,6 +32,7 @@ from nxd_pipeline._runtime import Stage, StepRunner
 from nxd_pipeline._schedules import build_schedule
 from nxd_pipeline._timeline import Timeline
 from nxd_state import ParallelState, collectives, get_parallel_state
+from nxd_state.shards import CheckpointTensors, RankContext
 
 __all__ = ["NxDPPModel"]
 
@@ -200,6 +202,11 @@ class NxDPPModel(LocalStagesMixin, nn.Module):
             device=self._built.device,
         )
         self._reducer.configure(named, self._data_parallel_reduction(state))
+
+    def checkpoint_tensors(self, ctx: RankContext, *, for_load: bool = False) -> CheckpointTensors:
+        """The checkpoint protocol (:mod:`nxd_state.shards`): this rank's stages' tensors under
+        the original names (:mod:`nxd_pipeline._checkpoint`)."""
+        return stage_checkpoint_tensors(self.stages.values(), ctx)
 
     def _runtime_stages(self) -> dict[int, Stage]:
         """The local stages by index, as the runner calls them (each module in ``stages`` is a

@@ -8,7 +8,7 @@ model-parallel RNG live here too. The multi-rank test harness is :mod:`nxd_state
 
 from importlib.metadata import version as _version
 
-from nxd_state import collectives, health
+from nxd_state import collectives, health, shards
 from nxd_state.collectives import CollectiveCounter, count_collectives
 from nxd_state.device import (
     backend_for,
@@ -82,22 +82,50 @@ from nxd_state.rng import (
     model_parallel_manual_seed,
     rng_state_dict,
 )
+from nxd_state.shards import (
+    Block,
+    Box,
+    CheckpointMetadata,
+    CheckpointState,
+    CheckpointTensor,
+    CheckpointTensors,
+    FlatBucket,
+    FlatCheckpointLayout,
+    FlatShardedState,
+    FlatShardGroup,
+    RankContext,
+    ShardSpec,
+    current_rank_context,
+)
 
 __version__ = _version("nxd-state")
 
 __all__ = [
+    "Block",
+    "Box",
+    "CheckpointMetadata",
+    "CheckpointState",
+    "CheckpointTensor",
+    "CheckpointTensors",
     "CollectiveCounter",
+    "FlatBucket",
+    "FlatCheckpointLayout",
+    "FlatShardGroup",
+    "FlatShardedState",
     "KVSharedGroups",
     "ParallelLayout",
     "ParallelState",
     "RNGStatesTracker",
+    "RankContext",
     "RankCoordinates",
     "RankFailureError",
+    "ShardSpec",
     "__version__",
     "backend_for",
     "collectives",
     "count_collectives",
     "current_device",
+    "current_rank_context",
     "destroy_kv_group",
     "destroy_model_parallel",
     "get_context_model_parallel_group",
@@ -158,4 +186,5 @@ __all__ = [
     "move_model_to_device",
     "resolve_device_type",
     "rng_state_dict",
+    "shards",
 ]

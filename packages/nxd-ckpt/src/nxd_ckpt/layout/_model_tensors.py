@@ -1,7 +1,9 @@
 """A model's tensors as this rank holds them: name, local tensor and shard spec.
 
 Names are state-dict names of the *original* model (``NxDPPModel`` stages keep them), so a
-checkpoint saved under pipeline parallelism is a union of the stages' names. Tied weights
+checkpoint saved under pipeline parallelism is a union of the stages' names. A model that
+describes its own checkpoint state (the protocol of :mod:`nxd_state.shards`) says which
+tensors it holds; nxd-ckpt never asks what class it is. Tied weights
 (one tensor under several names on a rank) are stored once; the other names become aliases.
 A plain ``dict`` of tensors is accepted too (NxD allows it); without sharding attributes its
 tensors are saved per (TP, PP) rank and load back at the same degrees only.
@@ -21,18 +23,15 @@ import torch
 from torch import nn
 
 from nxd_ckpt.layout._context import RankContext
-from nxd_ckpt.layout._sharding import ShardSpec, part_spec, rank_local_spec, spec_for_tensor
 from nxd_ckpt.parts import CHECKPOINT_PARTS, StoredPart
+from nxd_layers.checkpoint_shards import module_checkpoint_tensors, tensor_shard_spec
+from nxd_state.shards import CheckpointState, ShardSpec, part_spec, rank_local_spec
 
 __all__ = [
     "LocalTensor",
     "Part",
     "declared_parts",
-    "is_lora_model",
-    "lora_mode",
-    "lora_tensors",
     "model_tensors",
-    "named_parameters",
 ]
 
 
@@ -54,6 +53,8 @@ class LocalTensor:
     tensor: torch.Tensor
     spec: ShardSpec
     parts: list[Part] | None = field(default=None)
+    owner: Any = None
+    """The module holding it (:attr:`nxd_state.shards.CheckpointTensor.owner`), if known."""
 
     def stored(self) -> list[tuple[str, ShardSpec]]:
         """(stored name, spec) of what a save writes for this tensor."""
@@ -90,7 +91,7 @@ def declared_parts(
     module: nn.Module | None, prefix: str, local: str, spec: ShardSpec
 ) -> list[Part] | None:
     """The stored parts ``module`` (at ``prefix``) declares for its tensor ``local``, with
-    their specs cut from ``spec`` (:func:`nxd_ckpt.layout._sharding.part_spec`); None if none."""
+    their specs cut from ``spec`` (:func:`nxd_state.shards.part_spec`); None if none."""
     declared = getattr(module, CHECKPOINT_PARTS, None) if module is not None else None
     if not declared or local not in declared:
         return None
@@ -123,116 +124,33 @@ def declared_parts(
     return out
 
 
-def is_lora_model(model: Any) -> bool:
-    from nxd_lora import LoRAModel
-
-    return isinstance(model, LoRAModel)
-
-
-def lora_mode(model: Any) -> str:
-    config = model.lora_config
-    return "adapter" if config.merge_sharded_lora else config.save_mode
-
-
-def lora_tensors(model: Any, ctx: RankContext, *, for_load: bool = False) -> list[LocalTensor]:
-    """The tensors a ``LoRAModel``'s save mode stores (:mod:`nxd_ckpt.lora`), under the
-    unwrapped model's names; for ``merged`` the merged weights (when saving) with the base
-    parameters' sharding."""
-    mode = lora_mode(model)
-    modules = dict(model.module.named_modules())
-    params = dict(model.module.named_parameters())
-    out = []
-    for wrapped, tensor in model.module.state_dict(keep_vars=True).items():
-        adapter = model.is_adapter_key(wrapped) or (
-            wrapped in params and model.is_trainable_name(wrapped)
-        )
-        if (mode == "adapter" and not adapter) or (
-            mode == "merged" and model.is_adapter_key(wrapped)
-        ):
-            continue
-        prefix, _, leaf = wrapped.rpartition(".")
-        spec = spec_for_tensor(
-            tensor,
-            tp_rank=ctx.tp_rank,
-            tp_size=ctx.tp_size,
-            module=modules.get(prefix),
-            local_name=leaf,
-            ep_rank=ctx.ep_rank,
-            ep_size=ctx.ep_size,
-            what=wrapped,
-        )
-        out.append(LocalTensor(model.original_name(wrapped), tensor, spec))
-    if mode == "merged" and not for_load and not model.is_lora_merged:
-        by_name = {local.name: local for local in out}
-        for lora_name, layer in model.lora_layers().items():
-            for param_name, weight in layer.merged_base_weights().items():
-                by_name[f"{lora_name}.{param_name}"].tensor = weight
-    return out
-
-
-def _stages(model: Any) -> list[nn.Module]:
-    """The modules holding this rank's weights: an NxDPPModel's local stages, else the model."""
-    from nxd_pipeline import NxDPPModel
-
-    if isinstance(model, NxDPPModel):
-        return list(model.stages.values())
-    return [model]
-
-
-def named_parameters(model: Any) -> list[tuple[str, torch.Tensor]]:
-    """This rank's parameters under their original names (each parameter once)."""
-    from nxd_pipeline import NxDPPModel
-
-    if isinstance(model, NxDPPModel):
-        return list(model.local_named_parameters())
-    if isinstance(model, Mapping):
-        return [(k, v) for k, v in model.items() if isinstance(v, torch.Tensor)]
-    return list(model.named_parameters())
-
-
 def model_tensors(
     model: Any, ctx: RankContext, *, for_load: bool = False
 ) -> tuple[list[LocalTensor], dict[str, str]]:
     """Every tensor of ``model`` on this rank (state-dict names) and the aliases of tied ones.
 
-    A LoRA model contributes what its save mode stores (:func:`lora_tensors`); ``for_load``:
-    the tensors to fill (the base weights, not merged copies, for the merged mode)."""
+    A model that describes its own checkpoint state (:class:`nxd_state.shards.CheckpointState`:
+    a pipeline model's local stages, a LoRA model's save mode) is asked for it; ``for_load``:
+    the tensors to fill (e.g. LoRA's base weights, not merged copies). Any other module is
+    walked by its layers' sharding attributes (:func:`nxd_layers.module_checkpoint_tensors`).
+    Stored parts apply where a tensor's owning module declares them."""
     if isinstance(model, Mapping):
         return _dict_tensors(model, ctx), {}
-    if is_lora_model(model):
-        return lora_tensors(model, ctx, for_load=for_load), {}
-    if not isinstance(model, nn.Module):
+    if isinstance(model, CheckpointState):
+        described = model.checkpoint_tensors(ctx, for_load=for_load)
+    elif isinstance(model, nn.Module):
+        described = module_checkpoint_tensors([model], ctx)
+    else:
         raise TypeError(
             f"model must be a torch.nn.Module (NxDPPModel included) or a dict of tensors, "
             f"got {type(model).__name__}"
         )
-    out: list[LocalTensor] = []
-    aliases: dict[str, str] = {}
-    first_name: dict[int, str] = {}
-    for stage in _stages(model):
-        modules = dict(stage.named_modules())
-        for name, tensor in stage.state_dict(keep_vars=True).items():
-            if not isinstance(tensor, torch.Tensor):
-                continue
-            if id(tensor) in first_name:
-                if first_name[id(tensor)] != name:
-                    aliases[name] = first_name[id(tensor)]
-                continue
-            first_name[id(tensor)] = name
-            prefix, _, local = name.rpartition(".")
-            spec = spec_for_tensor(
-                tensor,
-                tp_rank=ctx.tp_rank,
-                tp_size=ctx.tp_size,
-                module=modules.get(prefix),
-                local_name=local,
-                ep_rank=ctx.ep_rank,
-                ep_size=ctx.ep_size,
-                what=name,
-            )
-            parts = declared_parts(modules.get(prefix), prefix, local, spec)
-            out.append(LocalTensor(name, tensor, spec, parts))
-    return out, aliases
+    out = []
+    for tensor in described.tensors:
+        prefix, _, local = tensor.name.rpartition(".")
+        parts = declared_parts(tensor.owner, prefix, local, tensor.spec)
+        out.append(LocalTensor(tensor.name, tensor.tensor, tensor.spec, parts, tensor.owner))
+    return out, dict(described.aliases)
 
 
 def _dict_tensors(state: Mapping[str, Any], ctx: RankContext) -> list[LocalTensor]:
@@ -246,7 +164,7 @@ def _dict_tensors(state: Mapping[str, Any], ctx: RankContext) -> list[LocalTenso
             value, "expert_model_parallel", False
         )
         if marked or (ctx.tp_size == 1 and ctx.pp_size == 1):  # unmarked: it is global
-            spec = spec_for_tensor(
+            spec = tensor_shard_spec(
                 value,
                 tp_rank=ctx.tp_rank,
                 tp_size=ctx.tp_size,

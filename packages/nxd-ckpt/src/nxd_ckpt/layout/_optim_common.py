@@ -4,17 +4,16 @@ Optimizer state is saved by *parameter name* as global tensors (``<name>/exp_avg
 ``<name>/master`` …), so it loads under any TP/PP/DP degrees and with ZeRO-1 on or off. This
 module resolves an optimizer into one of two shapes:
 
-* ``zero1``: :class:`nxd_optim.NeuronZero1Optimizer` (alone or inside ``NxDOptimizer``). It
-  flattens params into buckets (one per param group, or per dtype within a group): the
-  bucket's params p_1 … p_k lie end to end in a flat vector zero-padded to n·S elements
-  (S = ceil(Σ numel / n)), DP rank r holds elements [rS, (r+1)S) as its master shard, and the
-  inner optimizer keeps state tensors shaped like that shard (nxd_optim's public
-  ``dtype_buckets``, read by :func:`zero1_buckets`). :class:`nxd_optim.NeuronEPZero1Optimizer`
-  is two such optimizers (:attr:`OptimizerView.zeros`): the dense params over the n = DP x CP
-  ranks, the expert params (this EP rank's experts, local shape (E/EP, …)) over the m = n/EP
-  ranks of the expert-DP group. Either way a rank's shard is a range of vec(local param), and
-  the param's spec places it in the global tensor (the experts at rows [q E/EP, (q+1) E/EP)
-  on EP rank q), so the state is stored as at EP = 1 and every shard is written by its owner.
+* ``zero1``: an optimizer that describes its flat ZeRO-1 layout itself
+  (:class:`nxd_state.shards.FlatShardedState`: nxd_optim's ``NeuronZero1Optimizer``,
+  ``NeuronEPZero1Optimizer``, ``NxDOptimizer`` wrapping one; :mod:`nxd_optim.checkpoint_layout`).
+  Each of its groups (:attr:`OptimizerView.zeros`: the optimizer itself, or the two halves of
+  an EP-aware one) holds flat buckets: the bucket's params p_1 … p_k lie end to end in a flat
+  vector zero-padded to n·S elements (S = ceil(Σ numel / n)), rank r holds elements
+  [rS, (r+1)S) as its master shard, and the inner optimizer keeps state tensors shaped like
+  that shard. A rank's shard is a range of vec(local param), and the param's spec places it
+  in the global tensor (an expert param's experts at rows [q E/EP, (q+1) E/EP) on EP rank q),
+  so the state is stored as at EP = 1 and every shard is written by its owner.
 * ``plain``: any ``torch.optim`` optimizer, or ``NxDOptimizer`` without ZeRO-1 (whose inner
   optimizer steps fp32 master copies of low-precision params, read by
   :func:`nxd_optimizer_masters` through ``NxDOptimizer.master_weights_by_param()``).
@@ -34,7 +33,8 @@ import torch
 
 from nxd_ckpt.layout._context import RankContext
 from nxd_ckpt.layout._model_tensors import LocalTensor, model_tensors
-from nxd_ckpt.layout._sharding import ShardSpec, spec_for_tensor
+from nxd_layers.checkpoint_shards import tensor_shard_spec
+from nxd_state.shards import FlatBucket, FlatShardedState, FlatShardGroup, ShardSpec
 
 __all__ = [
     "FlatPiece",
@@ -43,17 +43,10 @@ __all__ = [
     "flat_pieces",
     "nxd_optimizer_masters",
     "resolve_optimizer",
-    "zero1_buckets",
-    "zero1_inner",
     "zero1_parts",
 ]
 
 MASTER_KEY = "master"
-
-
-def is_expert(tensor: torch.Tensor) -> bool:
-    """Marked ``expert_model_parallel`` (``nxd_layers.moe``'s expert weights)."""
-    return bool(getattr(tensor, "expert_model_parallel", False))
 
 
 @dataclass(frozen=True)
@@ -83,65 +76,13 @@ def flat_pieces(shapes: list[tuple[int, ...]], num_shards: int, rank: int) -> li
     return out
 
 
-def shard_numel(shapes: list[tuple[int, ...]], num_shards: int) -> int:
-    return -(-sum(math.prod(s) for s in shapes) // num_shards)
+ZeroBucket = FlatBucket
+"""nxd-ckpt's old name of :class:`nxd_state.shards.FlatBucket`."""
 
 
-@dataclass(frozen=True)
-class ZeroBucket:
-    """One flat buffer of a ZeRO-1 optimizer, seen from this rank."""
-
-    group_index: int
-    params: list[torch.Tensor]
-    """The model params flattened into it, in flat order."""
-    master: torch.Tensor
-    """This rank's shard (what the inner optimizer steps and keys its state by)."""
-    num_shards: int
-    rank: int
-
-    @property
-    def shapes(self) -> list[tuple[int, ...]]:
-        return [tuple(p.shape) for p in self.params]
-
-
-def zero1_inner(zero: Any) -> torch.optim.Optimizer:
-    """The optimizer stepping the master shards (torch-xla's ``base_optimizer``)."""
-    return getattr(zero, "base_optimizer", None) or zero.inner_optimizer
-
-
-def zero1_buckets(zero: Any) -> list[ZeroBucket]:
-    """The flat buffers of an nxd_optim ZeRO-1 optimizer, from its public ``dtype_buckets``
-    (group index, positions in the group, master shard), each shard's size checked against
-    the layout this module reads."""
-    if getattr(zero, "inited", True) is False:
-        raise RuntimeError(
-            "the ZeRO-1 optimizer has not sharded its params yet (lazy_init): call init_zero()"
-        )
-    if not hasattr(type(zero), "dtype_buckets"):
-        raise RuntimeError(
-            f"{type(zero).__name__} has no dtype_buckets: nxd-ckpt needs nxd_optim's ZeRO-1 "
-            f"optimizer with its public dtype_buckets (nxd-optim >= 0.1.0)"
-        )
-    n, rank = int(zero.sharding_size), int(zero.sharding_rank)
-    groups = zero.param_groups
-    buckets = [
-        ZeroBucket(b.group_index, b.params(groups[b.group_index]["params"]), b.master, n, rank)
-        for b in zero.dtype_buckets
-    ]
-    for bucket in buckets:
-        expected = shard_numel(bucket.shapes, n)
-        if bucket.master.dim() != 1 or bucket.master.numel() != expected:
-            raise RuntimeError(
-                f"ZeRO-1 bucket of group {bucket.group_index}: master shard of shape "
-                f"{tuple(bucket.master.shape)}, expected ({expected},) for params "
-                f"{bucket.shapes} over {n} ranks: nxd_optim's layout is not the one nxd-ckpt reads"
-            )
-    return buckets
-
-
-def zero1_parts(zeros: list[Any]) -> list[tuple[torch.optim.Optimizer, ZeroBucket]]:
-    """(inner optimizer, bucket) of every flat bucket of the ZeRO-1 optimizers ``zeros``."""
-    return [(zero1_inner(zero), bucket) for zero in zeros for bucket in zero1_buckets(zero)]
+def zero1_parts(zeros: list[FlatShardGroup]) -> list[tuple[torch.optim.Optimizer, FlatBucket]]:
+    """(inner optimizer, bucket) of every flat bucket of the ZeRO-1 groups ``zeros``."""
+    return [(group.inner, bucket) for group in zeros for bucket in group.buckets]
 
 
 def nxd_optimizer_masters(wrapper: Any) -> dict[torch.Tensor, torch.Tensor]:
@@ -182,10 +123,12 @@ class OptimizerView:
     model_param: dict[int, torch.Tensor] = field(default_factory=dict)
     """``plain``: id(inner param) -> the model parameter it stands for (fp32 masters)."""
     masters_in_ckpt: bool = False
-    zeros: list[Any] = field(default_factory=list)
-    """``zero1``: the ZeRO-1 optimizers whose flat buckets hold the state (the optimizer
-    itself, or the two halves of a ``NeuronEPZero1Optimizer``); ``optimizer`` holds the
-    caller's param groups."""
+    zeros: list[FlatShardGroup] = field(default_factory=list)
+    """``zero1``: the ZeRO-1 groups whose flat buckets hold the state (the optimizer itself,
+    or the two halves of a ``NeuronEPZero1Optimizer``); ``optimizer`` holds the caller's
+    param groups."""
+    flat_class: str = ""
+    """``zero1``: the inner optimizer's class name, as the flat layout says."""
     names: dict[int, str] = field(default_factory=dict)
     """id(model param) -> name."""
     tensors: dict[str, LocalTensor] = field(default_factory=dict)
@@ -209,7 +152,7 @@ class OptimizerView:
     @property
     def class_name(self) -> str:
         if self.kind == "zero1":
-            return self.optimizer.optimizer_class.__name__
+            return self.flat_class
         assert self.inner is not None
         return type(self.inner).__name__
 
@@ -252,7 +195,7 @@ def _param_names(
     for index, param in enumerate(optimizer_params):  # positions: same layout only
         name = f"pp{ctx.pp_rank}.param{index}"
         names[id(param)] = name
-        spec = spec_for_tensor(
+        spec = tensor_shard_spec(
             param,
             tp_rank=ctx.tp_rank,
             tp_size=ctx.tp_size,
@@ -269,38 +212,12 @@ def _view(kind: str, optimizer: Any, names: dict, tensors: dict, **rest: Any) ->
     return OptimizerView(kind, optimizer, names=names, tensors=tensors, targets=targets, **rest)
 
 
-def _ep_zero1_halves(core: Any, ctx: RankContext) -> list[Any]:
-    """The halves of a ``NeuronEPZero1Optimizer``, checked to be sharded over the groups of
-    the current layout: the dense half over DP x CP, the expert half over expert-DP."""
-    if not core.inited:
-        raise RuntimeError(
-            "the ZeRO-1 optimizer has not sharded its params yet (lazy_init): call init_zero()"
-        )
-    dense, experts = core.non_ep_zero_optimizer, core.ep_zero_optimizer
-    if dense is not None and ctx.ep_size > 1:
-        count = sum(is_expert(p) for g in dense.param_groups for p in g["params"])
-        if count:
-            raise NotImplementedError(
-                f"NeuronEPZero1Optimizer holds {count} expert parameter(s) in its dense half at "
-                f"expert_model_parallel_size={ctx.ep_size}: it was built at another EP degree; "
-                f"build the optimizer after initialize_model_parallel"
-            )
-    halves = []
-    for half, size, rank, what in (
-        (dense, ctx.dp_size, ctx.dp_rank, "non_ep_zero_optimizer (dense, over DP x CP)"),
-        (experts, ctx.expert_dp_size, ctx.expert_dp_rank, "ep_zero_optimizer (over expert-DP)"),
-    ):
-        if half is None:
-            continue
-        got = (int(half.sharding_size), int(half.sharding_rank))
-        if got != (size, rank):
-            raise RuntimeError(
-                f"NeuronEPZero1Optimizer.{what} is sharded as rank {got[1]} of {got[0]}, the "
-                f"current parallel state expects rank {rank} of {size}: the optimizer was "
-                f"built under another parallel state"
-            )
-        halves.append(half)
-    return halves
+def _is_nxd_optimizer(optimizer: Any) -> bool:
+    """``NxDOptimizer`` (without ZeRO-1 here): wraps a torch optimizer as ``.optimizer`` and
+    may step fp32 masters of its params (``master_weights_by_param``)."""
+    return isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer) and hasattr(
+        optimizer, "master_weights_by_param"
+    )
 
 
 def resolve_optimizer(
@@ -309,37 +226,24 @@ def resolve_optimizer(
     """Classify ``optimizer`` and name its parameters from ``model`` (from ``walked``, the
     model's tensors as :func:`~nxd_ckpt.layout._model_tensors.model_tensors` returned them, when
     the caller has walked the model already: a save walks it once)."""
-    from nxd_optim import NeuronEPZero1Optimizer, NeuronZero1Optimizer, NxDOptimizer
-
-    wrapper = optimizer if isinstance(optimizer, NxDOptimizer) else None
-    core = wrapper.optimizer if wrapper is not None else optimizer
-    if isinstance(core, NeuronEPZero1Optimizer):
-        zeros = _ep_zero1_halves(core, ctx)
+    layout = (
+        optimizer.flat_checkpoint_layout(ctx) if isinstance(optimizer, FlatShardedState) else None
+    )
+    if layout is not None:
+        core = layout.optimizer
         params = [p for group in core.param_groups for p in group["params"]]
-        names, tensors = _param_names(model, params, ctx, walked)
-        in_ckpt = bool(core.use_master_weights_in_ckpt)
-        return _view("zero1", core, names, tensors, zeros=zeros, masters_in_ckpt=in_ckpt)
-    if isinstance(core, NeuronZero1Optimizer):
-        params = [p for group in core.param_groups for p in group["params"]]
-        if type(core) is not NeuronZero1Optimizer or any(map(is_expert, params)):
-            # One flat layout over DP x CP: at EP > 1 expert shards are cut over the expert-DP
-            # group, which only NeuronEPZero1Optimizer does (and says through its halves).
-            ctx.refuse_expert_parallel(
-                f"checkpointing the ZeRO-1 optimizer {type(core).__name__} over expert parameters",
-                "nxd-ckpt reads ZeRO-1 shards of expert parameters only from "
-                "NeuronEPZero1Optimizer (expert state over the expert-DP group; NxDOptimizer "
-                "with zero_one_enabled=True builds it at EP > 1) or, without ZeRO-1, from "
-                "NxDOptimizer with zero_one_enabled=False",
-            )
         names, tensors = _param_names(model, params, ctx, walked)
         return _view(
             "zero1",
             core,
             names,
             tensors,
-            zeros=[core],
-            masters_in_ckpt=bool(core.use_master_weights_in_ckpt),
+            zeros=list(layout.groups),
+            masters_in_ckpt=layout.masters_in_checkpoint,
+            flat_class=layout.optimizer_class,
         )
+    wrapper = optimizer if _is_nxd_optimizer(optimizer) else None
+    core = wrapper.optimizer if wrapper is not None else optimizer
     if not isinstance(core, torch.optim.Optimizer):
         raise TypeError(
             f"optimizer must be a torch.optim.Optimizer, an nxd_optim.NxDOptimizer or a "

@@ -1,5 +1,9 @@
 """How a rank's local tensor maps into the global (unsharded) tensor: a list of blocks.
 
+The types live in :mod:`nxd_state.shards` and the derivation from a layer's sharding
+attributes in :mod:`nxd_layers.checkpoint_shards` (nxd-layers' contract); this module keeps
+their old names for nxd-ckpt, and the name of a tensor of unknown sharding.
+
 A :class:`ShardSpec` says, for one tensor on one rank, which box of the local tensor equals
 which box of the global tensor. With TP size t, TP rank r, partition dim d and stride s, the
 local tensor holds chunks ``r, r + t, …, r + (s-1)t`` of the ``t·s`` equal chunks of the global
@@ -31,18 +35,26 @@ the expert-DP group only (``ShardSpec.expert_parallel``), which picks its writer
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeGuard
-
-import torch
-from torch import nn
-
-from nxd_ckpt.format._boxes import Box
 from nxd_ckpt.layout._context import RankContext
+from nxd_layers.checkpoint_shards import (
+    GQALayout,
+    expert_parallel_degree,
+    gqa_spec,
+    is_gqa,
+    tensor_shard_spec,
+)
+from nxd_state.shards import (
+    Block,
+    ShardSpec,
+    part_spec,
+    rank_local_spec,
+    shape_mismatch,
+    spec_for_stored_shape,
+)
 
 __all__ = [
     "Block",
+    "GQALayout",
     "ShardSpec",
     "expert_parallel_degree",
     "gqa_spec",
@@ -55,378 +67,8 @@ __all__ = [
     "spec_for_tensor",
 ]
 
-
-@dataclass(frozen=True)
-class Block:
-    """``local`` box of the local tensor == the same-shaped box at ``global_offsets``."""
-
-    local: Box
-    global_offsets: tuple[int, ...]
-    primary: bool = True
-    """False for a GQA replica: another TP rank's primary block holds the same elements."""
-
-    @property
-    def global_box(self) -> Box:
-        return Box(self.global_offsets, self.local.shape)
-
-
-@dataclass
-class ShardSpec:
-    """The blocks of one local tensor and the global tensor's shape."""
-
-    global_shape: tuple[int, ...]
-    blocks: list[Block]
-    tp_replicated: bool
-    """Every TP rank holds the whole tensor (so any of them may write it)."""
-    info: dict[str, Any] = field(default_factory=dict)
-    """Recorded in the index: partition_dim, partition_stride, tp_size, GQA layout."""
-    rank_local: bool = False
-    """Sharding unknown (a plain state dict): saved per (TP, PP) rank, loads only there."""
-    padded: ShardSpec | None = None
-    """For a padded parameter (whose global tensor is the unpadded one): the spec of the
-    padded tensor, which checkpoints written before padding was recorded hold."""
-    expert_parallel: bool = False
-    """Dim 0 holds experts split over EP: replicated over the expert-DP group only."""
-
-
-def spec_for_stored_shape(spec: ShardSpec, shape: tuple[int, ...]) -> ShardSpec | None:
-    """``spec`` if a stored tensor of global ``shape`` fits it; for a padded parameter, its
-    padded spec if the stored tensor is the padded one (older checkpoints); else None."""
-    if tuple(spec.global_shape) == tuple(shape):
-        return spec
-    if spec.padded is not None and tuple(spec.padded.global_shape) == tuple(shape):
-        return spec.padded
-    return None
-
-
-def shape_mismatch(name: str, spec: ShardSpec, stored: tuple[int, ...]) -> str:
-    """Why a stored tensor of global shape ``stored`` does not fit ``spec``: for an expert
-    tensor whose stored experts the EP degree does not divide, that, naming both."""
-    ep = int(spec.info.get("expert_model_parallel_size", 1))
-    if spec.expert_parallel and stored and stored[0] % ep:
-        return (
-            f"{name}: the checkpoint holds {stored[0]} experts (shape {tuple(stored)}), which "
-            f"expert_model_parallel_size={ep} does not divide (the model holds "
-            f"{spec.global_shape[0]})"
-        )
-    return f"{name}: checkpoint {tuple(stored)}, model {tuple(spec.global_shape)}"
-
-
-def _rows_blocks(shape: tuple[int, ...], runs: list[tuple[int, int, int, bool]]) -> list[Block]:
-    """Blocks along dim 0 from runs ``(local_row, global_row, rows, primary)``."""
-    rest = tuple(shape[1:])
-    zeros = (0,) * len(rest)
-    return [
-        Block(Box((lo, *zeros), (n, *rest)), (go, *zeros), primary)
-        for lo, go, n, primary in runs
-        if n > 0
-    ]
-
-
-def _merge_runs(rows: list[tuple[int, bool]]) -> list[tuple[int, int, int, bool]]:
-    """Runs of consecutive local rows whose global rows are consecutive and equally primary;
-    ``rows[i] = (global_row, primary)`` for local row i."""
-    runs: list[tuple[int, int, int, bool]] = []
-    for local, (glob, primary) in enumerate(rows):
-        if runs:
-            lo, go, n, p = runs[-1]
-            if p == primary and go + n == glob and lo + n == local:
-                runs[-1] = (lo, go, n + 1, p)
-                continue
-        runs.append((local, glob, 1, primary))
-    return runs
-
-
-def _partitioned(
-    local_shape: tuple[int, ...], dim: int, stride: int, rank: int, size: int
-) -> ShardSpec:
-    dim = dim % len(local_shape)
-    length = local_shape[dim]
-    if stride < 1 or length % stride:
-        raise ValueError(
-            f"partition_stride({stride}) does not divide the local size {length} of dim {dim}"
-        )
-    chunk = length // stride
-    global_shape = list(local_shape)
-    global_shape[dim] = length * size
-    blocks = []
-    for j in range(stride):
-        local_off = [0] * len(local_shape)
-        global_off = [0] * len(local_shape)
-        local_off[dim] = j * chunk
-        global_off[dim] = (j * size + rank) * chunk
-        block_shape = list(local_shape)
-        block_shape[dim] = chunk
-        blocks.append(Block(Box(tuple(local_off), tuple(block_shape)), tuple(global_off)))
-    info = {"partition_dim": dim, "partition_stride": stride, "tp_size": size}
-    return ShardSpec(tuple(global_shape), blocks, tp_replicated=False, info=info)
-
-
-class GQALayout(Protocol):
-    """What nxd-ckpt reads of a GQA QKV projection (nxd_layers' layer or one with NxD's
-    attributes): ``output_sizes = [q_size, kv_size]``, the KV replication and the fusion."""
-
-    @property
-    def output_sizes(self) -> Sequence[int]: ...
-
-    @property
-    def kv_size_multiplier(self) -> int: ...
-
-    @property
-    def fuse_qkv(self) -> bool: ...
-
-
-def _replica_rows(module: GQALayout) -> list[int]:
-    """For each row of the replicated K (or V) projection, its row in the unreplicated one.
-
-    nxd_layers' GQA layer says so itself (``kv_replica_rows()``: head by head); a layer
-    without that method is taken to replicate as NxD's does (the whole projection repeated
-    ``kv_size_multiplier`` times).
-    """
-    rows = getattr(module, "kv_replica_rows", None)
-    if rows is not None:
-        return [int(row) for row in rows()]
-    kv_size = int(module.output_sizes[1])
-    return [row for _ in range(int(module.kv_size_multiplier)) for row in range(kv_size)]
-
-
-def gqa_spec(
-    q_size: int,
-    kv_size: int,
-    multiplier: int,
-    replica_rows: list[int],
-    local_name: str,
-    local_shape: tuple[int, ...],
-    rank: int,
-    tp: int,
-) -> ShardSpec:
-    """The GQA QKV projection's weights and biases (see the module docstring): the layout
-    of rank ``rank`` of ``tp`` when K/V are replicated ``multiplier`` times, row i of the
-    replicated K (or V) copying row ``replica_rows[i]``; ``local_name`` ends in ``_q``,
-    ``_k``, ``_v`` or ``_qkv``."""
-    q_local = q_size // tp
-    kv_local = kv_size * multiplier // tp
-    seen: set[int] = set()
-    primary_of = []  # replicated row -> first occurrence?
-    for row in replica_rows:
-        primary_of.append(row not in seen)
-        seen.add(row)
-
-    def kv_rows(offset: int) -> list[tuple[int, bool]]:
-        mine = range(rank * kv_local, (rank + 1) * kv_local)
-        return [(offset + replica_rows[j], primary_of[j]) for j in mine]
-
-    q_rows = [(rank * q_local + i, True) for i in range(q_local)]
-    part = local_name.rpartition("_")[2]
-    info: dict[str, Any] = {
-        "partition_dim": 0,
-        "partition_stride": 1,
-        "tp_size": tp,
-        "layout": "gqa_qkv",
-        "q_size": q_size,
-        "kv_size": kv_size,
-        "kv_size_multiplier": multiplier,
-        "part": part,
-    }
-    if part == "qkv":
-        rows = q_rows + kv_rows(q_size) + kv_rows(q_size + kv_size)
-        global_rows = q_size + 2 * kv_size
-    elif part == "q":
-        rows, global_rows = q_rows, q_size
-    else:
-        rows, global_rows = kv_rows(0), kv_size
-    if len(rows) != local_shape[0]:
-        raise ValueError(
-            f"GQA parameter {local_name} has {local_shape[0]} local rows, its layout says "
-            f"{len(rows)} (q_size={q_size}, kv_size={kv_size}, multiplier={multiplier}, tp={tp})"
-        )
-    blocks = _rows_blocks(local_shape, _merge_runs(rows))
-    return ShardSpec((global_rows, *local_shape[1:]), blocks, tp_replicated=False, info=info)
-
-
-def _gqa_spec(
-    module: GQALayout, local_name: str, local_shape: tuple[int, ...], rank: int, tp: int
-) -> ShardSpec:
-    """:func:`gqa_spec` with the layout of ``module`` (a GQA QKV projection)."""
-    q_size, kv_size = (int(s) for s in module.output_sizes)
-    multiplier = int(module.kv_size_multiplier)
-    replica_rows = _replica_rows(module) if multiplier > 1 else list(range(kv_size))
-    return gqa_spec(q_size, kv_size, multiplier, replica_rows, local_name, local_shape, rank, tp)
-
-
-def _unpadded(spec: ShardSpec, padding: Any, what: str) -> ShardSpec:
-    """The spec of the unpadded tensor from that of the padded one (see the module
-    docstring): blocks cut to ``padding.runs()`` along ``padding.dim`` and shifted there."""
-    dim = int(padding.dim)
-    if dim >= len(spec.global_shape) or spec.global_shape[dim] != padding.padded_size:
-        raise ValueError(
-            f"{what}: tensor_parallel_padding says dim {dim} was padded to "
-            f"{padding.padded_size}, but the tensor's global shape is {spec.global_shape}"
-        )
-    blocks = []
-    for block in spec.blocks:
-        start, length = block.global_offsets[dim], block.local.shape[dim]
-        for padded_start, unpadded_start, run in padding.runs():
-            lo, hi = max(start, padded_start), min(start + length, padded_start + run)
-            if lo >= hi:
-                continue
-            local_offsets, shape = list(block.local.offsets), list(block.local.shape)
-            global_offsets = list(block.global_offsets)
-            local_offsets[dim] += lo - start
-            shape[dim] = hi - lo
-            global_offsets[dim] = unpadded_start + lo - padded_start
-            blocks.append(
-                Block(Box(tuple(local_offsets), tuple(shape)), tuple(global_offsets), block.primary)
-            )
-    shape = list(spec.global_shape)
-    shape[dim] = int(padding.unpadded_size)
-    info = {**spec.info, "padding": padding.to_dict()}
-    return ShardSpec(
-        tuple(shape),
-        blocks,
-        spec.tp_replicated,
-        info,
-        spec.rank_local,
-        padded=spec,
-        expert_parallel=spec.expert_parallel,
-    )
-
-
-def is_gqa(module: object) -> TypeGuard[GQALayout]:
-    """Whether ``module`` is a GQA QKV projection (by the attributes nxd-ckpt reads)."""
-    return module is not None and all(
-        hasattr(module, name) for name in ("kv_size_multiplier", "output_sizes", "fuse_qkv")
-    )
-
-
-def spec_for_tensor(
-    tensor: torch.Tensor,
-    *,
-    tp_rank: int,
-    tp_size: int,
-    module: nn.Module | None = None,
-    local_name: str = "",
-    ep_rank: int = 0,
-    ep_size: int = 1,
-    what: str = "",
-) -> ShardSpec:
-    """The spec of a parameter or buffer from its sharding attributes (and, for the GQA QKV
-    projection, its owning ``module``; ``local_name`` is its name inside that module). A
-    tensor marked ``tensor_parallel_padding`` gets the spec of its unpadded tensor; one
-    marked ``expert_model_parallel`` has its experts placed at EP rank ``ep_rank`` of
-    ``ep_size`` (see the module docstring). ``what`` names it in errors."""
-    what = what or local_name or f"tensor of shape {tuple(tensor.shape)}"
-    spec = _padded_spec(tensor, tp_rank, tp_size, module, local_name)
-    if getattr(tensor, "expert_model_parallel", False):
-        spec = _expert_spec(spec, tensor, ep_rank, ep_size, what)
-    padding = getattr(tensor, "tensor_parallel_padding", None)
-    if padding is None:
-        return spec
-    if spec.expert_parallel and int(padding.dim) == 0:
-        raise ValueError(f"{what}: an expert parameter padded along dim 0 (its experts)")
-    return _unpadded(spec, padding, what)
-
-
-def expert_parallel_degree(tensor: torch.Tensor) -> int:
-    """The EP degree an ``expert_model_parallel`` tensor says it was split over (1 if
-    unmarked)."""
-    if not getattr(tensor, "expert_model_parallel", False):
-        return 1
-    return int(getattr(tensor, "expert_model_parallel_size", 1))
-
-
-def _expert_spec(
-    spec: ShardSpec, tensor: torch.Tensor, ep_rank: int, ep_size: int, what: str
-) -> ShardSpec:
-    """``spec`` (the TP blocks of the local experts) with dim 0 placed at EP rank
-    ``ep_rank`` of ``ep_size``: global rows ``[ep_rank·n, (ep_rank+1)·n)``, n local experts."""
-    dim = int(getattr(tensor, "expert_partition_dim", 0))
-    declared = expert_parallel_degree(tensor)
-    if dim != 0:
-        raise ValueError(
-            f"{what}: expert_partition_dim={dim}; nxd-ckpt shards experts along dim 0 only"
-        )
-    if declared != ep_size:
-        raise ValueError(
-            f"{what}: marked expert_model_parallel_size={declared}, but the parallel state's "
-            f"expert_model_parallel_size is {ep_size}: its experts' place in the global tensor "
-            f"is unknown (build the model after initialize_model_parallel)"
-        )
-    if not spec.global_shape or spec.rank_local:
-        raise ValueError(f"{what}: an expert parameter needs dim 0 (experts), got a 0-d tensor")
-    if spec.info.get("partition_dim") == 0:
-        raise ValueError(f"{what}: an expert parameter split over TP along dim 0 (its experts)")
-    local = int(tensor.shape[0])
-    shift = ep_rank * local
-    blocks = [
-        Block(b.local, (b.global_offsets[0] + shift, *b.global_offsets[1:]), b.primary)
-        for b in spec.blocks
-    ]
-    shape = (local * ep_size, *spec.global_shape[1:])
-    info = {**spec.info, "expert_partition_dim": 0, "expert_model_parallel_size": ep_size}
-    return ShardSpec(shape, blocks, spec.tp_replicated, info, spec.rank_local, expert_parallel=True)
-
-
-def _padded_spec(
-    tensor: torch.Tensor,
-    tp_rank: int,
-    tp_size: int,
-    module: nn.Module | None,
-    local_name: str,
-) -> ShardSpec:
-    """The spec from the sharding attributes alone (padding not taken into account)."""
-    shape = tuple(tensor.shape)
-    if not getattr(tensor, "tensor_model_parallel", False):
-        return ShardSpec(shape, [Block(Box.whole(shape), (0,) * len(shape))], tp_replicated=True)
-    if is_gqa(module) and local_name.startswith(("weight_", "bias_")):
-        return _gqa_spec(module, local_name, shape, tp_rank, tp_size)
-    dim = int(getattr(tensor, "partition_dim", 0))
-    stride = int(getattr(tensor, "partition_stride", 1))
-    if not shape:
-        raise ValueError("a 0-d tensor cannot be tensor-parallel")
-    return _partitioned(shape, dim, stride, tp_rank, tp_size)
-
-
-def part_spec(spec: ShardSpec, start: int, rows: int, what: str) -> ShardSpec:
-    """Global rows ``[start, start + rows)`` of ``spec``'s tensor as a tensor of its own
-    (a stored part, :mod:`nxd_ckpt.parts`): every block cut to those rows along dim 0, its
-    local box still a box of the same local tensor, its global offset shifted by ``-start``:
-
-        block (local rows [l, l + n) = global rows [g, g + n))  ∩  [start, start + rows)
-        = local rows [l + a - g, l + b - g) = part rows [a - start, b - start),
-        a = max(g, start), b = min(g + n, start + rows).
-    """
-    if spec.rank_local or spec.padded is not None or not spec.global_shape:
-        kind = "rank-local" if spec.rank_local else "padded" if spec.padded else "0-d"
-        raise ValueError(f"{what}: a {kind} tensor cannot be stored in parts")
-    if start < 0 or rows <= 0 or start + rows > spec.global_shape[0]:
-        raise ValueError(
-            f"{what}: part rows [{start}, {start + rows}) are outside the global tensor's "
-            f"{spec.global_shape[0]} rows"
-        )
-    blocks = []
-    for block in spec.blocks:
-        g, n = block.global_offsets[0], block.local.shape[0]
-        lo, hi = max(g, start), min(g + n, start + rows)
-        if lo >= hi:
-            continue
-        local_offsets, local_shape = list(block.local.offsets), list(block.local.shape)
-        local_offsets[0] += lo - g
-        local_shape[0] = hi - lo
-        global_offsets = (lo - start, *block.global_offsets[1:])
-        local = Box(tuple(local_offsets), tuple(local_shape))
-        blocks.append(Block(local, global_offsets, block.primary))
-    shape = (rows, *spec.global_shape[1:])
-    return ShardSpec(
-        shape, blocks, spec.tp_replicated, dict(spec.info), expert_parallel=spec.expert_parallel
-    )
-
-
-def rank_local_spec(tensor: torch.Tensor) -> ShardSpec:
-    """A tensor whose sharding is unknown: it is its own global tensor, per (TP, PP) rank."""
-    shape = tuple(tensor.shape)
-    block = Block(Box.whole(shape), (0,) * len(shape))
-    return ShardSpec(shape, [block], tp_replicated=False, rank_local=True)
+spec_for_tensor = tensor_shard_spec
+"""nxd-ckpt's name of :func:`nxd_layers.checkpoint_shards.tensor_shard_spec`."""
 
 
 def rank_local_name(name: str, ctx: RankContext) -> str:

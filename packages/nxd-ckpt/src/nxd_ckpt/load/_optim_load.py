@@ -33,7 +33,6 @@ from nxd_ckpt.layout._optim_common import (
     decode_scalar,
     flat_pieces,
     resolve_optimizer,
-    zero1_inner,
     zero1_parts,
 )
 from nxd_ckpt.layout._sharding import shape_mismatch, spec_for_stored_shape
@@ -240,9 +239,9 @@ def _set_hypers(view: OptimizerView, hypers: list[dict[str, Any]]) -> None:
     for gi, group in enumerate(groups):
         group.update(hypers[gi])
     for part in view.zeros:
-        inner = zero1_inner(part)
-        for gi, group in enumerate(part.param_groups):
-            own = part is view.optimizer or not group["params"]
+        inner = part.inner
+        for gi, group in enumerate(part.optimizer.param_groups):
+            own = part.optimizer is view.optimizer or not group["params"]
             hyper = hypers[gi] if own else hypers[caller[id(group["params"][0])]]
             group.update(hyper)
             inner.param_groups[gi].update(hyper)
@@ -277,7 +276,7 @@ def _prepare_zero1(view: OptimizerView, saved: _Saved) -> Callable[[], None]:
                 inner.state.pop(bucket.master, None)
         _set_hypers(view, hypers)
         for part in refresh:  # masters not saved: rebuild them from the loaded model params
-            part.refresh_masters_from_params()
+            part.optimizer.refresh_masters_from_params()
 
     return apply
 

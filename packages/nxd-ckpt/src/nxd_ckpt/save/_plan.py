@@ -23,9 +23,10 @@ from nxd_ckpt.format._boxes import Box
 from nxd_ckpt.format._stfile import dtype_name
 from nxd_ckpt.layout._context import RankContext
 from nxd_ckpt.layout._items import DenseSource, TensorItem, is_writer, pieces
-from nxd_ckpt.layout._model_tensors import LocalTensor, is_lora_model, lora_mode, model_tensors
+from nxd_ckpt.layout._model_tensors import LocalTensor, model_tensors
 from nxd_ckpt.layout._sharding import ShardSpec, rank_local_name, rank_local_spec
 from nxd_ckpt.save._optim_save import optimizer_save_items
+from nxd_state.shards import CheckpointMetadata
 
 __all__ = ["RankPlan", "WriteChunk", "build_plan"]
 
@@ -117,28 +118,16 @@ def _add_json(plan: RankPlan, category: str, value: Any, what: str) -> None:
         plan.add(_whole(category, path, tensor))
 
 
-def lora_meta(model: Any) -> dict[str, Any]:
-    """Mode, NxD's saved config fields, PEFT config and PEFT key of each adapter tensor."""
-    from nxd_lora import peft_adapter_config
-    from nxd_lora.adapter import PEFT_PREFIX
-
-    mode = lora_mode(model)
-    meta: dict[str, Any] = {"mode": mode, "config": model.lora_config.selected_fields_to_save()}
-    if mode == "merged":
-        return meta
-    peft_names: dict[str, str] = {}
-    exportable = True
-    for lora_name, layer in model.lora_layers().items():
-        own = [f"{lora_name}.{p}" for p in layer.adapter_parameters()]
-        if layer.peft_tensor_names(lora_name) != own:  # e.g. a fused QKV split into q/k/v
-            exportable = False
-        peft_names.update({name: PEFT_PREFIX + name for name in own})
-    for wrapped, _ in model.module.named_parameters():
-        if not model.is_adapter_key(wrapped) and model.is_trainable_name(wrapped):
-            peft_names[model.original_name(wrapped)] = PEFT_PREFIX + wrapped
-    meta["peft_names"] = peft_names if exportable else None
-    meta["peft_config"] = json.loads(json.dumps(peft_adapter_config(model), default=str))
-    return meta
+def _add_metadata(plan: RankPlan, metadata: dict[str, Any]) -> None:
+    """The model's own index entries (:class:`nxd_state.shards.CheckpointMetadata`: LoRA's
+    ``lora``), each under a key nxd-ckpt does not use itself."""
+    for key, value in metadata.items():
+        if key in plan.meta:
+            raise ValueError(
+                f"the model's checkpoint_metadata() names {key!r}, an index entry nxd-ckpt "
+                f"writes itself"
+            )
+        plan.meta[key] = value
 
 
 def _model_config(model: Any) -> dict[str, Any] | None:
@@ -182,8 +171,8 @@ def build_plan(
         config = _model_config(model)
         if config is not None:
             plan.meta["hf_config"] = config
-        if is_lora_model(model) and ctx.rank == 0:
-            plan.meta["lora"] = lora_meta(model)
+        if isinstance(model, CheckpointMetadata) and ctx.rank == 0:
+            _add_metadata(plan, model.checkpoint_metadata())
     if optimizer is not None:
         items, meta = optimizer_save_items(optimizer, model, ctx, walked=walked)
         for item in items:
