@@ -51,7 +51,6 @@ def test_cp_flags_dry_run_and_bad_values(
         "seq_len 30 is not divisible by cp(4)": [
             "--cp", "4", "--cp-algorithm", "all-to-all", "--seq-len", "30"],
         "tp(2) x pp(1) x cp(2) = 4 does not divide the world size 2": ["--cp", "2"],
-        "cp=2 with pp=2 is not supported yet": ["--cp", "2", "--pp", "2"],
         "cp=2 with compile=True is not supported yet": ["--cp", "2", "--compile"],
         "the model has 1 key/value heads per tensor-parallel rank (tp=2)": [
             "--cp", "2", "--cp-algorithm", "all-to-all", "--nproc-per-node", "4"],

@@ -41,7 +41,6 @@ def test_ep_flag_dry_run_and_bad_values(tmp_path: Path, capsys: pytest.CaptureFi
             *MOE, "--ep", "3", "--nproc-per-node", "3", "--batch-size", "6"],
         "ep=2 needs a mixture-of-experts model": ["--tp", "1", "--ep", "2"],
         "ep=2 with cp=2 is not supported yet": [*MOE, "--ep", "2", "--cp", "2"],
-        "ep=2 with pp=2 is not supported yet": [*MOE, "--ep", "2", "--pp", "2"],
         "ep=2 with lora_rank=4 is not supported yet": [*MOE, "--ep", "2", "--lora-rank", "4"],
     }  # fmt: skip
     for expected, flags in cases.items():
