@@ -228,8 +228,8 @@ class TrainConfig:
         data-parallel ranks (``ep`` divides dp; the experts' gradients are averaged over the
         dp/ep ranks holding the same experts). A Mixtral, Qwen2-MoE or Qwen3-MoE model
         (``--model tiny-moe``, or its config.json; with ``pp`` > 1 each stage holds its
-        layers' experts), ``cp`` = 1, without LoRA or ``--compile``; ``--zero1`` shards expert state over the dp/ep ranks holding the same
-        experts.""",
+        layers' experts), ``cp`` = 1, without LoRA or ``--compile``; ``--zero1`` shards
+        expert state over the dp/ep ranks holding the same experts.""",
     )
 
     cp_algorithm: str = setting(
