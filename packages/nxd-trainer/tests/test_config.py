@@ -285,6 +285,14 @@ def test_nxds_newer_keywords() -> None:
             pipeline_parallel_size=2,
             pipeline_config={"pipeline_cuts": ["layers.0"], "input_names": ["input_ids"]},
         )
+    with pytest.raises(ValueError, match=r"sequence_parallel=True with context_parallel_size"):
+        NxDConfig(
+            tensor_parallel_size=2,
+            sequence_parallel=True,
+            context_parallel_size=2,
+            pipeline_parallel_size=2,
+            pipeline_config={"pipeline_cuts": ["layers.0"], "input_names": ["labels"]},
+        )
     ep_pp = NxDConfig(
         expert_parallel_size=2,
         pipeline_parallel_size=2,

@@ -7,7 +7,7 @@
   activations; each micro-batch's loss, averaged over CP, is its token mean (the pipeline
   averages the micro-batches, so the reference is the mean of the per-row token means). Ring
   with SGD; all-to-all with ZeRO-1 (state sharded over DP x CP) and full activation
-  checkpointing. After one SGD(lr=1) step every parameter moved by minus the reference
+  checkpointing; TP2 x CP2 x PP2 (8 ranks, vocabulary-parallel loss) with ZeRO-1. After one SGD(lr=1) step every parameter moved by minus the reference
   gradient, and the loss averaged over CP equals the reference loss.
 * **EP2 x PP2** (4 ranks, DP2 = EP2): Mixtral, Qwen2-MoE and Qwen3-MoE (stock transformers
   classes, tiny configs, no router auxiliary loss: it stays refused at PP > 1), each stage
@@ -109,11 +109,12 @@ def _pipeline_config(names: list[str]) -> dict[str, Any]:
     return {"num_microbatches": 2, "input_names": names, "pipeline_cuts": ["model.layers.0"]}
 
 
-def cp_pp_step(algorithm: str, zero1: bool, checkpointing: bool) -> list[str]:
+def cp_pp_step(algorithm: str, zero1: bool, checkpointing: bool, tp: int = 1) -> list[str]:
     import nxd_state
     import nxd_trainer as nxd
 
     cfg = nxd.neuronx_distributed_config(
+        tensor_parallel_size=tp,
         pipeline_parallel_size=2,
         context_parallel_size=2,
         context_parallel_algorithm=algorithm,
@@ -138,7 +139,8 @@ def cp_pp_step(algorithm: str, zero1: bool, checkpointing: bool) -> list[str]:
     elif state.pipeline_parallel_rank == 1:
         bad.append("the last stage returned no loss")
     for name, param in model.named_parameters():
-        checks.append((f"grad {name}", before[name] - param.detach(), ref_grads[name]))
+        update = H.full(param, before[name] - param.detach(), name, model.config)
+        checks.append((f"grad {name}", update, ref_grads[name]))
     if not any(name.startswith("grad") for name, _, _ in checks):
         bad.append("no parameter on this rank")
     for what, got, want in checks:
@@ -150,8 +152,9 @@ def cp_pp_step(algorithm: str, zero1: bool, checkpointing: bool) -> list[str]:
 
 
 CP_CASES = {
-    "ring": ("ring", False, False),
-    "all-to-all-zero1-checkpointing": ("all_to_all", True, True),
+    "ring": (4, "ring", False, False),
+    "all-to-all-zero1-checkpointing": (4, "all_to_all", True, True),
+    "tp2-ring-zero1": (8, "ring", True, False, 2),
 }
 
 
@@ -159,7 +162,8 @@ CP_CASES = {
 @pytest.mark.parametrize("case", list(CP_CASES))
 def test_cp2_pp2_llama_matches_one_process(case: str) -> None:
     _needs_capture()
-    results = run_distributed(cp_pp_step, 4, *CP_CASES[case])
+    world, *args = CP_CASES[case]
+    results = run_distributed(cp_pp_step, world, *args)
     for rank, bad in enumerate(results):
         assert not bad, f"rank {rank}:\n" + "\n".join(bad)
 

@@ -18,7 +18,9 @@ At PP > 1 the pipeline splits each batch into micro-batches and averages their l
 ``N`` must be each micro-batch's count, known only after that split: the stages get
 ``input_ids``, ``position_ids`` and ``shift_labels`` (this rank's slices) and, as ``labels``,
 the whole sequence's *shifted* labels (every CP rank holds them), from which the last stage's
-loss (:func:`pipeline_loss`, installed as the model's ``loss_function``) counts ``N``:
+loss (:func:`pipeline_loss`, installed as the model's ``loss_function``; at TP > 1 the
+vocabulary-parallel loss of :mod:`nxd_trainer.hf._loss`, switched to the same formula)
+counts ``N``:
 
     L_r = (S / S_r) (1/N) Σ_{t ∈ r} ℓ_t,    N = #{t : labels_t ≠ ignore},  S / S_r = n,
 
@@ -155,8 +157,14 @@ def enable_context_parallel(
     hf_config: Any = model.config  # transformers' config (nn.Module's __getattr__ is untyped)
     hf_config.use_cache = False  # a KV cache is refused by the context-parallel attention
     if pipelined:
+        from nxd_trainer.hf._loss import ParallelCausalLMLoss
+
         hf_model: Any = model  # transformers' PreTrainedModel: loss_function has a setter
-        hf_model.loss_function = pipeline_loss
+        loss = hf_model.loss_function
+        if isinstance(loss, ParallelCausalLMLoss):  # TP > 1: the logits are vocab-sharded
+            loss.context_parallel_pipeline = True
+        else:
+            hf_model.loss_function = pipeline_loss
 
 
 def check_right_padding(

@@ -244,7 +244,16 @@ class NxDConfig:
                 )
         if pp == 1:
             return
-        if self.context_parallel_size > 1 and pipe is not None:
+        cp = self.context_parallel_size
+        if cp > 1 and self.sequence_parallel:
+            raise ValueError(
+                f"sequence_parallel=True with context_parallel_size={cp} and "
+                f"pipeline_parallel_size={pp} is not supported yet: the captured stages do not "
+                f"run the sequence-parallel attention on context-parallel slices (a shape "
+                f"error); set sequence_parallel=False (TP, ZeRO-1 and activation checkpointing "
+                f"work at CP x PP)"
+            )
+        if cp > 1 and pipe is not None:
             from nxd_trainer._context_parallel import pipeline_input_names
 
             pipeline_input_names(pipe.input_names)  # the loss needs the labels

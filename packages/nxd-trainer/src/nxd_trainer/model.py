@@ -152,7 +152,8 @@ class NxDModel(nn.Module):
         if self.cp_algorithm is not None:
             from nxd_trainer._context_parallel import split_pipeline_inputs
 
-            names = list(self.trainer_config.pipeline_config.input_names or ())
+            pipe = self.trainer_config.pipeline_config
+            names = list(pipe.input_names or ()) if pipe is not None else []
             return split_pipeline_inputs(self._named(args, kwargs, names), self.cp_algorithm)
         return self._named(args, kwargs, list(self.module.input_names))
 

@@ -424,6 +424,11 @@ class TrainConfig:
                 f"cp={self.cp} with compile=True is not supported yet: context parallelism "
                 f"runs without --compile"
             )
+        if self.pp > 1 and self.sequence_parallel:
+            raise ConfigError(
+                f"cp={self.cp} with pp={self.pp} and sequence_parallel is not supported yet: "
+                f"drop --sequence-parallel (tp, zero1 and activation checkpointing work)"
+            )
 
     def _check_expert_parallel(self) -> None:
         """What ``ep`` > 1 needs from the other settings (the experts: ``model.hf_config``;
