@@ -7,8 +7,9 @@
   activations; each micro-batch's loss, averaged over CP, is its token mean (the pipeline
   averages the micro-batches, so the reference is the mean of the per-row token means). Ring
   with SGD; all-to-all with ZeRO-1 (state sharded over DP x CP) and full activation
-  checkpointing; TP2 x CP2 x PP2 (8 ranks, vocabulary-parallel loss) with ZeRO-1. After one SGD(lr=1) step every parameter moved by minus the reference
-  gradient, and the loss averaged over CP equals the reference loss.
+  checkpointing; TP2 x CP2 x PP2 (8 ranks, vocabulary-parallel loss) with ZeRO-1. After
+  one SGD(lr=1) step every parameter moved by minus the reference gradient, and the loss
+  averaged over CP equals the reference loss.
 * **EP2 x PP2** (4 ranks, DP2 = EP2): Mixtral, Qwen2-MoE and Qwen3-MoE (stock transformers
   classes, tiny configs, no router auxiliary loss: it stays refused at PP > 1), each stage
   holding its layer's experts sharded over EP; plain optimizer and ZeRO-1
