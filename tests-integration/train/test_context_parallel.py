@@ -51,7 +51,6 @@ def test_cp_flags_dry_run_and_bad_values(
         "seq_len 30 is not divisible by cp(4)": [
             "--cp", "4", "--cp-algorithm", "all-to-all", "--seq-len", "30"],
         "tp(2) x pp(1) x cp(2) = 4 does not divide the world size 2": ["--cp", "2"],
-        "cp=2 with pp=2 is not supported yet": ["--cp", "2", "--pp", "2"],
         "cp=2 with compile=True is not supported yet": ["--cp", "2", "--compile"],
         "the model has 1 key/value heads per tensor-parallel rank (tp=2)": [
             "--cp", "2", "--cp-algorithm", "all-to-all", "--nproc-per-node", "4"],
@@ -120,3 +119,13 @@ def test_cp2_lora_equals_cp1_lora(tmp_path: Path) -> None:
     torch.testing.assert_close(
         torch.tensor([got[s] for s in (1, 2)]), torch.tensor([want[s] for s in (1, 2)]), **TOL
     )
+
+
+@pytest.mark.slow  # the parity of CP x PP: packages/nxd-trainer/tests/test_pipeline_combos.py
+def test_cp2_pp2_matches_one_process(tmp_path: Path) -> None:
+    """CP2 x PP2 on 4 ranks, 2 micro-batches: the stages pass each CP rank's slice."""
+    args = ["--steps", "2", "--tp", "1", "--cp", "2", "--pp", "2", "--microbatches", "2",
+            "--nproc-per-node", "4"]  # fmt: skip
+    done = R.nxd_train([*R.TINY, *QUICK, *args, "--runs-dir", str(tmp_path)], tmp_path)
+    assert "tp=1 pp=2 cp=2 (ring) dp=1" in done.stderr
+    _check(tmp_path / "tiny", [1, 2], [(2, args)])

@@ -41,7 +41,6 @@ def test_ep_flag_dry_run_and_bad_values(tmp_path: Path, capsys: pytest.CaptureFi
             *MOE, "--ep", "3", "--nproc-per-node", "3", "--batch-size", "6"],
         "ep=2 needs a mixture-of-experts model": ["--tp", "1", "--ep", "2"],
         "ep=2 with cp=2 is not supported yet": [*MOE, "--ep", "2", "--cp", "2"],
-        "ep=2 with pp=2 is not supported yet": [*MOE, "--ep", "2", "--pp", "2"],
         "ep=2 with lora_rank=4 is not supported yet": [*MOE, "--ep", "2", "--lora-rank", "4"],
     }  # fmt: skip
     for expected, flags in cases.items():
@@ -89,6 +88,21 @@ def test_ep2_zero1_on_four_ranks_matches_one_process(tmp_path: Path) -> None:
     args = ["--steps", "2", "--no-export", "--eval-every", "0", "--ep", "2", "--zero1",
             "--nproc-per-node", "4"]  # fmt: skip
     R.nxd_train([*R.TINY, *MOE, *args, "--runs-dir", str(tmp_path)], tmp_path)
+    run = tmp_path / "tiny"
+    got, ref = R.losses(run), R.reference(run, MOE, [(2, args)])["losses"]
+    assert sorted(got) == [1, 2]
+    torch.testing.assert_close(
+        torch.tensor([got[1], got[2]]), torch.tensor([ref[1], ref[2]]), **TOL
+    )
+
+
+@pytest.mark.slow  # the parity of EP x PP: packages/nxd-trainer/tests/test_pipeline_combos.py
+def test_ep2_pp2_matches_one_process(tmp_path: Path) -> None:
+    """EP2 x PP2 on 4 ranks (DP2 = EP2): each stage holds its layers' experts over EP."""
+    args = ["--steps", "2", "--no-export", "--eval-every", "0", "--ep", "2", "--pp", "2",
+            "--nproc-per-node", "4"]  # fmt: skip
+    done = R.nxd_train([*R.TINY, *MOE, *args, "--runs-dir", str(tmp_path)], tmp_path)
+    assert "tp=1 pp=2 dp=2 ep=2" in done.stderr
     run = tmp_path / "tiny"
     got, ref = R.losses(run), R.reference(run, MOE, [(2, args)])["losses"]
     assert sorted(got) == [1, 2]

@@ -315,3 +315,28 @@ def test_a_constant_made_on_meta_is_named_at_the_build() -> None:
     ids = torch.randint(0, 8, (2, 3))
     (out,) = _chain(plan, real, {"input_ids": ids})  # the export route's outputs: a tuple
     torch.testing.assert_close(out, reference(ids), rtol=0, atol=0)  # same ops, same order
+
+
+class _KwargsLoss(nn.Module):
+    """Takes ``shift_labels`` through ``**kwargs``, as transformers' causal LMs do, and
+    flattens it against the inputs: torch.export guards ``B x S`` of both to be equal."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(8, 4)
+
+    def forward(self, input_ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        scores = self.embed(input_ids).sum(-1).reshape(-1)
+        return (scores * kwargs["shift_labels"].reshape(-1).float()).sum()
+
+
+def test_guards_on_keyword_only_inputs_run() -> None:
+    """torch 2.15 writes a guard on an input taken through ``**kwargs`` as
+    ``L['kwargs']['shift_labels']``, which the exported module's guard function cannot resolve
+    (``NameError: name 'L' is not defined`` on every call): the capture rewrites the path."""
+    model = _KwargsLoss()
+    captured = capture_graph(model, tracer_cls="hf", input_names=["input_ids", "shift_labels"])
+    ids = torch.randint(0, 8, (3, 5))  # batch and sequence differ from the capture's
+    labels = torch.randint(0, 8, (3, 5))
+    got = captured.graph_module(input_ids=ids, shift_labels=labels, **captured.fixed_inputs)
+    torch.testing.assert_close(got, model(ids, shift_labels=labels), rtol=0, atol=0)

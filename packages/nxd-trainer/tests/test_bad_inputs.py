@@ -68,10 +68,14 @@ def _config_cases() -> dict[str, tuple[dict[str, Any], type, str]]:
             TypeError,
             "'tensor_parallel' (did you mean 'tensor_parallel_size'?)",
         ),
-        "context parallelism with pp": (
-            {"context_parallel_size": 2, "pipeline_parallel_size": 2},
+        "context parallelism with pp, no labels": (
+            {
+                "context_parallel_size": 2,
+                "pipeline_parallel_size": 2,
+                "pipeline_config": {"pipeline_cuts": ["l.0"], "input_names": ["input_ids"]},
+            },
             ValueError,
-            "context_parallel_size=2 with pipeline_parallel_size=2 is not supported yet",
+            "pipeline_config['input_names'] must hold 'labels', got ['input_ids']",
         ),
         "context-parallel algorithm": (
             {"context_parallel_size": 2, "context_parallel_algorithm": "all-to-al"},

@@ -161,15 +161,6 @@ def test_dict_round_trip_keeps_every_setting() -> None:
         ({"lora_config": {"enable_lora": True}}, TypeError, "nxd_lora.LoraConfig"),
         ({"expert_parallel_size": 0}, ValueError, "expert_parallel_size'] must be a positive"),
         (
-            {
-                "expert_parallel_size": 2,
-                "pipeline_parallel_size": 2,
-                "pipeline_config": {"pipeline_cuts": ["blocks.0"]},
-            },
-            ValueError,
-            "expert_parallel_size=2 with pipeline_parallel_size=2 is not supported yet",
-        ),
-        (
             {"expert_parallel_size": 2, "context_parallel_size": 2},
             ValueError,
             "expert_parallel_size=2 with context_parallel_size=2 is not supported yet",
@@ -282,12 +273,32 @@ def test_nxds_newer_keywords() -> None:
     cp = NxDConfig(context_parallel_size=4, context_parallel_algorithm="all_to_all")
     assert cp.to_nxd()["context_parallel_algorithm"] == "all_to_all"
     assert NxDConfig.from_nxd(cp.to_nxd()).context_parallel_size == 4
-    with pytest.raises(ValueError, match=r"context_parallel_size=4 with pipeline_parallel"):
+    cp_pp = NxDConfig(  # CP x PP (the stages' inputs: context_parallel.pipeline_input_names)
+        context_parallel_size=4,
+        pipeline_parallel_size=2,
+        pipeline_config={"pipeline_cuts": ["layers.0"], "input_names": ["input_ids", "labels"]},
+    )
+    assert NxDConfig.from_nxd(cp_pp.to_nxd()).context_parallel_size == 4
+    with pytest.raises(ValueError, match=r"input_names'\] must hold 'labels'"):
         NxDConfig(
             context_parallel_size=4,
             pipeline_parallel_size=2,
-            pipeline_config={"pipeline_cuts": ["layers.0"]},
+            pipeline_config={"pipeline_cuts": ["layers.0"], "input_names": ["input_ids"]},
         )
+    with pytest.raises(ValueError, match=r"sequence_parallel=True with context_parallel_size"):
+        NxDConfig(
+            tensor_parallel_size=2,
+            sequence_parallel=True,
+            context_parallel_size=2,
+            pipeline_parallel_size=2,
+            pipeline_config={"pipeline_cuts": ["layers.0"], "input_names": ["labels"]},
+        )
+    ep_pp = NxDConfig(
+        expert_parallel_size=2,
+        pipeline_parallel_size=2,
+        pipeline_config={"pipeline_cuts": ["layers.0"]},
+    )
+    assert ep_pp.check_world(4).expert_model_parallel_size == 2
     fill = _with_move_factor(None, 3)
     assert ModelInitConfig.from_nxd(fill).sequential_move_factor == 3
     assert _with_move_factor({"meta_device_init": False}, 5)["sequential_move_factor"] == 5

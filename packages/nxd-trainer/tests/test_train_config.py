@@ -47,7 +47,11 @@ def test_flags_override_toml_override_defaults(tmp_path: Path) -> None:
         ({"schedule": "interleaved_1f1b"}, "schedule must be one of gpipe, 1f1b, zb_h1"),
         ({"tp": 1, "sequence_parallel": True}, "sequence_parallel needs tp > 1"),
         ({"ep": 0}, "ep must be an integer >= 1, got 0"),
-        ({"ep": 2, "pp": 2}, "ep=2 with pp=2 is not supported yet"),
+        ({"ep": 2, "cp": 2}, "ep=2 with cp=2 is not supported yet"),
+        (
+            {"tp": 2, "cp": 2, "pp": 2, "sequence_parallel": True, "seq_len": 64},
+            "cp=2 with pp=2 and sequence_parallel is not supported yet",
+        ),
         ({"microbatches": 2}, "microbatches=2 needs pp > 1"),
         ({"nnodes": 2}, "nnodes=2 needs rdzv_endpoint"),
         ({"val_fraction": 0.9}, "val_fraction must be a finite number [0.0, 0.5], got 0.9"),

@@ -58,7 +58,7 @@ def _example_inputs(module: nn.Module, names: Sequence[str]) -> dict[str, torch.
     shape = (2, 4)  # batch and sequence are dynamic: any size works later
     out: dict[str, torch.Tensor] = {}
     for name in names:
-        if name in ("input_ids", "labels", "token_type_ids"):
+        if name in ("input_ids", "labels", "shift_labels", "token_type_ids"):
             out[name] = torch.randint(0, vocab, shape, device=device)
         elif name == "attention_mask":
             out[name] = torch.ones(shape, dtype=torch.long, device=device)
@@ -67,7 +67,7 @@ def _example_inputs(module: nn.Module, names: Sequence[str]) -> dict[str, torch.
         else:
             raise ValueError(
                 f"tracer_cls='hf' builds example inputs for input_ids, attention_mask, labels, "
-                f"position_ids and token_type_ids; it cannot guess {name!r}"
+                f"shift_labels, position_ids and token_type_ids; it cannot guess {name!r}"
             )
     return out
 
@@ -101,7 +101,9 @@ def _cache_key(
         for name, t in [*module.named_parameters(), *module.named_buffers()]
     )
     attention = getattr(config, "_attn_implementation", None)
-    described = (repr(config), attention, module.training)
+    # A loss function set on the model (transformers' loss_function setter) is in the graph.
+    loss = module.__dict__.get("_loss_function")
+    described = (repr(config), attention, module.training, loss)
     return (type(module), described, layout, tuple(names), tuple(keep))
 
 
@@ -237,6 +239,7 @@ def export_graph(
             f"{failure_site(error)}. Check that forward accepts use_cache=False and that "
             f"input_names are its tensor inputs"
         ) from error
+    _fix_keyword_guards(exported, module, [*names, *fixed])
     graph_module = exported.module()
     restored = _restore_module_calls(module, graph_module, exported, keep, sites)
     graph_module.recompile()
@@ -282,6 +285,33 @@ def _restore_module_calls(
             f"module once per forward, with tensor inputs computed before it"
         )
     return restored
+
+
+def _fix_keyword_guards(
+    exported: torch.export.ExportedProgram, module: nn.Module, names: Sequence[str]
+) -> None:
+    """Name the inputs that ``forward`` takes through its ``**kwargs`` (transformers' loss
+    arguments: ``shift_labels``) as the guard function can find them.
+
+    torch (2.15) writes a guard on such an input's shape as ``L['kwargs']['shift_labels']``, a
+    path the exported module's guard function has no placeholder for (a ``NameError`` on
+    every call); the input is the top-level keyword ``L['shift_labels']``, which it has.
+    Guards are kept, only their paths are corrected. torch versions without ``_guards_code``
+    are left alone."""
+    code = getattr(exported, "_guards_code", None)
+    var_keyword = [
+        p.name
+        for p in inspect.signature(module.forward).parameters.values()
+        if p.kind is inspect.Parameter.VAR_KEYWORD
+    ]
+    if not isinstance(code, list) or not var_keyword:
+        return
+    fixed = []
+    for guard in code:
+        for name in names:
+            guard = guard.replace(f"L['{var_keyword[0]}']['{name}']", f"L['{name}']")
+        fixed.append(guard)
+    exported._guards_code = fixed
 
 
 def _accepts(module: nn.Module, name: str) -> bool:

@@ -14,6 +14,18 @@ The loss of one process is the mean over the ``N`` counted tokens of the whole s
 the mean over CP that the optimizer wrapper's DP x CP gradient average and the trainer's loss
 report take. ``N`` is counted on the whole (unsplit) labels every CP rank holds: no collective.
 
+At PP > 1 the pipeline splits each batch into micro-batches and averages their losses, so
+``N`` must be each micro-batch's count, known only after that split: the stages get
+``input_ids``, ``position_ids`` and ``shift_labels`` (this rank's slices) and, as ``labels``,
+the whole sequence's *shifted* labels (every CP rank holds them), from which the last stage's
+loss (:func:`pipeline_loss`, installed as the model's ``loss_function``; at TP > 1 the
+vocabulary-parallel loss of :mod:`nxd_trainer.hf._loss`, switched to the same formula)
+counts ``N``:
+
+    L_r = (S / S_r) (1/N) Σ_{t ∈ r} ℓ_t,    N = #{t : labels_t ≠ ignore},  S / S_r = n,
+
+shapes and labels only, so the captured stage graph holds no constant of the CP degree.
+
 Attention: the parallelised attention forward (:mod:`nxd_trainer.hf._attention`) calls
 :func:`nxd_layers.context_parallel.ring_attention` or ``all_to_all_attention`` on this rank's
 queries and keys (the K/V heads, not repeated) when :func:`enable_context_parallel` marked it.
@@ -33,7 +45,10 @@ __all__ = [
     "ALGORITHMS",
     "check_context_parallel_model",
     "enable_context_parallel",
+    "pipeline_input_names",
+    "pipeline_loss",
     "split_context_parallel_inputs",
+    "split_pipeline_inputs",
 ]
 
 ALGORITHMS = ("ring", "all_to_all")
@@ -114,10 +129,13 @@ def check_context_parallel_model(model: nn.Module, config: Any) -> Any:
     return ParallelizersManager.parallelizer_for_model(model)
 
 
-def enable_context_parallel(model: nn.Module, parallelizer: Any, algorithm: str) -> None:
+def enable_context_parallel(
+    model: nn.Module, parallelizer: Any, algorithm: str, pipelined: bool = False
+) -> None:
     """Mark every attention module of ``model`` to attend over the whole sequence with
     ``algorithm``. At TP > 1 the parallelizer has swapped them already; at TP = 1 their class
-    becomes ``Parallel<Class>`` (the same module and parameters, the rebuilt forward)."""
+    becomes ``Parallel<Class>`` (the same module and parameters, the rebuilt forward).
+    ``pipelined`` (PP > 1): the model's loss becomes :func:`pipeline_loss`."""
     from nxd_trainer.hf._attention import ParallelAttentionMixin, parallel_attention_class
     from nxd_trainer.hf._swap import layout_for
 
@@ -138,6 +156,15 @@ def enable_context_parallel(model: nn.Module, parallelizer: Any, algorithm: str)
         attn._nxd_cp_algorithm = algorithm
     hf_config: Any = model.config  # transformers' config (nn.Module's __getattr__ is untyped)
     hf_config.use_cache = False  # a KV cache is refused by the context-parallel attention
+    if pipelined:
+        from nxd_trainer.hf._loss import ParallelCausalLMLoss
+
+        hf_model: Any = model  # transformers' PreTrainedModel: loss_function has a setter
+        loss = hf_model.loss_function
+        if isinstance(loss, ParallelCausalLMLoss):  # TP > 1: the logits are vocab-sharded
+            loss.context_parallel_pipeline = True
+        else:
+            hf_model.loss_function = pipeline_loss
 
 
 def check_right_padding(
@@ -245,3 +272,73 @@ def split_context_parallel_inputs(
         out["labels"] = out["shift_labels"] = local
         out["num_items_in_batch"] = count / cp
     return out
+
+
+# Pipeline parallelism -----------------------------------------------------------------------
+_PIPELINE_ADDED = ("position_ids", "shift_labels")
+
+
+def pipeline_input_names(names: list[str] | None) -> list[str]:
+    """The inputs a pipeline stage graph is captured with at CP x PP: ``names`` (from
+    ``pipeline_config["input_names"]``, which must hold ``labels``) without
+    ``attention_mask`` (dropped where exact, refused otherwise, before the pipeline), with
+    ``position_ids`` and ``shift_labels`` (see the module docstring)."""
+    names = list(names or ())
+    if "labels" not in names:
+        raise ValueError(
+            f"context parallelism with pipeline parallelism computes the loss in the last "
+            f"stage from the labels: pipeline_config['input_names'] must hold 'labels', got "
+            f"{names}"
+        )
+    kept = [n for n in names if n != "attention_mask"]
+    return [*kept, *(n for n in _PIPELINE_ADDED if n not in kept)]
+
+
+def split_pipeline_inputs(inputs: dict[str, Any], algorithm: str) -> dict[str, Any]:
+    """The pipeline's inputs for this CP rank (the module docstring): the PP = 1 split, then
+    ``labels`` replaced by the whole sequence's shifted labels and ``num_items_in_batch``
+    dropped (the last stage counts each micro-batch's targets itself)."""
+    if inputs.get("labels") is None and inputs.get("shift_labels") is None:
+        raise ValueError("context parallelism with pipeline parallelism needs the labels")
+    if inputs.get("num_items_in_batch") is not None:
+        raise ValueError(
+            "num_items_in_batch with context and pipeline parallelism: each micro-batch's "
+            "loss is its own token mean, counted in the last stage; leave it out"
+        )
+    ignore = int(inputs.get("ignore_index", -100))
+    shifted = inputs.get("shift_labels")
+    if shifted is None:
+        shifted = F.pad(inputs["labels"], (0, 1), value=ignore)[..., 1:]
+    out = split_context_parallel_inputs((), inputs, algorithm)
+    out.pop("num_items_in_batch")
+    out["labels"] = shifted
+    return out
+
+
+def pipeline_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    vocab_size: int,
+    shift_labels: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """This CP rank's loss of one micro-batch at PP > 1 (``transformers``' ``loss_function``
+    signature): ``L_r = (S / S_r) Σ_{t ∈ r} ℓ_t / N`` with ``logits`` and ``shift_labels``
+    this rank's ``S_r`` tokens and ``labels`` the whole sequence's ``S`` shifted labels, ``N``
+    its counted ones (see the module docstring); ``ℓ`` is cross-entropy in fp32, as
+    transformers' ``ForCausalLMLoss``."""
+    del kwargs
+    if shift_labels is None:
+        raise ValueError(
+            "context parallelism with pipeline parallelism: the last stage got no "
+            "shift_labels (this rank's slice of the shifted labels)"
+        )
+    total = F.cross_entropy(
+        logits.float().reshape(-1, vocab_size),
+        shift_labels.reshape(-1).to(logits.device),
+        ignore_index=ignore_index,
+        reduction="sum",
+    )
+    count = (labels != ignore_index).sum()
+    return total * (labels.shape[-1] / shift_labels.shape[-1]) / count

@@ -53,7 +53,10 @@ def prepare_hf_model(config: NxDConfig, model: nn.Module, info: ModelInfo) -> An
 
         parallelizer = check_context_parallel_model(model, config)
         plan = _prepare_tp(config, model, info)
-        enable_context_parallel(model, parallelizer, config.context_parallel_algorithm)
+        pipelined = config.pipeline_parallel_size > 1
+        enable_context_parallel(
+            model, parallelizer, config.context_parallel_algorithm, pipelined=pipelined
+        )
         return plan
     return _prepare_tp(config, model, info)
 

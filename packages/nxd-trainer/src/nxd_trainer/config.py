@@ -95,14 +95,18 @@ class NxDConfig:
     sharded over EP, TP inside each expert); a model built from ``nxd_layers.moe`` shards its
     experts itself. The optimizer averages expert gradients over the expert-DP group (with
     ZeRO-1, ``NeuronEPZero1Optimizer`` shards expert state over it); checkpoints hold every
-    expert and reshard across EP degrees. EP > 1 needs PP = 1, CP = 1 and no LoRA."""
+    expert and reshard across EP degrees. At PP > 1 each stage holds its layers' experts,
+    sharded over EP (the router's auxiliary loss, ``output_router_logits=True``, is refused
+    there: it sums over every stage's layers). EP > 1 needs CP = 1 and no LoRA."""
 
     context_parallel_size: int = 1
     """Newer NxD's context parallelism: every sequence split over ``context_parallel_size``
     ranks (the ``[PP, DP, CP, TP]`` layout), for a Hugging Face causal LM of a registered
     family (Llama, Mistral, Qwen2, Qwen3): ``NxDModel`` splits its inputs, positions and labels,
     its attention runs over the whole sequence, its loss is the whole sequence's mean, and the
-    optimizer wrapper averages gradients over DP x CP (LoRA adapters too). PP = 1."""
+    optimizer wrapper averages gradients over DP x CP (LoRA adapters too). At PP > 1 the
+    stages pass this rank's slice of the activations and each micro-batch's loss is its whole
+    sequence's mean (``pipeline_config["input_names"]`` must hold ``labels``)."""
 
     context_parallel_algorithm: str = "ring"
     """nxd: the context-parallel attention, ``"ring"`` (K/V blocks passed around the ring,
@@ -211,14 +215,7 @@ class NxDConfig:
                 f"pad_model=True is supported with pipeline_parallel_size=1 only (as in NxD), "
                 f"got pipeline_parallel_size={pp}"
             )
-        cp = self.context_parallel_size
         self._check_expert_parallel()
-        if cp > 1 and pp > 1:
-            raise ValueError(
-                f"context_parallel_size={cp} with pipeline_parallel_size={pp} is not supported "
-                f"yet: context parallelism runs at pipeline_parallel_size=1 (with any TP, DP, "
-                f"ZeRO-1, sequence parallelism)"
-            )
         init = self.model_init_config
         pipe = self.pipeline_config
         if (
@@ -247,6 +244,19 @@ class NxDConfig:
                 )
         if pp == 1:
             return
+        cp = self.context_parallel_size
+        if cp > 1 and self.sequence_parallel:
+            raise ValueError(
+                f"sequence_parallel=True with context_parallel_size={cp} and "
+                f"pipeline_parallel_size={pp} is not supported yet: the captured stages do not "
+                f"run the sequence-parallel attention on context-parallel slices (a shape "
+                f"error); set sequence_parallel=False (TP, ZeRO-1 and activation checkpointing "
+                f"work at CP x PP)"
+            )
+        if cp > 1 and pipe is not None:
+            from nxd_trainer._context_parallel import pipeline_input_names
+
+            pipeline_input_names(pipe.input_names)  # the loss needs the labels
         if pipe is None:
             raise ValueError(
                 f"pipeline_parallel_size={pp} needs pipeline_config (at least 'pipeline_cuts' "
@@ -273,21 +283,17 @@ class NxDConfig:
             )
 
     def _check_expert_parallel(self) -> None:
-        """EP > 1 runs at PP = 1, CP = 1, without LoRA (ZeRO-1 is nxd-optim's EP-aware
-        ``NeuronEPZero1Optimizer``)."""
+        """EP > 1 runs at CP = 1, without LoRA, at any TP, PP and DP (ZeRO-1 is nxd-optim's
+        EP-aware ``NeuronEPZero1Optimizer``)."""
         ep = self.expert_parallel_size
         if ep == 1:
             return
-        others = {
-            "pipeline_parallel_size": self.pipeline_parallel_size,
-            "context_parallel_size": self.context_parallel_size,
-        }
-        for name, value in others.items():
-            if value > 1:
-                raise ValueError(
-                    f"expert_parallel_size={ep} with {name}={value} is not supported yet: "
-                    f"expert parallelism runs with {name}=1 (any TP and DP)"
-                )
+        cp = self.context_parallel_size
+        if cp > 1:
+            raise ValueError(
+                f"expert_parallel_size={ep} with context_parallel_size={cp} is not supported "
+                f"yet: expert parallelism runs with context_parallel_size=1 (any TP, PP and DP)"
+            )
         if self.lora_enabled:
             raise ValueError(
                 f"lora_config with expert_parallel_size={ep} is not supported yet: LoRA runs "

@@ -146,7 +146,19 @@ class NxDModel(nn.Module):
         return pipe.output_loss_value_spec if pipe is not None else None
 
     def _pipeline_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-        names = list(self.module.input_names)
+        """The pipeline's keyword inputs: positional ``args`` matched to ``input_names``; at
+        context parallelism this CP rank's split (``_context_parallel.split_pipeline_inputs``)
+        of the whole sequences given by the user's ``input_names``."""
+        if self.cp_algorithm is not None:
+            from nxd_trainer._context_parallel import split_pipeline_inputs
+
+            pipe = self.trainer_config.pipeline_config
+            names = list(pipe.input_names or ()) if pipe is not None else []
+            return split_pipeline_inputs(self._named(args, kwargs, names), self.cp_algorithm)
+        return self._named(args, kwargs, list(self.module.input_names))
+
+    @staticmethod
+    def _named(args: tuple[Any, ...], kwargs: dict[str, Any], names: list[str]) -> dict[str, Any]:
         if len(args) > len(names):
             raise TypeError(
                 f"run_train got {len(args)} positional inputs but the pipeline takes "

@@ -133,6 +133,11 @@ def _pipeline_kwargs(
     pipeline_reduces = pipe.use_optimizer_wrapper is False and not (
         config.optimizer_config.zero_one_enabled
     )
+    names = list(pipe.input_names) if pipe.input_names else None
+    if config.context_parallel_size > 1:  # the inputs NxDModel hands over after its split
+        from nxd_trainer._context_parallel import pipeline_input_names
+
+        names = pipeline_input_names(names)
     return {
         "transformer_layer_cls": layer,
         "num_microbatches": pipe.num_microbatches,
@@ -140,7 +145,7 @@ def _pipeline_kwargs(
         "return_mb_loss": pipe.return_mb_loss,
         "broadcast_and_average_loss": pipe.broadcast_and_average_loss,
         "pipeline_cuts": list(pipe.pipeline_cuts) if pipe.pipeline_cuts else None,
-        "input_names": list(pipe.input_names) if pipe.input_names else None,
+        "input_names": names,
         "leaf_module_cls": list(leaves),
         "autowrap_functions": tuple(pipe.autowrap_functions or ()),
         "autowrap_modules": tuple(pipe.autowrap_modules or ()),

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 import nxd_state
+from nxd_trainer.hf._capture import capturing, stand_in
 
 __all__ = ["ParallelAttentionMixin", "parallel_attention_class"]
 
@@ -80,7 +81,10 @@ class ParallelAttentionMixin:
                     "context parallelism trains on whole sequences: a KV cache "
                     "(past_key_values, use_cache=True) is not supported"
                 )
-            out = self._nxd_context_parallel(q, k, v, algorithm)
+            if capturing():  # a pipeline's capture: this layer runs as a call (hf._capture)
+                out = stand_in(q).transpose(1, 2)
+            else:
+                out = self._nxd_context_parallel(q, k, v, algorithm)
             return getattr(self, self._nxd_o)(out.reshape(b, s, -1).contiguous()), None
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)  # type: ignore[attr-defined]

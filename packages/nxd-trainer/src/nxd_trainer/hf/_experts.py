@@ -46,6 +46,7 @@ from nxd_layers.mappings import (
 )
 from nxd_layers.moe import all_to_all_rows, plan_dispatch
 from nxd_state import collectives
+from nxd_trainer.hf._capture import capturing, stand_in
 from nxd_trainer.hf._rules import UnsupportedModelError, forward_signature
 from nxd_trainer.hf._sources import Source
 
@@ -120,6 +121,8 @@ class ExpertParallelExperts(nn.Module):
     ) -> torch.Tensor:
         """``out`` (T, H) for tokens ``hidden_states`` (T, H) routed to ``top_k_index`` (T, k)
         with ``top_k_weights`` (T, k) (see the module docstring)."""
+        if capturing():  # a pipeline's capture: this layer runs as a call (hf._capture)
+            return stand_in(hidden_states)
         x, weights = hidden_states, top_k_weights
         if self.tp > 1:  # each TP rank computes a partial sum: input gradients add up
             x = copy_to_tensor_model_parallel_region(x, self.tp_group)

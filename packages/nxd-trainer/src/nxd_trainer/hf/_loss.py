@@ -7,6 +7,12 @@ vocabulary (``ColumnParallelLinear`` without gather), and ``parallel_cross_entro
 the softmax's max, normaliser and target logit over TP as per-token scalars: the
 ``(B, S, V)`` logits are never gathered. Columns past the real vocabulary (padding to a
 multiple of TP) are set to ``-inf``, so they get probability 0 and no gradient.
+
+With context parallelism at PP > 1 (:attr:`ParallelCausalLMLoss.context_parallel_pipeline`,
+set by ``nxd_trainer._context_parallel.enable_context_parallel``) the loss is that module's
+``pipeline_loss`` on sharded logits: ``shift_labels`` holds this CP rank's ``S_r`` targets,
+``labels`` the whole sequence's ``S`` shifted ones, and ``L_r = (S/S_r) Σ_{t∈r} ℓ_t / N`` with
+``N`` the counted targets of ``labels``: its mean over CP is the micro-batch's token mean.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ class ParallelCausalLMLoss(nn.Module):
         # The vocabulary size as a buffer the forward reads: a module without tensors is left
         # out of the pipeline's torch.export graph, which must keep this one as a call.
         self.register_buffer("vocab_limit", torch.tensor(vocab_size), persistent=False)
+        self.context_parallel_pipeline = False
 
     def forward(
         self,
@@ -52,6 +59,18 @@ class ParallelCausalLMLoss(nn.Module):
         start = nxd_state.get_tensor_model_parallel_rank() * local
         columns = torch.arange(start, start + local, device=logits.device)
         logits = logits.masked_fill(columns >= self.vocab_limit, float("-inf"))  # padding
+        if self.context_parallel_pipeline:  # see the module docstring
+            if shift_labels is None:
+                raise ValueError(
+                    "context parallelism with pipeline parallelism: the last stage got no "
+                    "shift_labels (this rank's slice of the shifted labels)"
+                )
+            total = parallel_cross_entropy(
+                logits, shift_labels.to(logits.device).contiguous(), ignore_index=ignore_index,
+                reduction="sum",
+            )  # fmt: skip
+            count = (labels != ignore_index).sum()
+            return total * (labels.shape[-1] / shift_labels.shape[-1]) / count
         if shift_labels is None:
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         shift_labels = shift_labels.to(logits.device).contiguous()

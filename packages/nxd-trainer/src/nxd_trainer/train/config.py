@@ -218,7 +218,8 @@ class TrainConfig:
     cp: int = setting(
         1,
         """Context-parallel degree: every sequence split over ``cp`` ranks (attention over the
-        whole sequence by ``cp_algorithm``); ``pp`` = 1.""",
+        whole sequence by ``cp_algorithm``); with ``pp`` > 1 the stages pass each rank's
+        slice.""",
     )
 
     ep: int = setting(
@@ -226,9 +227,9 @@ class TrainConfig:
         """Expert-parallel degree: the experts of every MoE layer split over ``ep`` consecutive
         data-parallel ranks (``ep`` divides dp; the experts' gradients are averaged over the
         dp/ep ranks holding the same experts). A Mixtral, Qwen2-MoE or Qwen3-MoE model
-        (``--model tiny-moe``, or its config.json), ``pp`` = 1, ``cp`` = 1, without LoRA or
-        ``--compile``; ``--zero1`` shards expert state over the dp/ep ranks holding the same
-        experts.""",
+        (``--model tiny-moe``, or its config.json; with ``pp`` > 1 each stage holds its
+        layers' experts), ``cp`` = 1, without LoRA or ``--compile``; ``--zero1`` shards
+        expert state over the dp/ep ranks holding the same experts.""",
     )
 
     cp_algorithm: str = setting(
@@ -418,23 +419,26 @@ class TrainConfig:
                 f" tokens (seq_len {self.seq_len} / cp {self.cp}) over tp({self.tp}), which "
                 f"does not divide them"
             )
-        for name, bad in (("pp", self.pp > 1), ("compile", self.compile)):
-            if bad:
-                raise ConfigError(
-                    f"cp={self.cp} with {name}={getattr(self, name)!r} is not supported yet: "
-                    f"context parallelism runs at pp=1, without --compile"
-                )
+        if self.compile:
+            raise ConfigError(
+                f"cp={self.cp} with compile=True is not supported yet: context parallelism "
+                f"runs without --compile"
+            )
+        if self.pp > 1 and self.sequence_parallel:
+            raise ConfigError(
+                f"cp={self.cp} with pp={self.pp} and sequence_parallel is not supported yet: "
+                f"drop --sequence-parallel (tp, zero1 and activation checkpointing work)"
+            )
 
     def _check_expert_parallel(self) -> None:
         """What ``ep`` > 1 needs from the other settings (the experts: ``model.hf_config``;
         that ``ep`` divides dp: :meth:`check_world`)."""
-        limits = {"pp": self.pp > 1, "cp": self.cp > 1, "lora_rank": self.lora_rank > 0,
-                  "compile": self.compile}  # fmt: skip
+        limits = {"cp": self.cp > 1, "lora_rank": self.lora_rank > 0, "compile": self.compile}
         for name, bad in limits.items():
             if bad:
                 raise ConfigError(
                     f"ep={self.ep} with {name}={getattr(self, name)!r} is not supported yet: "
-                    f"expert parallelism runs at pp=1 and cp=1, without LoRA or --compile"
+                    f"expert parallelism runs at cp=1, without LoRA or --compile"
                 )
 
     @property
