@@ -70,8 +70,9 @@ def _sizes(
     pipeline_parallel_size: int,
     expert_parallel_size: int,
 ) -> tuple:
-    """(config dict or None, TP, PP, EP), read through nxd-trainer's validation: the config's
-    every rule, or without one, EP > 1 under the trainer's rules (PP = 1)."""
+    """(config dict or None, TP, PP, EP), read through nxd-trainer's validation (the config's
+    every rule), and what Lightning does not run yet refused: EP > 1 with PP > 1 (the trainer
+    API and nxd-train run it; this strategy's tests do not), CP > 1."""
     given = {
         "tensor_parallel_size": tensor_parallel_size,
         "pipeline_parallel_size": pipeline_parallel_size,
@@ -81,14 +82,7 @@ def _sizes(
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if nxd_config is None:
-        if expert_parallel_size > 1:  # the trainer's refusals (EP with PP > 1), by its message
-            from nxd_trainer import NxDConfig
-
-            NxDConfig(
-                tensor_parallel_size=tensor_parallel_size,
-                pipeline_parallel_size=pipeline_parallel_size,
-                expert_parallel_size=expert_parallel_size,
-            )
+        _refuse_expert_with_pipeline(expert_parallel_size, pipeline_parallel_size)
         return None, tensor_parallel_size, pipeline_parallel_size, expert_parallel_size
     from nxd_trainer import NxDConfig
 
@@ -105,8 +99,18 @@ def _sizes(
             f"has no context parallelism yet (its groups and sampler are [PP, DP, TP]); expected "
             f"context_parallel_size=1 (the trainer API and nxd-train --cp run it)"
         )
+    _refuse_expert_with_pipeline(config.expert_parallel_size, config.pipeline_parallel_size)
     sizes = (config.tensor_parallel_size, config.pipeline_parallel_size)
     return config.to_nxd(), *sizes, config.expert_parallel_size
+
+
+def _refuse_expert_with_pipeline(ep: int, pp: int) -> None:
+    if ep > 1 and pp > 1:
+        raise ValueError(
+            f"expert_parallel_size={ep} with pipeline_parallel_size={pp} is not supported by "
+            f"NxDStrategy yet: Lightning runs expert parallelism at pipeline_parallel_size=1 "
+            f"(the trainer API and nxd-train --ep --pp run both)"
+        )
 
 
 def _clip_over_the_whole_model(plugin: Any) -> None:
