@@ -50,7 +50,11 @@ def test_flags_override_toml_override_defaults(tmp_path: Path) -> None:
         ({"ep": 2, "cp": 2}, "ep=2 with cp=2 is not supported yet"),
         (
             {"tp": 2, "cp": 2, "pp": 2, "sequence_parallel": True, "seq_len": 64},
-            "cp=2 with pp=2 and sequence_parallel is not supported yet",
+            "sequence_parallel with pp=2 is not supported yet",
+        ),
+        (
+            {"tp": 2, "pp": 2, "sequence_parallel": True},
+            "sequence_parallel with pp=2 is not supported yet",
         ),
         ({"microbatches": 2}, "microbatches=2 needs pp > 1"),
         ({"nnodes": 2}, "nnodes=2 needs rdzv_endpoint"),

@@ -35,6 +35,7 @@ from typing import Any
 from torch import nn
 
 __all__ = [
+    "SP_WITH_PP",
     "BlockPlan",
     "ModelPlan",
     "UnsupportedModelError",
@@ -58,6 +59,15 @@ _GLOBAL_SIZES = re.compile(
     r"hidden_size|all_head_size|embed_dim)\b"
 )
 _LOGIT_REDUCTIONS = re.compile(r"logits[^\n]*\b(softmax|log_softmax|argmax|topk|logsumexp)\b")
+
+SP_WITH_PP = (
+    "sequence parallelism with pipeline_parallel_size={pp} on a Hugging Face {model} is not "
+    "supported yet: the captured stages derive the rotary positions from the sequence-split "
+    "activations, so the attention's shapes disagree at the first step; turn sequence "
+    "parallelism off (TP, PP, DP, ZeRO-1, CP and activation checkpointing work at PP > 1)"
+)
+"""One line for every entry point (parallelizer, trainer API, nxd-train): refused up front,
+before any weight is built, instead of a shape error inside the first pipeline step."""
 
 
 class UnsupportedModelError(NotImplementedError):

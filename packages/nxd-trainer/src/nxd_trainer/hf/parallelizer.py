@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 import nxd_state
-from nxd_trainer.hf._rules import inspect_fast_path
+from nxd_trainer.hf._rules import SP_WITH_PP, inspect_fast_path
 from nxd_trainer.hf._sources import HF_INDEX_NAME, HF_WEIGHTS_NAME, FolderStore
 from nxd_trainer.hf._swap import GQA_NAME, Layout, Plan, layout_for, make_meta, swap_layers
 from nxd_trainer.hf.spec import ModelSpec
@@ -202,6 +202,8 @@ class Parallelizer:
         if sequence_parallel_enabled and not cls.spec.supports_sequence_parallel:
             raise ValueError(f"{cls.spec.model_type} does not support sequence parallelism")
         pp = state.pipeline_parallel_size
+        if pp > 1 and sequence_parallel_enabled:
+            raise NotImplementedError(SP_WITH_PP.format(pp=pp, model=type(model).__name__))
         if pp > 1:
             cls._check_pipeline(model, pipeline_parallel_input_names)
             if pipeline_parallel_gradient_checkpointing_enabled:

@@ -389,6 +389,13 @@ class TrainConfig:
             )
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("sequence_parallel needs tp > 1 (it splits the sequence over TP)")
+        if self.sequence_parallel and self.pp > 1:
+            raise ConfigError(
+                f"sequence_parallel with pp={self.pp} is not supported yet: the captured "
+                f"stages derive the rotary positions from the sequence-split activations (a "
+                f"shape error at the first step); drop --sequence-parallel (tp, pp, dp, zero1, "
+                f"cp and activation checkpointing work)"
+            )
         if self.pp > 1 and self.lora_rank > 0:
             raise ConfigError(f"LoRA (lora_rank={self.lora_rank}) needs pp=1, got pp={self.pp}")
         if self.pp == 1 and self.microbatches > 1:
@@ -423,11 +430,6 @@ class TrainConfig:
             raise ConfigError(
                 f"cp={self.cp} with compile=True is not supported yet: context parallelism "
                 f"runs without --compile"
-            )
-        if self.pp > 1 and self.sequence_parallel:
-            raise ConfigError(
-                f"cp={self.cp} with pp={self.pp} and sequence_parallel is not supported yet: "
-                f"drop --sequence-parallel (tp, zero1 and activation checkpointing work)"
             )
 
     def _check_expert_parallel(self) -> None:
