@@ -103,10 +103,10 @@ CASES: list[tuple[str, Callable[[str], Any], type[BaseException], tuple[str, ...
         ("'2'", "positive integer"),
     ),
     (
-        "cfg-ep-pp",
-        lambda d: _cfg(expert_parallel_size=2, pipeline_parallel_size=2),
+        "cfg-ep-cp",
+        lambda d: _cfg(expert_parallel_size=2, context_parallel_size=2),
         ValueError,
-        ("expert_parallel_size=2", "pipeline_parallel_size"),
+        ("expert_parallel_size=2", "context_parallel_size=2"),
     ),
     # config keys and values
     (
