@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import pytest
 import torch
 
 from nxd_state.testing import run_distributed
@@ -197,24 +196,3 @@ def test_bad_inputs_raise_on_every_rank() -> None:
         assert "torch.optim.Optimizer subclass" in out["optimizer class"][1]
         assert out["config for other degrees"][0] == "ValueError"
         assert "tensor_parallel_size=2" in out["config for other degrees"][1]
-
-
-def test_hf_sequence_parallel_at_pp_is_refused_before_the_model_changes() -> None:
-    """TP2 x PP2 with sequence parallelism on a Hugging Face model: one clear line from the
-    trainer API, before any layer is swapped (it used to end in a shape error inside the first
-    pipeline step: the captured stages take the rotary positions from the split activations)."""
-    from nxd_trainer import NxDConfig
-    from nxd_trainer._hf_auto import prepare_hf_model
-    from nxd_trainer._model_info import ModelInfo
-
-    config = NxDConfig(
-        tensor_parallel_size=2,
-        pipeline_parallel_size=2,
-        sequence_parallel=True,
-        pipeline_config={"pipeline_cuts": ["model.layers.0"], "input_names": ["input_ids"]},
-    )
-    model = _tiny_llama()
-    before = {name: type(module) for name, module in model.named_modules()}
-    with pytest.raises(ValueError, match=r"^sequence parallelism with pipeline_parallel_size=2 "):
-        prepare_hf_model(config, model, ModelInfo.of(model))
-    assert {name: type(module) for name, module in model.named_modules()} == before

@@ -39,8 +39,10 @@ def _train_reference(model: torch.nn.Module) -> dict[str, Any]:
     return {"losses": losses, "params": {n: p.detach() for n, p in model.named_parameters()}}
 
 
-def train_pipelined(families: list[str]) -> dict[str, Any]:
+def train_pipelined(families: list[str], sp: bool, checkpointing: bool) -> dict[str, Any]:
     import nxd_state
+    from nxd_layers import allreduce_sequence_parallel_gradients
+    from nxd_trainer.activation_checkpoint import is_checkpointed
     from nxd_trainer.hf import ParallelizersManager
 
     nxd_state.initialize_model_parallel(
@@ -55,12 +57,16 @@ def train_pipelined(families: list[str]) -> dict[str, Any]:
             copy.deepcopy(reference),
             pipeline_parallel_input_names=["input_ids", "labels"],
             pipeline_parallel_num_microbatches=2,
+            sequence_parallel_enabled=sp,
+            pipeline_parallel_gradient_checkpointing_enabled=checkpointing,
         )
+        recomputed = [n for n, m in model.local_named_modules() if is_checkpointed(m)]
         optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
         losses = []
         for step in range(STEPS):
             ids = H.batch(seed=10 + step)
             loss = model.run_train(input_ids=ids, labels=ids)
+            allreduce_sequence_parallel_gradients(list(model.parameters()))  # NxDOptimizer's
             optimizer.step()
             optimizer.zero_grad()
             losses.append(None if loss is None else float(loss))
@@ -70,27 +76,43 @@ def train_pipelined(families: list[str]) -> dict[str, Any]:
             if cfg.tie_word_embeddings and hf_name == "lm_head.weight":  # the last stage's copy
                 hf_name = "model.embed_tokens.weight"
             params.setdefault(hf_name, []).append(H.full(param, param.detach(), name, cfg))
-        out[family] = {"losses": losses, "params": params, "expected": _train_reference(reference)}
+        out[family] = {
+            "losses": losses,
+            "params": params,
+            "recomputed": recomputed,
+            "expected": _train_reference(reference),
+        }
     return out
 
 
 @pytest.mark.parametrize(
-    "families",
+    ("families", "sp", "checkpointing"),
     [
-        pytest.param(["llama", "qwen2"], id="llama-qwen2"),
-        pytest.param(["mistral", "qwen3"], id="mistral-qwen3", marks=pytest.mark.slow),
+        pytest.param(["llama", "qwen2"], False, False, id="llama-qwen2"),
+        pytest.param(["qwen2"], True, True, id="qwen2-sp-checkpointing"),
+        pytest.param(
+            ["mistral", "qwen3"], False, False, id="mistral-qwen3", marks=pytest.mark.slow
+        ),
+        pytest.param(["llama", "mistral", "qwen3"], True, False, id="sp", marks=pytest.mark.slow),
+        pytest.param(["llama"], False, True, id="checkpointing", marks=pytest.mark.slow),
     ],
 )
-def test_trains_at_tp2_pp2_like_one_process(families: list[str]) -> None:
+def test_trains_at_tp2_pp2_like_one_process(
+    families: list[str], sp: bool, checkpointing: bool
+) -> None:
     """Llama, and Qwen2 with its embedding tied to the head across the first and last
-    stage; Mistral (KV heads replicated) and Qwen3 (Q/K norms) under ``-m slow``."""
+    stage; Mistral (KV heads replicated) and Qwen3 (Q/K norms) under ``-m slow``. With
+    sequence parallelism (``sp``): the activations sent between stages are this rank's
+    slice of the sequence; the first stage's graph splits it, the last stage's head gathers
+    it. ``checkpointing``: every local decoder layer recomputed in backward
+    (``pipeline_parallel_gradient_checkpointing_enabled``)."""
     if not H.pipeline_capture_works():  # see _hf.PIPELINE_FIRST_GOOD_TRANSFORMERS
         from nxd_pipeline import PipelineTraceError
 
         with pytest.raises(PipelineTraceError, match=r"tensor constant .* on the meta device"):
-            run_distributed(train_pipelined, 4, families)
+            run_distributed(train_pipelined, 4, families, sp, checkpointing)
         return
-    results = run_distributed(train_pipelined, 4, families)
+    results = run_distributed(train_pipelined, 4, families, sp, checkpointing)
     for family in families:
         expected = results[0][family]["expected"]
         covered = set()
@@ -111,3 +133,5 @@ def test_trains_at_tp2_pp2_like_one_process(families: list[str]) -> None:
                 covered.add(name)
         assert covered == set(expected["params"]), (family, set(expected["params"]) - covered)
         assert any(r[family]["losses"][0] is not None for r in results)
+        for result in results:  # each rank's one decoder layer (2 layers, 2 stages)
+            assert len(result[family]["recomputed"]) == (1 if checkpointing else 0), result

@@ -1,7 +1,8 @@
 """``initialize_parallel_model(cfg, lambda: LlamaForCausalLM.from_pretrained(folder))`` at
 TP > 1 parallelises the Hugging Face model by itself: the sample's loop (AdamW through
 ``initialize_parallel_optimizer``, clipping at 0.5) at TP=2 with sequence parallelism, with
-the model loaded eagerly or under ``lazy_load_for_parallelism``, and at TP=2 x PP=2, follows
+the model loaded eagerly or under ``lazy_load_for_parallelism``, and at TP=2 x PP=2 (with and
+without sequence parallelism), follows
 the one-process run of the unmodified model; ``parallelize_hf_models=False`` leaves the model
 as returned (replicated on the TP ranks, no parallel layer).
 
@@ -141,9 +142,11 @@ def test_trainer_parallelizes_hf_models_at_tp2_sp(folder: Path) -> None:
             assert _check(result[case], expected) == set(expected["params"]), case
 
 
-def test_trainer_parallelizes_hf_models_at_tp2_pp2(folder: Path) -> None:
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
+def test_trainer_parallelizes_hf_models_at_tp2_pp2(folder: Path, sp: bool) -> None:
+    """``sp``: sequence parallelism across the stages too (each rank sends its slice)."""
     expected = _reference(folder)
-    results = run_distributed(sample, 4, str(folder), 2, False, True)
+    results = run_distributed(sample, 4, str(folder), 2, sp, True)
     covered: set[str] = set()
     for result in results:
         assert result["parallel"]

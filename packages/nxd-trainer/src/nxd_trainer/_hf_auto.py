@@ -96,11 +96,6 @@ def _prepare_tp(config: NxDConfig, model: nn.Module, info: ModelInfo) -> Any:
             f"for {model_type!r}, so nxd does not know where to cut its stages; {instead}"
         )
 
-    if config.pipeline_parallel_size > 1 and config.sequence_parallel:
-        from nxd_trainer.hf._rules import SP_WITH_PP
-
-        pp = config.pipeline_parallel_size
-        raise ValueError(SP_WITH_PP.format(pp=pp, model=info.class_name))
     if config.pad_model:
         raise ValueError(
             "pad_model with a Hugging Face model that nxd parallelises: its heads must divide "

@@ -185,7 +185,10 @@ def _build_local(
 
             leaves = plan.leaves if plan is not None else None
             kwargs_pp = _pipeline_kwargs(config, model, info, init, device, leaves)
-            return NxDPPModel(model, **kwargs_pp), model, info
+            pipelined = NxDPPModel(model, **kwargs_pp)
+            for hook in plan.sequence_hooks if plan is not None else ():
+                hook.remove()  # recorded into the stage graphs (hf._swap.Plan.sequence_hooks)
+            return pipelined, model, info
         if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):
             if init is None:
                 raise ValueError(

@@ -35,7 +35,6 @@ from typing import Any
 from torch import nn
 
 __all__ = [
-    "SP_WITH_PP",
     "BlockPlan",
     "ModelPlan",
     "UnsupportedModelError",
@@ -59,15 +58,6 @@ _GLOBAL_SIZES = re.compile(
     r"hidden_size|all_head_size|embed_dim)\b"
 )
 _LOGIT_REDUCTIONS = re.compile(r"logits[^\n]*\b(softmax|log_softmax|argmax|topk|logsumexp)\b")
-
-SP_WITH_PP = (
-    "sequence parallelism with pipeline_parallel_size={pp} on a Hugging Face {model} is not "
-    "supported yet: the captured stages derive the rotary positions from the sequence-split "
-    "activations, so the attention's shapes disagree at the first step; turn sequence "
-    "parallelism off (TP, PP, DP, ZeRO-1, CP and activation checkpointing work at PP > 1)"
-)
-"""One line for every entry point (parallelizer, trainer API, nxd-train): refused up front,
-before any weight is built, instead of a shape error inside the first pipeline step."""
 
 
 class UnsupportedModelError(NotImplementedError):
@@ -239,7 +229,14 @@ def _check_block(model: nn.Module, family: str, block: BlockPlan, tp: int) -> No
             f"{block.path} ({type(module).__name__}) holds parameters {own} of its own inside a "
             f"sharded block, which the mapping does not split with the heads",
         )
-    head_dim = _head_dim(model.config)
+    _check_unplaced_children(module, family, block, _head_dim(model.config))
+
+
+def _check_unplaced_children(
+    module: nn.Module, family: str, block: BlockPlan, head_dim: int | None
+) -> None:
+    """A sharded block's children the plan does not split hold per-head weights only (q/k
+    norms: one head's size, their gradients summed over TP); anything else is refused."""
     placed = {*block.columns, *block.rows}
     for name, sub in module.named_children():
         if name in placed or not any(True for _ in sub.parameters()):

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 import nxd_state
 from nxd_layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear
@@ -118,9 +119,27 @@ class Plan:
     """id(module) -> its name in the parallelised model (set by :meth:`index`)."""
     leaves: list[type] = field(default_factory=list)
     """Module classes a pipeline capture must keep as calls (set for PP > 1)."""
+    sequence_hooks: list[RemovableHandle] = field(default_factory=list)
+    """The sequence-parallel hooks (scatter before the first decoder layer, gather before a
+    replicated head). A pipeline's capture records what they do into its stage graphs, which
+    then call the hooked modules: the hooks are removed after the capture (else they would
+    apply twice, splitting the sequence again inside the first layer)."""
 
     def index(self, model: nn.Module) -> None:
         self.names = {id(m): name for name, m in model.named_modules()}
+
+    def keep_unswapped(self, model: nn.Module) -> None:
+        """Every tensor of the swapped ``model`` without a source yet is kept as it is (its
+        whole original tensor), the new modules' buffers (the loss's) included; then index
+        the modules."""
+        buffers = dict(model.named_buffers(remove_duplicate=False))
+        for name, buffer in buffers.items():
+            if name not in self.memory.tensors and not buffer.is_meta:
+                self.memory.tensors[name] = buffer
+        for name, _ in [*model.named_parameters(remove_duplicate=False), *buffers.items()]:
+            if name not in self.sources:
+                self.sources[name] = Source(name, memory=name in buffers)
+        self.index(model)
 
     @torch.no_grad()
     def fill(self, module: nn.Module, *, buffers_only: bool = False) -> list[str]:
@@ -486,6 +505,23 @@ def _gather_sequence(module: nn.Module, args: tuple) -> tuple:
     return (gather_from_sequence_parallel_region(args[0], 1, to_model_parallel=False), *args[1:])
 
 
+def _split_sequence(
+    model: nn.Module, spec: ModelSpec, plan: Plan, first_layer: nn.Module, *, gather_for_head: bool
+) -> None:
+    """Sequence parallelism around the decoder stack: the sequence split before the first
+    layer, the final norm's weights marked (their gradients summed over TP) and, before a
+    replicated head (``gather_for_head``), the sequence gathered back. The hooks are kept in
+    ``plan.sequence_hooks`` (see there)."""
+    from nxd_layers import mark_sequence_parallel_parameter
+
+    for param in model.get_submodule(spec.final_norm).parameters():
+        mark_sequence_parallel_parameter(param)
+    plan.sequence_hooks.append(first_layer.register_forward_pre_hook(_scatter_sequence))
+    if gather_for_head:
+        head = model.get_submodule(spec.lm_head)
+        plan.sequence_hooks.append(head.register_forward_pre_hook(_gather_sequence))
+
+
 def swap_layers(
     model: nn.Module,
     spec: ModelSpec,
@@ -509,7 +545,6 @@ def swap_layers(
     layers (the family's own attention forward is kept). ``gather_output``: full-vocabulary
     logits from the LM head (and the family's own loss on them).
     """
-    from nxd_layers import mark_sequence_parallel_parameter
 
     plan = Plan()
     originals = {
@@ -531,19 +566,8 @@ def swap_layers(
     if parallelize_embeddings and swap:
         swapper.embeddings(gather_output)
     if sequence_parallel:
-        for param in model.get_submodule(spec.final_norm).parameters():
-            mark_sequence_parallel_parameter(param)
-        layers[0].register_forward_pre_hook(_scatter_sequence)
-        if not parallelize_embeddings:
-            model.get_submodule(spec.lm_head).register_forward_pre_hook(_gather_sequence)
-    buffers = dict(model.named_buffers(remove_duplicate=False))
-    for name, buffer in buffers.items():  # buffers of new modules (the loss's)
-        if name not in plan.memory.tensors and not buffer.is_meta:
-            plan.memory.tensors[name] = buffer
-    for name, _ in [*model.named_parameters(remove_duplicate=False), *buffers.items()]:
-        if name not in plan.sources:  # kept as is: the whole original tensor
-            plan.sources[name] = Source(name, memory=name in buffers)
-    plan.index(model)
+        _split_sequence(model, spec, plan, layers[0], gather_for_head=not parallelize_embeddings)
+    plan.keep_unswapped(model)
     logger.info(
         "parallelised %s for TP=%d: %d local heads, %d local KV heads (multiplier %d)%s",
         type(model).__name__,

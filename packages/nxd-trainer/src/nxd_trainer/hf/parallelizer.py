@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 import nxd_state
-from nxd_trainer.hf._rules import SP_WITH_PP, inspect_fast_path
+from nxd_trainer.hf._rules import inspect_fast_path
 from nxd_trainer.hf._sources import HF_INDEX_NAME, HF_WEIGHTS_NAME, FolderStore
 from nxd_trainer.hf._swap import GQA_NAME, Layout, Plan, layout_for, make_meta, swap_layers
 from nxd_trainer.hf.spec import ModelSpec
@@ -49,6 +49,14 @@ def _decoder_stack(model: nn.Module, path: str) -> nn.ModuleList | nn.Sequential
 
 def _is_hf_folder(path: Path) -> bool:
     return (path / HF_WEIGHTS_NAME).is_file() or (path / HF_INDEX_NAME).is_file()
+
+
+def _release_plan(model: nn.Module) -> None:
+    """Drop the swap's plan from ``model``, and with it the references to the original full
+    tensors it read from."""
+    plan = model.__dict__.pop("_nxd_plan", None)
+    if plan is not None:
+        plan.memory.tensors.clear()
 
 
 def _local_ranks_per_step(value: Any) -> int:
@@ -182,39 +190,25 @@ class Parallelizer:
         loss runs on them) instead of staying vocabulary-sharded for the parallel loss.
         A model this parallelizer would not reproduce exactly is refused first
         (:meth:`inspect`)."""
-        from nxd_trainer._materialize import build_in_waves, materialize_meta_module
+        from nxd_trainer._materialize import build_in_waves
 
-        if not nxd_state.model_parallel_is_initialized():
-            raise RuntimeError(
-                "model parallelism is not initialised: call nxd_state.initialize_model_parallel"
-                "(tensor_model_parallel_size=..., pipeline_model_parallel_size=...) first"
-            )
-        state = nxd_state.get_parallel_state()
-        cls.check_model(model)
-        if not isinstance(gather_output, bool):
-            raise TypeError(f"gather_output must be a bool, got {gather_output!r}")
-        cls.inspect(model, sequence_parallel=sequence_parallel_enabled, gather_output=gather_output)
-        if fuse_qkv is not None and not isinstance(fuse_qkv, bool):
-            raise TypeError(f"fuse_qkv must be a bool or None, got {fuse_qkv!r}")
-        cls.layout(model.config, state.tensor_parallel_size, kv_size_multiplier)
-        if sequence_parallel_enabled and state.tensor_parallel_size == 1:
-            raise ValueError("sequence_parallel_enabled=True needs tensor_parallel_size > 1")
-        if sequence_parallel_enabled and not cls.spec.supports_sequence_parallel:
-            raise ValueError(f"{cls.spec.model_type} does not support sequence parallelism")
-        pp = state.pipeline_parallel_size
-        if pp > 1 and sequence_parallel_enabled:
-            raise NotImplementedError(SP_WITH_PP.format(pp=pp, model=type(model).__name__))
-        if pp > 1:
-            cls._check_pipeline(model, pipeline_parallel_input_names)
-            if pipeline_parallel_gradient_checkpointing_enabled:
-                raise NotImplementedError(
-                    "pipeline_parallel_gradient_checkpointing_enabled: the torch.export "
-                    "capture of Hugging Face models (tracer_cls='hf') inlines the decoder "
-                    "layers' internals, so they cannot be recomputed; not supported yet"
-                )
+        cls._check_arguments(
+            model,
+            sequence_parallel_enabled=sequence_parallel_enabled,
+            kv_size_multiplier=kv_size_multiplier,
+            fuse_qkv=fuse_qkv,
+            gather_output=gather_output,
+            pipeline_input_names=pipeline_parallel_input_names,
+        )
         factor = _local_ranks_per_step(num_local_ranks_per_step)
         device = torch.device(device) if device is not None else nxd_state.current_device()
         folder, sharded = cls._weights_source(model, checkpoint_dir)
+        pipeline = {
+            "input_names": pipeline_parallel_input_names,
+            "num_microbatches": pipeline_parallel_num_microbatches,
+            "use_zero1_optimizer": pipeline_parallel_use_zero1_optimizer,
+            "gradient_checkpointing": pipeline_parallel_gradient_checkpointing_enabled,
+        }
 
         def build() -> nn.Module:
             cls._parallelize(
@@ -226,37 +220,78 @@ class Parallelizer:
                 gather_output=gather_output,
             )
             plan: Plan = model.__dict__["_nxd_plan"]
-            plan.folder = FolderStore(folder) if folder is not None else None
-            plan.deferred = sharded is not None
-            if plan.folder is not None or plan.deferred:
-                make_meta(model, buffers=False)  # values from the folder / the checkpoint
-            if pp == 1:
-                materialize_meta_module(model, device, plan.init_fn())
-                return nxd_state.move_model_to_device(model, device)
-            make_meta(model, buffers=True)
-            return cls._pipeline(
-                model,
-                plan,
-                device,
-                pipeline_parallel_input_names,
-                pipeline_parallel_num_microbatches,
-                pipeline_parallel_use_zero1_optimizer,
-            )
+            return cls._fill(model, plan, device, folder, sharded is not None, pipeline)
 
         try:
             parallel = build_in_waves(factor, build, device)
         finally:
-            plan = model.__dict__.get("_nxd_plan")
-            if plan is not None:  # drop the references to the original full tensors
-                plan.memory.tensors.clear()
-                del model._nxd_plan
-        if sharded is not None:
+            _release_plan(model)
+        if sharded is not None:  # step 4's values from an nxd-ckpt checkpoint
             import nxd_ckpt
 
             nxd_ckpt.load_checkpoint(
                 sharded, model=parallel, num_workers=min(factor, 32), load_rng=False
             )
         return parallel
+
+    @classmethod
+    def _check_arguments(
+        cls,
+        model: nn.Module,
+        *,
+        sequence_parallel_enabled: bool,
+        kv_size_multiplier: int | None,
+        fuse_qkv: bool | None,
+        gather_output: bool,
+        pipeline_input_names: Any,
+    ) -> None:
+        """Step 1 of :meth:`parallelize`: everything checkable before any change, on every
+        rank (a model it would not reproduce exactly: :meth:`inspect`'s error)."""
+        if not nxd_state.model_parallel_is_initialized():
+            raise RuntimeError(
+                "model parallelism is not initialised: call nxd_state.initialize_model_parallel"
+                "(tensor_model_parallel_size=..., pipeline_model_parallel_size=...) first"
+            )
+        tp = nxd_state.get_tensor_model_parallel_size()
+        cls.check_model(model)
+        if not isinstance(gather_output, bool):
+            raise TypeError(f"gather_output must be a bool, got {gather_output!r}")
+        cls.inspect(model, sequence_parallel=sequence_parallel_enabled, gather_output=gather_output)
+        if fuse_qkv is not None and not isinstance(fuse_qkv, bool):
+            raise TypeError(f"fuse_qkv must be a bool or None, got {fuse_qkv!r}")
+        cls.layout(model.config, tp, kv_size_multiplier)
+        if sequence_parallel_enabled and tp == 1:
+            raise ValueError("sequence_parallel_enabled=True needs tensor_parallel_size > 1")
+        if sequence_parallel_enabled and not cls.spec.supports_sequence_parallel:
+            raise ValueError(f"{cls.spec.model_type} does not support sequence parallelism")
+        if nxd_state.get_pipeline_model_parallel_size() > 1:
+            cls._check_pipeline(model, pipeline_input_names)
+
+    @classmethod
+    def _fill(
+        cls,
+        model: nn.Module,
+        plan: Plan,
+        device: torch.device,
+        folder: Path | None,
+        deferred: bool,
+        pipeline: dict[str, Any],
+    ) -> nn.Module:
+        """Steps 3-4 of :meth:`parallelize` for the swapped ``model``: its tensors allocated on
+        ``device`` and filled from ``plan``'s sources (a folder, or later a checkpoint when
+        ``deferred``), at PP > 1 by the pipeline as it builds this rank's stages
+        (``pipeline``: :meth:`_pipeline`'s keywords)."""
+        from nxd_trainer._materialize import materialize_meta_module
+
+        plan.folder = FolderStore(folder) if folder is not None else None
+        plan.deferred = deferred
+        if plan.folder is not None or plan.deferred:
+            make_meta(model, buffers=False)  # values from the folder / the checkpoint
+        if nxd_state.get_pipeline_model_parallel_size() == 1:
+            materialize_meta_module(model, device, plan.init_fn())
+            return nxd_state.move_model_to_device(model, device)
+        make_meta(model, buffers=True)
+        return cls._pipeline(model, plan, device, **pipeline)
 
     @classmethod
     def _weights_source(
@@ -322,10 +357,14 @@ class Parallelizer:
         input_names: Any,
         num_microbatches: int,
         use_zero1_optimizer: bool,
+        gradient_checkpointing: bool,
     ) -> nn.Module:
+        """This rank's stages of ``model``, cut evenly after decoder layers; each decoder
+        layer is a module call in its stage's graph, so ``gradient_checkpointing`` recomputes
+        the local layers' forward in backward (their activations are not kept)."""
         from nxd_pipeline import NxDPPModel
 
-        return NxDPPModel(
+        pipelined = NxDPPModel(
             model,
             num_microbatches=num_microbatches,
             input_names=list(input_names),
@@ -336,6 +375,16 @@ class Parallelizer:
             use_zero1_optimizer=use_zero1_optimizer,
             device=device,
         )
+        for hook in plan.sequence_hooks:  # now in the stage graphs (see Plan.sequence_hooks)
+            hook.remove()
+        if gradient_checkpointing:
+            from nxd_trainer.activation_checkpoint import apply_activation_checkpointing
+
+            layer = type(_decoder_stack(model, cls.spec.layers)[0])
+            apply_activation_checkpointing(pipelined.local_named_modules(), (layer,))
+            config: Any = model.config  # a recomputed layer would append to a cache twice
+            config.use_cache = False
+        return pipelined
 
     # Optimizer -------------------------------------------------------------------------------
     @classmethod
