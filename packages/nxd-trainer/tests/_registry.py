@@ -13,6 +13,9 @@ A family's outcome is one of:
 - ``mismatch`` / ``error``: what must never happen (a silent wrong result, or another
   exception while parallelising or running).
 
+Each family at parity is checked again with sequence parallelism (a second outcome of the
+same kinds; ``n/a`` for the others).
+
 Weights are drawn so every piece counts (matrices ``N(0, 1/fan_in)``, norm weights around 1,
 biases ``N(0, 0.1)``): at transformers' init (std 0.02) an embedding scale or a soft-cap
 changes the logits by less than the tolerance.
@@ -132,8 +135,61 @@ def _run(model: torch.nn.Module, ids: torch.Tensor) -> Any:
     return out
 
 
-def check_family(model_type: str) -> tuple[str, str]:
-    """(outcome, detail) of one family on this rank (see the module docstring)."""
+def _compare(
+    parallel: torch.nn.Module, parallelizer: Any, out: Any, reference: Any, ref_grads: dict
+) -> None:
+    """Logits, loss and every parameter's gradient (gathered over TP) against the unsharded
+    model's; AssertionError naming the first difference."""
+    cfg = parallel.config
+    logits = H.full_logits(out.logits.detach(), cfg.vocab_size)
+    torch.testing.assert_close(logits, reference.logits.detach(), **OUT_TOL)
+    torch.testing.assert_close(out.loss.detach(), reference.loss.detach(), **OUT_TOL)
+    for name, param in parallel.named_parameters():
+        hf = parallelizer.hf_name(name)
+        if param.grad is None or hf not in ref_grads:
+            assert param.grad is None, f"{name}: a gradient the unsharded model lacks"
+            assert hf not in ref_grads, f"{name}: no gradient, the unsharded model has one"
+            continue
+        grad = H.full(param, param.grad, name, cfg)
+        torch.testing.assert_close(
+            grad, ref_grads[hf], **GRAD_TOL, msg=lambda m, n=name: f"{n}: {m}"
+        )
+
+
+def _parallel_outcome(
+    model_type: str, ids: torch.Tensor, reference: Any, ref_grads: dict, sp: bool
+) -> tuple[str, str]:
+    """Parallelise a fresh copy of the family at TP=2 (``sp``: with sequence parallelism,
+    gradients of the norms on the split sequence summed over TP as NxDOptimizer does) and
+    compare it with the unsharded run."""
+    from nxd_layers import allreduce_sequence_parallel_gradients
+    from nxd_trainer.hf import ParallelizersManager, UnsupportedModelError
+
+    model = build(model_type)
+    parallelizer = ParallelizersManager.parallelizer_for_model(model)
+    try:
+        parallel = parallelizer.parallelize(
+            model, device=torch.device("cpu"), sequence_parallel_enabled=sp
+        )
+    except UnsupportedModelError as error:
+        return "refused", str(error)
+    except Exception:
+        return "error", traceback.format_exc(limit=6)
+    try:
+        out = _run(parallel, ids)
+        allreduce_sequence_parallel_gradients(list(parallel.parameters()))
+        _compare(parallel, parallelizer, out, reference, ref_grads)
+    except AssertionError as error:
+        return "mismatch", str(error)[:2000]
+    except Exception:
+        return "error", traceback.format_exc(limit=6)
+    what = "with sequence parallelism " if sp else ""
+    return "parity", f"logits, loss and gradients equal at TP=2 {what}({parallelizer.__name__})"
+
+
+def check_family(model_type: str) -> tuple[str, str, str, str]:
+    """(outcome, detail) of one family on this rank at TP=2 (see the module docstring), then
+    the same with sequence parallelism (``n/a`` where TP=2 is not at parity)."""
     from nxd_trainer.hf import ParallelizersManager, UnsupportedModelError
 
     try:
@@ -142,51 +198,30 @@ def check_family(model_type: str) -> tuple[str, str]:
         return (
             "skipped",
             f"does not build from a tiny default config: {type(error).__name__}: {error}",
+            "n/a",
+            "",
         )
-    cfg = model.config
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     try:  # the refusal first (parallelize repeats it): no reference run for refused families
         parallelizer = ParallelizersManager.parallelizer_for_model(model)
         parallelizer.inspect(model)
     except UnsupportedModelError as error:
-        return "refused", str(error)
+        return "refused", str(error), "n/a", ""
     except Exception:
-        return "error", traceback.format_exc(limit=6)
+        return "error", traceback.format_exc(limit=6), "n/a", ""
     try:
         reference = _run(model, ids)
     except Exception as error:
-        return "skipped", f"the unsharded tiny model does not run: {type(error).__name__}: {error}"
+        why = f"the unsharded tiny model does not run: {type(error).__name__}: {error}"
+        return "skipped", why, "n/a", ""
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    try:
-        parallel = parallelizer.parallelize(model, device=torch.device("cpu"))
-    except UnsupportedModelError as error:
-        return "refused", str(error)
-    except Exception:
-        return "error", traceback.format_exc(limit=6)
-    try:
-        out = _run(parallel, ids)
-        logits = H.full_logits(out.logits.detach(), cfg.vocab_size)
-        torch.testing.assert_close(logits, reference.logits.detach(), **OUT_TOL)
-        torch.testing.assert_close(out.loss.detach(), reference.loss.detach(), **OUT_TOL)
-        for name, param in parallel.named_parameters():
-            hf = parallelizer.hf_name(name)
-            if param.grad is None or hf not in ref_grads:
-                assert param.grad is None, f"{name}: a gradient the unsharded model lacks"
-                assert hf not in ref_grads, f"{name}: no gradient, the unsharded model has one"
-                continue
-            grad = H.full(param, param.grad, name, cfg)
-            torch.testing.assert_close(
-                grad, ref_grads[hf], **GRAD_TOL, msg=lambda m, n=name: f"{n}: {m}"
-            )
-    except AssertionError as error:
-        return "mismatch", str(error)[:2000]
-    except Exception:
-        return "error", traceback.format_exc(limit=6)
-    return "parity", f"logits, loss and gradients equal at TP=2 ({parallelizer.__name__})"
+    outcome = _parallel_outcome(model_type, ids, reference, ref_grads, sp=False)
+    if outcome[0] != "parity":
+        return (*outcome, "n/a", "")
+    return (*outcome, *_parallel_outcome(model_type, ids, reference, ref_grads, sp=True))
 
 
-def check_families(model_types: list[str]) -> dict[str, tuple[str, str]]:
+def check_families(model_types: list[str]) -> dict[str, tuple[str, str, str, str]]:
     """:func:`check_family` for each, on one TP=2 group (run under ``run_distributed``)."""
     import transformers
 

@@ -30,12 +30,13 @@ R = load_sibling(__file__, "_registry")
 H = load_sibling(__file__, "_hf")
 
 
-def step_pipelined(families: list[str]) -> dict[str, Any]:
+def step_pipelined(families: list[str], sp: bool) -> dict[str, Any]:
     import warnings
 
     import transformers
 
     import nxd_state
+    from nxd_layers import allreduce_sequence_parallel_gradients
     from nxd_trainer.hf import ParallelizersManager
 
     warnings.filterwarnings("ignore")
@@ -61,8 +62,10 @@ def step_pipelined(families: list[str]) -> dict[str, Any]:
             model,
             pipeline_parallel_input_names=["input_ids", "labels"],
             pipeline_parallel_num_microbatches=2,
+            sequence_parallel_enabled=sp,
         )
         loss = model.run_train(input_ids=ids, labels=ids)
+        allreduce_sequence_parallel_gradients(list(model.parameters()))  # NxDOptimizer's
         grads = {}
         for name, param in model.local_named_parameters():
             hf_name = parallelizer.hf_name(name)
@@ -79,7 +82,7 @@ def step_pipelined(families: list[str]) -> dict[str, Any]:
     return out
 
 
-def _check(families: list[str]) -> None:
+def _check(families: list[str], sp: bool) -> None:
     import transformers
 
     from nxd_trainer.hf.plan import pipeline_layers
@@ -90,7 +93,7 @@ def _check(families: list[str]) -> None:
                 f"transformers {transformers.__version__} has no {family} with a pipeline plan "
                 f"(base_model_pp_plan)"
             )
-    results = run_distributed(step_pipelined, 4, families)
+    results = run_distributed(step_pipelined, 4, families, sp)
     for family in families:
         expected = results[0][family]
         covered: set[str] = set()
@@ -114,23 +117,27 @@ def _check(families: list[str]) -> None:
 
 
 @pytest.mark.parametrize(
-    "families",
+    ("families", "sp"),
     [
-        pytest.param(["gemma2", "gpt_neox"], id="gemma2-gpt_neox"),
+        pytest.param(["gemma2", "gpt_neox"], False, id="gemma2-gpt_neox"),
         pytest.param(
             ["olmo2", "phi3", "cohere", "starcoder2", "mixtral"],
+            False,
             id="olmo2-phi3-cohere-starcoder2-mixtral",
             marks=pytest.mark.slow,
         ),
+        pytest.param(["gemma2", "gpt_neox", "phi3"], True, id="sp", marks=pytest.mark.slow),
     ],
 )
-def test_plan_family_step_at_tp2_pp2_equals_one_process(families: list[str]) -> None:
+def test_plan_family_step_at_tp2_pp2_equals_one_process(families: list[str], sp: bool) -> None:
+    """``sp``: with sequence parallelism (each rank's slice of the sequence between stages;
+    the family's blocks gather it, their row-parallel outputs scatter it back)."""
     if not H.pipeline_capture_works():
         pytest.skip(
             f"pipeline capture on meta needs transformers >= {H.PIPELINE_FIRST_GOOD_TRANSFORMERS} "
             f"(test_hf_pipeline asserts the clear error below it)"
         )
-    _check(families)
+    _check(families, sp)
 
 
 def test_a_family_whose_stages_specialise_is_refused_by_name() -> None:

@@ -1,6 +1,7 @@
 """No family in transformers' registry is silently wrong: every causal-LM family transformers
 ships (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` of the installed version) is either parallelised
-at TP=2 with logits, loss and gradients equal to the unsharded model's, or refused with
+at TP=2, and again at TP=2 with sequence parallelism, with logits, loss and gradients equal to
+the unsharded model's, or refused with
 :class:`nxd_trainer.hf.UnsupportedModelError` naming it (by its config: no tensor-parallel
 plan, multimodal; or by inspecting the built model). Families that do not build from their
 default config made tiny are listed with the reason (``skipped``).
@@ -56,20 +57,22 @@ def _skip_if_missing(family: str) -> None:
         pytest.skip(f"{family} is not in transformers {transformers.__version__}'s registry")
 
 
-def _outcomes() -> dict[str, tuple[str, str]]:
-    outcomes: dict[str, tuple[str, str]] = {}
+def _outcomes() -> dict[str, tuple[str, ...]]:
+    """Family -> (TP outcome, detail, SP outcome, detail); see ``_registry``."""
+    outcomes: dict[str, tuple[str, ...]] = {}
     to_build = []
     for model_type in R.families():
         message = R.refused_by_config(model_type)
         if message is None:
             to_build.append(model_type)
         else:
-            outcomes[model_type] = ("refused", message)
+            outcomes[model_type] = ("refused", message, "n/a", "")
     ranks = run_distributed(R.check_families, 2, to_build, timeout=900)
     for model_type in to_build:
         per_rank = [r[model_type] for r in ranks]
-        assert per_rank[0][0] == per_rank[1][0], f"{model_type}: ranks disagree {per_rank}"
-        outcomes[model_type] = per_rank[0]
+        agree = per_rank[0][::2] == per_rank[1][::2]
+        assert agree, f"{model_type}: ranks disagree {per_rank}"
+        outcomes[model_type] = tuple(per_rank[0])
     return outcomes
 
 
@@ -82,12 +85,20 @@ def test_every_registry_family_has_parity_or_a_clear_refusal() -> None:
     if path:
         with open(path, "w") as f:
             json.dump({"transformers": transformers.__version__, "families": outcomes}, f, indent=1)
-    bad = {f: o for f, o in outcomes.items() if o[0] in ("mismatch", "error")}
-    assert not bad, "silently wrong or crashing families:\n" + "\n".join(
-        f"{f}: {o[0]}: {o[1]}" for f, o in sorted(bad.items())
-    )
+    bad = [
+        f"{f} {what}: {o[i]}: {o[i + 1]}"
+        for f, o in sorted(outcomes.items())
+        for i, what in ((0, "TP=2"), (2, "TP=2 with SP"))
+        if o[i] in ("mismatch", "error")
+    ]
+    assert not bad, "silently wrong or crashing families:\n" + "\n".join(bad)
     assert set(outcomes) == set(R.families())
-    unnamed = [f for f, (o, msg) in outcomes.items() if o == "refused" and repr(f) not in msg]
+    unnamed = [
+        f
+        for f, o in outcomes.items()
+        for i in (0, 2)
+        if o[i] == "refused" and repr(f) not in o[i + 1]
+    ]
     assert not unnamed, f"refusals that do not name the family: {unnamed}"
     if Version(transformers.__version__) >= Version(LOCK_TRANSFORMERS):
         missing = {
@@ -106,7 +117,7 @@ def test_registered_model_spec_is_exact_or_refused(family: str) -> None:
     _skip_if_missing(family)
     ranks = run_distributed(_register_and_check, 2, family)
     assert ranks[0] == ranks[1]
-    outcome, detail = ranks[0]
+    outcome, detail = ranks[0][:2]
     if outcome == "skipped":  # transformers 5.4's Olmo2Config does not validate its default
         pytest.skip(detail)
     assert outcome in ("parity", "refused"), f"{outcome}: {detail}"
@@ -114,7 +125,7 @@ def test_registered_model_spec_is_exact_or_refused(family: str) -> None:
         assert family in detail
 
 
-def _register_and_check(family: str) -> tuple[str, str]:
+def _register_and_check(family: str) -> tuple[str, ...]:
     import nxd_state
     from nxd_trainer.hf import ModelSpec, Parallelizer, ParallelizersManager
 

@@ -33,6 +33,7 @@ from nxd_layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinea
 from nxd_trainer.hf._attention import parallel_attention_class
 from nxd_trainer.hf._loss import ParallelCausalLMLoss
 from nxd_trainer.hf._rules import BlockPlan, is_scaled_embedding
+from nxd_trainer.hf._sequence import gather_sequence, on_first_input, scatter_sequence
 from nxd_trainer.hf._sources import FolderStore, MemoryStore, Source, Store
 from nxd_trainer.hf.spec import ModelSpec
 
@@ -264,8 +265,16 @@ class _Swapper:
         return Source(name, "shard", dim=dim, rank=self.rank, size=self.layout.tp, padded=padded)
 
     def column(
-        self, path: str, *, pad: bool = False, name: str | None = None, gather: bool = False
+        self,
+        path: str,
+        *,
+        pad: bool = False,
+        name: str | None = None,
+        gather: bool = False,
+        sequence_parallel: bool | None = None,
     ) -> ColumnParallelLinear:
+        """``sequence_parallel``: whether the layer gathers its input's sequence (default:
+        the swap's setting; False under a block that gathers its input itself)."""
         # Any: a transformers linear read by its attributes (nn.Module.__getattr__ is untyped)
         old: Any = self.model.get_submodule(path)
         layer = ColumnParallelLinear(
@@ -273,7 +282,7 @@ class _Swapper:
             old.out_features,
             bias=old.bias is not None,
             gather_output=gather,
-            sequence_parallel_enabled=self.sp,
+            sequence_parallel_enabled=self.sp if sequence_parallel is None else sequence_parallel,
             dtype=old.weight.dtype,
             device="meta",
             sequence_dimension=1,
@@ -287,17 +296,22 @@ class _Swapper:
         return layer
 
     def row(self, path: str, *, parallel: bool = True) -> RowParallelLinear:
+        """Under sequence parallelism the output is this rank's slice of the sequence:
+        reduce-scattered, or for a whole input (``parallel=False``, which nxd's layer splits
+        by features itself) all-reduced and then split."""
         old: Any = self.model.get_submodule(path)  # a transformers linear, read by attributes
         layer = RowParallelLinear(
             old.in_features,
             old.out_features,
             bias=old.bias is not None,
             input_is_parallel=parallel,
-            sequence_parallel_enabled=self.sp,
+            sequence_parallel_enabled=self.sp and parallel,
             dtype=old.weight.dtype,
             device="meta",
             sequence_dimension=1,
         )
+        if self.sp and not parallel:
+            layer.register_forward_hook(_split_output)
         self.plan.sources[f"{path}.weight"] = self.shard(f"{path}.weight", 1)
         if old.bias is not None:
             self.plan.sources[f"{path}.bias"] = Source(f"{path}.bias")
@@ -385,9 +399,15 @@ class _Swapper:
                     mark_sequence_parallel_parameter(param)
 
     def block(self, block: BlockPlan) -> None:
-        """One block of a transformers tensor-parallel plan (:mod:`nxd_trainer.hf._rules`)."""
+        """One block of a transformers tensor-parallel plan (:mod:`nxd_trainer.hf._rules`);
+        under sequence parallelism the block gathers its input's sequence once, and its
+        row-parallel outputs are reduce-scattered (:mod:`nxd_trainer.hf._sequence`)."""
+        if self.sp:
+            module = self.model.get_submodule(block.path)
+            hook = on_first_input(module, gather_sequence)
+            module.register_forward_pre_hook(hook, with_kwargs=True)
         for child, gather in block.columns.items():
-            self.column(f"{block.path}.{child}", gather=gather)
+            self.column(f"{block.path}.{child}", gather=gather, sequence_parallel=False)
         for child, parallel in block.rows.items():
             self.row(f"{block.path}.{child}", parallel=parallel)
         for child in block.grad_sum:
@@ -491,35 +511,39 @@ def _legacy_gqa_aliases(proj: str, part: str, bias: bool) -> dict[str, tuple[Any
     }
 
 
-def _scatter_sequence(module: nn.Module, args: tuple) -> tuple:
-    """Before the first decoder layer: this rank's slice of the sequence (dim 1)."""
-    from nxd_layers.mappings import scatter_to_sequence_parallel_region
-
-    return (scatter_to_sequence_parallel_region(args[0], 1), *args[1:])
-
-
-def _gather_sequence(module: nn.Module, args: tuple) -> tuple:
-    """Before a replicated LM head under SP: the whole sequence back (backward: the slice)."""
-    from nxd_layers.mappings import gather_from_sequence_parallel_region
-
-    return (gather_from_sequence_parallel_region(args[0], 1, to_model_parallel=False), *args[1:])
+def _split_output(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    """A forward hook: this rank's slice of the module's whole-sequence output."""
+    del module, args
+    return scatter_sequence(output)
 
 
 def _split_sequence(
-    model: nn.Module, spec: ModelSpec, plan: Plan, first_layer: nn.Module, *, gather_for_head: bool
+    model: nn.Module,
+    spec: ModelSpec,
+    plan: Plan,
+    norms: list[str],
+    *,
+    gather_for_head: bool,
 ) -> None:
     """Sequence parallelism around the decoder stack: the sequence split before the first
-    layer, the final norm's weights marked (their gradients summed over TP) and, before a
-    replicated head (``gather_for_head``), the sequence gathered back. The hooks are kept in
-    ``plan.sequence_hooks`` (see there)."""
+    layer, the weights of ``norms`` (modules after it) marked (their gradients summed over TP)
+    and, before a replicated head (``gather_for_head``), the sequence gathered back. The hooks
+    are kept in ``plan.sequence_hooks`` (see there)."""
     from nxd_layers import mark_sequence_parallel_parameter
 
-    for param in model.get_submodule(spec.final_norm).parameters():
-        mark_sequence_parallel_parameter(param)
-    plan.sequence_hooks.append(first_layer.register_forward_pre_hook(_scatter_sequence))
+    for norm in norms:
+        for param in model.get_submodule(norm).parameters():
+            mark_sequence_parallel_parameter(param)
+    stack: Any = model.get_submodule(spec.layers)  # a ModuleList (checked by the rules)
+    first = stack[0]
+    split = first.register_forward_pre_hook(
+        on_first_input(first, scatter_sequence), with_kwargs=True
+    )
+    plan.sequence_hooks.append(split)
     if gather_for_head:
         head = model.get_submodule(spec.lm_head)
-        plan.sequence_hooks.append(head.register_forward_pre_hook(_gather_sequence))
+        hook = on_first_input(head, gather_sequence)
+        plan.sequence_hooks.append(head.register_forward_pre_hook(hook, with_kwargs=True))
 
 
 def swap_layers(
@@ -534,6 +558,7 @@ def swap_layers(
     fuse_qkv: bool = False,
     blocks: list[BlockPlan] | None = None,
     gather_output: bool = False,
+    sequence_parallel_norms: list[str] | None = None,
 ) -> Plan:
     """Swap ``model``'s layers in place for parallel ones on ``meta``; returns their sources.
 
@@ -543,7 +568,10 @@ def swap_layers(
     projection (when K/V heads are replicated) holds one fused ``weight_qkv``. ``blocks``:
     swap these blocks of a transformers tensor-parallel plan instead of ``spec``'s decoder
     layers (the family's own attention forward is kept). ``gather_output``: full-vocabulary
-    logits from the LM head (and the family's own loss on them).
+    logits from the LM head (and the family's own loss on them). ``sequence_parallel_norms``:
+    with ``blocks``, the norms that act on the split sequence
+    (:func:`nxd_trainer.hf._sequence.sequence_parallel_modules`); the Llama-family path marks
+    its spec's norms.
     """
 
     plan = Plan()
@@ -566,7 +594,8 @@ def swap_layers(
     if parallelize_embeddings and swap:
         swapper.embeddings(gather_output)
     if sequence_parallel:
-        _split_sequence(model, spec, plan, layers[0], gather_for_head=not parallelize_embeddings)
+        norms = [spec.final_norm] if blocks is None else list(sequence_parallel_norms or ())
+        _split_sequence(model, spec, plan, norms, gather_for_head=not parallelize_embeddings)
     plan.keep_unswapped(model)
     logger.info(
         "parallelised %s for TP=%d: %d local heads, %d local KV heads (multiplier %d)%s",

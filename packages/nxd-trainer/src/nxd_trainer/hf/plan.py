@@ -9,10 +9,11 @@ Tensor parallelism, and pipeline parallelism where transformers also declares a 
 (``base_model_pp_plan``: the decoder layers are the stack the stages are cut from; stages are
 captured by ``torch.export`` with every decoder layer kept as a call, so the family's own
 layer forward, sharded by its tensor-parallel plan, runs in each stage). Sequence parallelism
-is the Llama-family path's. The K/V heads must split over TP (no replication). MoE experts
-are kept whole on every TP rank at expert parallelism 1; at ``expert_model_parallel_size >
-1`` transformers' packed experts (Mixtral, Qwen2-MoE, Qwen3-MoE) are sharded over the EP
-group, TP inside each expert (:mod:`nxd_trainer.hf._experts`).
+where the model allows it exactly (:mod:`nxd_trainer.hf._sequence`). The K/V heads must
+split over TP (no replication). MoE experts are kept whole on every TP rank at expert
+parallelism 1; at ``expert_model_parallel_size > 1`` transformers' packed experts (Mixtral,
+Qwen2-MoE, Qwen3-MoE) are sharded over the EP group, TP inside each expert
+(:mod:`nxd_trainer.hf._experts`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from torch import nn
 import nxd_state
 from nxd_trainer.hf._experts import check_experts, swap_experts
 from nxd_trainer.hf._rules import UnsupportedModelError, _head_dim, inspect_model, resolve_plan
+from nxd_trainer.hf._sequence import sequence_parallel_modules
 from nxd_trainer.hf._swap import Layout, swap_layers
 from nxd_trainer.hf.parallelizer import Parallelizer
 from nxd_trainer.hf.spec import ModelSpec
@@ -92,6 +94,8 @@ class PlanParallelizer(Parallelizer):
         plan = resolve_plan(model, family, text_tp_plan(family, model.config))
         tp = nxd_state.get_tensor_model_parallel_size()
         inspect_model(model, family, plan, tp, gather_output=gather_output)
+        if sequence_parallel:
+            sequence_parallel_modules(model, family, plan, cls.spec.layers)
         ep = nxd_state.get_expert_model_parallel_size()
         if ep > 1:
             check_experts(model, family, ep, tp)
@@ -141,8 +145,6 @@ class PlanParallelizer(Parallelizer):
         del device
         cls.check_model(model)
         family = cls.spec.model_type
-        if sequence_parallel_enabled:
-            raise ValueError(f"{family} does not support sequence parallelism")
         if should_parallelize_layer_predicate_func is not None:
             raise ValueError(
                 f"{family}: should_parallelize_layer_predicate_func is the Llama-family "
@@ -155,15 +157,21 @@ class PlanParallelizer(Parallelizer):
         layout = cls.layout(
             model.config, tp, parallel_layer_specific_kwargs.get("kv_size_multiplier")
         )
-        spec = ModelSpec(model_type=family, embed_tokens=plan.embed, lm_head=plan.lm_head)
+        norms = None
+        if sequence_parallel_enabled:
+            norms = sequence_parallel_modules(model, family, plan, cls.spec.layers)
+        spec = ModelSpec(
+            model_type=family, layers=cls.spec.layers, embed_tokens=plan.embed, lm_head=plan.lm_head
+        )
         model.__dict__["_nxd_plan"] = swap_layers(
             model,
             spec,
             layout,
-            sequence_parallel=False,
+            sequence_parallel=sequence_parallel_enabled,
             parallelize_embeddings=parallelize_embeddings,
             blocks=plan.blocks,
             gather_output=gather_output,
+            sequence_parallel_norms=norms,
         )
         if nxd_state.get_expert_model_parallel_size() > 1:
             fill = model.__dict__["_nxd_plan"]
@@ -217,7 +225,7 @@ def plan_parallelizer(model_type: str, config: Any = None) -> type[PlanParalleli
         spec = ModelSpec(
             model_type=model_type,
             layers=layers or "model.layers",
-            supports_sequence_parallel=False,
+            supports_sequence_parallel=True,  # where the model passes the rules (_sequence)
             supports_pipeline_parallel=layers is not None,
         )
         name = "".join(p.capitalize() for p in model_type.replace("-", "_").split("_"))
