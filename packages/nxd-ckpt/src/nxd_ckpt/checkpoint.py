@@ -46,7 +46,8 @@ def save_checkpoint(
 
     ``model``: an ``nn.Module`` (``NxDPPModel`` included) or a state dict; ``optimizer``: a
     ``torch.optim`` optimizer, ``NxDOptimizer`` or ``NeuronZero1Optimizer`` (state saved by
-    parameter name, which needs ``model``); ``scheduler``: anything with ``state_dict``;
+    parameter name, which needs ``model``); ``scheduler``: torch's ``LRScheduler``, anything
+    with ``state_dict``, or a ``nxd_state.shards.JsonCheckpointState``;
     ``user_content``: dicts/lists/numbers/strings/tensors (no pickle). ``num_workers``: at most
     that many ranks per host write at once (1-32). ``use_xser`` is accepted for NxD
     compatibility: this format always writes tensor by tensor. ``num_kept_ckpts``: keep the
