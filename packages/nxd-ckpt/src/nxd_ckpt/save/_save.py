@@ -74,10 +74,10 @@ def save(
     async_copy: str,
 ) -> None:
     """Save tag ``tag`` of folder ``path`` (collective; see :func:`nxd_ckpt.save_checkpoint`)."""
-    started = time.perf_counter()
     ctx = current_context()
     root, tag = check_arguments(path, tag, user_content, num_workers, num_kept_ckpts, async_copy)
     _saver.wait_pending()  # one save in flight at a time
+    started = time.perf_counter()
     save_id = f"{broadcast_int(secrets.randbits(62)):016x}"
     tag_dir = root / tag if tag else root
     data_dir = tag_dir / f"data-{save_id}"
@@ -104,11 +104,11 @@ def save(
     )
     if async_save:
         stage_to_host(job, defer=async_copy == "before_step")
-        job.start_async()
+        job.start_async()  # write_files, then commit on rank 0, in a background thread
         _saver.set_pending(job)
         what = "staged %s for async save in %.3fs (%d bytes on rank %d)"
     else:
-        job.run_sync()
+        job.run_sync()  # write_files, agree, commit on rank 0, agree
         what = "saved %s in %.2fs (%d bytes on rank %d)"
     logger.info(what, tag_dir, time.perf_counter() - started, plan.nbytes, ctx.rank)
 
