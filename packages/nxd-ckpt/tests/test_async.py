@@ -20,7 +20,7 @@ from torch import nn
 import nxd_ckpt
 from nxd_ckpt import finalize_checkpoint, load_checkpoint, save_checkpoint
 from nxd_ckpt.format import _stfile
-from nxd_ckpt.save import _saver
+from nxd_ckpt.save import _save
 from nxd_state.testing import run_distributed
 
 
@@ -108,14 +108,14 @@ def test_async_save_is_a_snapshot_and_the_next_save_waits(tmp_path: Path) -> Non
 
 def _slow_deferred_copy(monkeypatch: pytest.MonkeyPatch, events: list[tuple[str, float]]) -> None:
     """The background copy starts 0.3 s late, so the caller's next step comes first."""
-    real = _saver.copy_deferred
+    real = _save.copy_deferred
 
     def copy(copies: list) -> None:
         time.sleep(0.3)
         real(copies)
         events.append(("copied", time.perf_counter()))
 
-    monkeypatch.setattr(_saver, "copy_deferred", copy)
+    monkeypatch.setattr(_save, "copy_deferred", copy)
 
 
 def test_deferred_copy_is_a_snapshot_taken_before_the_next_step(

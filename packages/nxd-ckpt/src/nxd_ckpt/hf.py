@@ -185,28 +185,62 @@ def _export(
     token_ids: dict[str, Any] | None,
     architectures: list[str] | None,
 ) -> Path:
-    from tqdm.auto import tqdm
-
-    tag_dir = reader.tag_dir
+    """The export of :func:`export_to_hf` from an open tag: the weights in shards, the
+    configs, the tokenizer."""
     index = reader.index
     if index.lora is not None and index.lora.get("mode") == "adapter":
         from nxd_ckpt.lora import export_peft_adapter
 
         return export_peft_adapter(reader, Path(out_dir), progress=progress)
-    tensors = index.category("model")
+    tensors = _exportable_tensors(reader)
+    config_dict, generation = _export_configs(reader, config, tokenizer, token_ids, architectures)
+    shards = _weight_shards(tensors, name_map, dtype, parse_size(max_shard_size))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    total_bytes = _write_weights(reader, tensors, shards, out, dtype, progress)
+    (out / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True))
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True))
+    copied = _copy_tokenizer(tokenizer, out)
+    logger.info(
+        "exported %s to %s: %d tensors in %d file(s), %d bytes, tokenizer %s",
+        reader.tag_dir,
+        out,
+        sum(len(shard) for shard in shards),
+        len(shards),
+        total_bytes,
+        copied or "not given",
+    )
+    return out
+
+
+def _exportable_tensors(reader: CheckpointReader) -> dict[str, TensorRecord]:
+    """The tag's model tensors; refused when there are none, or when some were saved without
+    sharding (a plain state dict's, which cannot be assembled into full tensors)."""
+    tensors = reader.index.category("model")
     if not tensors:
-        raise ValueError(f"{tag_dir} holds no model tensors to export")
+        raise ValueError(f"{reader.tag_dir} holds no model tensors to export")
     unknown = [n for n, r in tensors.items() if r.sharding.get("rank_local")]
     if unknown:
         raise ValueError(
-            f"{tag_dir}: tensors {unknown[:8]} were saved from a plain state dict without "
-            f"sharding attributes; they cannot be assembled into full tensors"
+            f"{reader.tag_dir}: tensors {unknown[:8]} were saved from a plain state dict "
+            f"without sharding attributes; they cannot be assembled into full tensors"
         )
-    config_dict = _config_dict(config) if config is not None else index.hf_config
+    return tensors
+
+
+def _export_configs(
+    reader: CheckpointReader,
+    config: Any,
+    tokenizer: Any,
+    token_ids: dict[str, Any] | None,
+    architectures: list[str] | None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``config.json`` and ``generation_config.json``: from ``config``, else the saved one."""
+    config_dict = _config_dict(config) if config is not None else reader.index.hf_config
     if config_dict is None:
         raise ValueError(
-            f"{tag_dir} has no model config saved (the model had no .config): pass config= "
-            f"(a dict or transformers PretrainedConfig) to write config.json"
+            f"{reader.tag_dir} has no model config saved (the model had no .config): pass "
+            f"config= (a dict or transformers PretrainedConfig) to write config.json"
         )
     config_dict, generation = export_configs(
         config_dict, tokenizer=tokenizer, token_ids=token_ids, explicit_config=config is not None
@@ -217,28 +251,59 @@ def _export(
         logger.warning(
             "%s: the config has no architectures (the checkpoint was saved without the model "
             "class); transformers' Auto classes still load it by model_type",
-            tag_dir,
+            reader.tag_dir,
         )
-    selected: list[tuple[str, str]] = []
-    for name in tensors:
-        out_name = name_map(name) if name_map is not None else name
-        if out_name is not None:
-            selected.append((out_name, name))
-    limit = parse_size(max_shard_size)
+    return config_dict, generation
+
+
+def _weight_shards(
+    tensors: dict[str, TensorRecord],
+    name_map: NameMap | None,
+    dtype: torch.dtype | None,
+    limit: int,
+) -> list[list[tuple[str, str]]]:
+    """The output files' ``(output name, stored name)`` lists, in stored order: a new file
+    starts when the next tensor would take the current one past ``limit`` bytes (a larger
+    tensor gets a file of its own). ``name_map`` renames or (None) leaves a tensor out."""
     shards: list[list[tuple[str, str]]] = [[]]
     size = 0
-    for out_name, name in selected:
-        record = tensors[name]
+    for name, record in tensors.items():
+        out_name = name_map(name) if name_map is not None else name
+        if out_name is None:
+            continue
         nbytes = _nbytes(record, dtype)
         if shards[-1] and size + nbytes > limit:
             shards.append([])
             size = 0
         shards[-1].append((out_name, name))
         size += nbytes
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    total_bytes = sum(_nbytes(tensors[n], dtype) for _, n in selected)
+    return shards
+
+
+def _write_weights(
+    reader: CheckpointReader,
+    tensors: dict[str, TensorRecord],
+    shards: list[list[tuple[str, str]]],
+    out: Path,
+    dtype: torch.dtype | None,
+    progress: bool,
+) -> int:
+    """Write one safetensors file per shard (and, for several, the index naming each
+    tensor's file), each tensor read whole and cast; returns the bytes written."""
+    from tqdm.auto import tqdm
+
+    total_bytes = sum(_nbytes(tensors[n], dtype) for shard in shards for _, n in shard)
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="export", disable=not progress)
+
+    def source(name: str) -> Callable[[], torch.Tensor]:
+        def read() -> torch.Tensor:
+            value = reader.read_full("model", name)
+            value = value.to(_out_dtype(tensors[name], dtype)).contiguous()
+            bar.update(value.numel() * value.element_size())
+            return value
+
+        return read
+
     weight_map: dict[str, str] = {}
     for number, shard in enumerate(shards, start=1):
         filename = (
@@ -249,38 +314,13 @@ def _export(
         items = [(o, _out_dtype(tensors[n], dtype), tuple(tensors[n].shape)) for o, n in shard]
         plan = plan_file(items, {"format": "pt"})
         stored = dict(shard)
-
-        def source(out_name: str, name: str) -> Callable[[], torch.Tensor]:
-            def read() -> torch.Tensor:
-                value = reader.read_full("model", name)
-                value = value.to(_out_dtype(tensors[name], dtype)).contiguous()
-                bar.update(value.numel() * value.element_size())
-                return value
-
-            return read
-
-        write_planned(out / filename, plan, [source(e.key, stored[e.key]) for e in plan.entries])
+        write_planned(out / filename, plan, [source(stored[e.key]) for e in plan.entries])
         weight_map.update({out_name: filename for out_name, _ in shard})
     bar.close()
     if len(shards) > 1:
-        (out / HF_INDEX_NAME).write_text(
-            json.dumps(
-                {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}, indent=2
-            )
-        )
-    (out / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True))
-    (out / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True))
-    copied = _copy_tokenizer(tokenizer, out)
-    logger.info(
-        "exported %s to %s: %d tensors in %d file(s), %d bytes, tokenizer %s",
-        tag_dir,
-        out,
-        len(selected),
-        len(shards),
-        total_bytes,
-        copied or "not given",
-    )
-    return out
+        document = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
+        (out / HF_INDEX_NAME).write_text(json.dumps(document, indent=2))
+    return total_bytes
 
 
 def _out_dtype(record: TensorRecord, dtype: torch.dtype | None) -> torch.dtype:

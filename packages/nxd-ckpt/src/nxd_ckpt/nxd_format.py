@@ -206,15 +206,7 @@ def _optimizer_index(
     layouts: dict[str, SavedGQA],
 ) -> tuple[dict[str, TensorRecord], dict[str, Any], dict[str, _TorchSource]]:
     """Optimizer state of an NxD tag as global tensors named ``<param>/<key>``."""
-    files = scan(tag_dir / "optim")
-    if not files:
-        raise FileNotFoundError(f"{tag_dir}/optim holds no NxD optimizer files")
-    pp_saved = max(pp for _, _, pp in files) + 1
-    if pp_saved != ctx.pp_size:
-        raise ValueError(
-            f"{tag_dir}: NxD optimizer state indexes parameters by position, so it loads at the "
-            f"saved pipeline degree {pp_saved} only (this run has {ctx.pp_size})"
-        )
+    files = _optimizer_files(tag_dir, ctx)
     view = resolve_optimizer(optimizer, model, ctx)
     params = [view.model_param.get(id(p), p) for g in view.param_groups for p in g["params"]]
     names = [view.name_of(p) for p in params]
@@ -259,18 +251,40 @@ def _optimizer_index(
             )
             record.chunks += _chunks(spec, relative, key, t, ctx.pp_rank)
         if t == 0:
-            first = 0
-            for group in states[0]["param_groups"]:
-                count = len(group["params"])
-                hyper = {k: v for k, v in group.items() if k != "params"}
-                meta["param_groups"].append(
-                    {
-                        "hyper": _jsonstate.encode(hyper, {}, "param_groups", "hyper-parameters"),
-                        "params": names[first : first + count],
-                    }
-                )
-                first += count
+            meta["param_groups"] = _param_groups(states[0], names)
     return records, meta, sources
+
+
+def _optimizer_files(tag_dir: Path, ctx: RankContext) -> dict[tuple[int, int, int], Path]:
+    """The tag's optimizer files by (DP, TP, PP) rank; refused unless saved at this run's
+    pipeline degree (NxD's optimizer state names parameters by position in the stage)."""
+    files = scan(tag_dir / "optim")
+    if not files:
+        raise FileNotFoundError(f"{tag_dir}/optim holds no NxD optimizer files")
+    pp_saved = max(pp for _, _, pp in files) + 1
+    if pp_saved != ctx.pp_size:
+        raise ValueError(
+            f"{tag_dir}: NxD optimizer state indexes parameters by position, so it loads at the "
+            f"saved pipeline degree {pp_saved} only (this run has {ctx.pp_size})"
+        )
+    return files
+
+
+def _param_groups(state: dict[str, Any], names: list[str]) -> list[dict[str, Any]]:
+    """The index's param groups of an NxD optimizer state: each group's hyper-parameters as
+    JSON and its parameters' names (positions ``first … first + count`` of ``names``)."""
+    groups, first = [], 0
+    for group in state["param_groups"]:
+        count = len(group["params"])
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        groups.append(
+            {
+                "hyper": _jsonstate.encode(hyper, {}, "param_groups", "hyper-parameters"),
+                "params": names[first : first + count],
+            }
+        )
+        first += count
+    return groups
 
 
 def _optimizer_tensors(states: list[dict[str, Any]], zero1: bool) -> dict[str, torch.Tensor]:
@@ -327,14 +341,7 @@ def load_nxd_checkpoint(
     )
     if model is None:
         raise ValueError("loading an NxD checkpoint needs model= (partition dims come from it)")
-    index, sources, size, modules, layouts = _model_index(tag_dir, model, ctx)
-    if optimizer is not None:
-        records, meta, optimizer_sources = _optimizer_index(
-            tag_dir, optimizer, model, ctx, size, modules, layouts
-        )
-        index.tensors["optimizer"] = records
-        index.optimizer = meta
-        sources.update(optimizer_sources)
+    index, sources = _nxd_index(tag_dir, model, optimizer, ctx)
     reader = CheckpointReader(tag_dir, index=index, sources=sources)
     # Everything is read and matched before anything changes: every file unpickled (no CRCs
     # here: a damaged file fails its torch.load), names and shapes checked, the optimizer
@@ -361,13 +368,33 @@ def load_nxd_checkpoint(
         restore()
         raise
     if not allow_pickle and (tag_dir / "user_content.pt").exists():
-        # A warning, not an error: the weights loaded fine, and an error would push a job
-        # that only wants them to pass allow_pickle=True (running code from the file).
-        message = (
-            f"{tag_dir / 'user_content.pt'} was NOT read: it is a pickle (it may run code "
-            f"when loaded), so load_checkpoint returns None instead of the user content; pass "
-            f"allow_pickle=True only for a checkpoint you trust to read it"
-        )
-        logger.warning(message)
-        warnings.warn(message, UserWarning, stacklevel=3)
+        _warn_user_content_unread(tag_dir)
     return content
+
+
+def _nxd_index(
+    tag_dir: Path, model: Any, optimizer: Any, ctx: RankContext
+) -> tuple[CheckpointIndex, dict[str, _TorchSource]]:
+    """An index, built in memory, of an NxD tag's model (and optimizer) state as global
+    tensors, and the unpickled files its chunks name."""
+    index, sources, size, modules, layouts = _model_index(tag_dir, model, ctx)
+    if optimizer is not None:
+        records, meta, optimizer_sources = _optimizer_index(
+            tag_dir, optimizer, model, ctx, size, modules, layouts
+        )
+        index.tensors["optimizer"] = records
+        index.optimizer = meta
+        sources.update(optimizer_sources)
+    return index, sources
+
+
+def _warn_user_content_unread(tag_dir: Path) -> None:
+    """A warning, not an error: the weights loaded fine, and an error would push a job that
+    only wants them to pass allow_pickle=True (running code from the file)."""
+    message = (
+        f"{tag_dir / 'user_content.pt'} was NOT read: it is a pickle (it may run code "
+        f"when loaded), so load_checkpoint returns None instead of the user content; pass "
+        f"allow_pickle=True only for a checkpoint you trust to read it"
+    )
+    logger.warning(message)
+    warnings.warn(message, UserWarning, stacklevel=4)  # load_checkpoint's caller

@@ -46,18 +46,26 @@ from nxd_optim.config import MixedPrecisionConfig, OptimizerConfig
 from nxd_optim.ep_zero1 import NeuronEPZero1Optimizer
 from nxd_optim.zero1 import NeuronZero1Optimizer, as_param_groups
 from nxd_state import collectives
-from nxd_state.shards import FlatCheckpointLayout, FlatShardedState, RankContext
+from nxd_state.shards import (
+    FlatCheckpointLayout,
+    FlatShardedState,
+    MasterWeightsLayout,
+    MasterWeightsState,
+    RankContext,
+)
 
 __all__ = ["NxDOptimizer", "build_optimizer"]
 
 logger = logging.getLogger(__name__)
 
 
-class NxDOptimizer(Optimizer):
+class NxDOptimizer(Optimizer, FlatShardedState, MasterWeightsState):
     """θ <- step(θ, clip((1/n) Σ_DP g)): NxD's optimizer wrapper around ``optimizer_class``.
 
     Behaves like ``optimizer_class(params, **defaults)``, plus the parallel work of one step
-    (see the module docstring).
+    (see the module docstring). Its checkpoint state (:mod:`nxd_state.shards`): with ZeRO-1
+    the flat layout (:class:`~nxd_state.shards.FlatShardedState`), without it the fp32 masters
+    (:class:`~nxd_state.shards.MasterWeightsState`).
 
     ``param_groups``, ``state`` and ``defaults`` are the wrapped optimizer's, so LR schedulers
     work unchanged. With ``config.zero_one_enabled`` the wrapped optimizer is a
@@ -216,6 +224,15 @@ class NxDOptimizer(Optimizer):
         param is bf16/fp16.
         """
         return dict(self._masters)
+
+    def master_checkpoint_layout(self) -> MasterWeightsLayout:
+        """The wrapped optimizer and :meth:`master_weights_by_param`, for checkpoints
+        (:class:`nxd_state.shards.MasterWeightsState`); the masters are saved with
+        ``use_master_weights_in_ckpt``. Without ZeRO-1 only: a ZeRO-1 optimizer's state is
+        its flat layout (:meth:`flat_checkpoint_layout`)."""
+        masters = self.master_weights_by_param()
+        in_checkpoint = bool(masters) and self.mixed_precision.use_master_weights_in_ckpt
+        return MasterWeightsLayout(self._inner, masters, in_checkpoint)
 
     def __repr__(self) -> str:
         return (

@@ -16,8 +16,12 @@ which box of its global tensor. An object holding checkpoint state describes it 
 :class:`CheckpointState`: ``checkpoint_tensors(ctx)`` names its tensors, each with its
 :class:`ShardSpec` for this rank (:class:`RankContext`); a checkpoint writes what the specs
 say, and a load copies the stored boxes back into the same local tensors. An optimizer whose
-state lies in flat ZeRO-1 buffers describes them through :class:`FlatShardedState`. The
-checkpoint code (nxd-ckpt) depends on these types only, never on the classes implementing them.
+state lies in flat ZeRO-1 buffers describes them through :class:`FlatShardedState`; an
+optimizer wrapper stepping fp32 master copies of its params through :class:`MasterWeightsState`.
+An object whose state is a small JSON value (an LR scheduler) is a :class:`JsonCheckpointState`
+(:func:`json_checkpoint_state`: torch's ``state_dict()`` / ``load_state_dict()`` pair, as an
+``LRScheduler`` has, through one adapter). The checkpoint code (nxd-ckpt) depends on these types
+only, never on the classes implementing them.
 """
 
 from __future__ import annotations
@@ -43,10 +47,14 @@ __all__ = [
     "FlatCheckpointLayout",
     "FlatShardGroup",
     "FlatShardedState",
+    "JsonCheckpointState",
+    "MasterWeightsLayout",
+    "MasterWeightsState",
     "RankContext",
     "ShardSpec",
     "current_rank_context",
     "flat_range_boxes",
+    "json_checkpoint_state",
     "linear_index",
     "part_spec",
     "rank_local_spec",
@@ -436,3 +444,74 @@ class FlatShardedState(Protocol):
         raises if they cannot be described exactly (not sharded yet, built under another
         layout)."""
         ...
+
+
+@dataclass(frozen=True, eq=False)
+class MasterWeightsLayout:
+    """An optimizer wrapper's state as :meth:`MasterWeightsState.master_checkpoint_layout`
+    says: an inner torch optimizer steps θ32, an fp32 master copy, in the place of each
+    low-precision param θ (then θ <- cast(θ32)), and the other params themselves."""
+
+    inner: torch.optim.Optimizer
+    """The optimizer stepping the masters (and the params without one), keying its state by
+    them."""
+    masters: dict[torch.Tensor, torch.Tensor]
+    """``{model param: its fp32 master}``, each master a same-shaped floating-point tensor in
+    ``inner``'s param groups (empty: no masters)."""
+    masters_in_checkpoint: bool
+    """The masters are saved too (``use_master_weights_in_ckpt``)."""
+
+
+@runtime_checkable
+class MasterWeightsState(Protocol):
+    """An optimizer wrapper whose inner optimizer may step fp32 masters of its params in their
+    place (nxd-optim's ``NxDOptimizer`` without ZeRO-1). Its own ``state_dict()`` /
+    ``load_state_dict()`` and ``param_groups`` are the ones a checkpoint uses."""
+
+    def master_checkpoint_layout(self) -> MasterWeightsLayout:
+        """The inner optimizer and the masters, for checkpoints."""
+        ...
+
+
+@runtime_checkable
+class JsonCheckpointState(Protocol):
+    """An object whose checkpoint state is one JSON-safe value (dicts, lists, numbers,
+    strings, None; tensors are stored beside it): an LR scheduler. A checkpoint records the
+    object's class name with it and loads only into an object of the same class name."""
+
+    def checkpoint_json(self) -> Any:
+        """The state to save (not copied: it is encoded at once)."""
+        ...
+
+    def load_checkpoint_json(self, state: Any) -> None:
+        """Restore the state :meth:`checkpoint_json` returned (after a save and a load)."""
+        ...
+
+
+class _StateDictJson:
+    """torch's ``state_dict()`` / ``load_state_dict()`` pair (``LRScheduler``'s, or any object
+    following that convention) as a :class:`JsonCheckpointState`."""
+
+    def __init__(self, owner: Any) -> None:
+        self.owner = owner
+
+    def checkpoint_json(self) -> Any:
+        return self.owner.state_dict()
+
+    def load_checkpoint_json(self, state: Any) -> None:
+        self.owner.load_state_dict(state)
+
+
+def json_checkpoint_state(obj: Any) -> JsonCheckpointState:
+    """``obj`` as a :class:`JsonCheckpointState`: itself when it implements the protocol,
+    else its ``state_dict()`` / ``load_state_dict()`` pair (torch's ``LRScheduler``); raises
+    TypeError for an object with neither."""
+    if isinstance(obj, JsonCheckpointState):
+        return obj
+    if callable(getattr(obj, "state_dict", None)):
+        return _StateDictJson(obj)
+    raise TypeError(
+        f"{type(obj).__name__} has no checkpoint state: it implements neither "
+        f"checkpoint_json() / load_checkpoint_json() (nxd_state.shards.JsonCheckpointState) "
+        f"nor state_dict() / load_state_dict()"
+    )

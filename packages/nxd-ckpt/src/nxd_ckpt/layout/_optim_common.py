@@ -14,9 +14,10 @@ module resolves an optimizer into one of two shapes:
   that shard. A rank's shard is a range of vec(local param), and the param's spec places it
   in the global tensor (an expert param's experts at rows [q E/EP, (q+1) E/EP) on EP rank q),
   so the state is stored as at EP = 1 and every shard is written by its owner.
-* ``plain``: any ``torch.optim`` optimizer, or ``NxDOptimizer`` without ZeRO-1 (whose inner
-  optimizer steps fp32 master copies of low-precision params, read by
-  :func:`nxd_optimizer_masters` through ``NxDOptimizer.master_weights_by_param()``).
+* ``plain``: any ``torch.optim`` optimizer, or an optimizer wrapper whose inner optimizer
+  steps fp32 master copies of low-precision params
+  (:class:`nxd_state.shards.MasterWeightsState`: ``NxDOptimizer`` without ZeRO-1), its masters
+  checked by :func:`checked_masters`.
 
 Parameter names come from the model; without a model, ``pp<r>.group<i>.<j>`` positions. A
 parameter whose module declares stored parts (:mod:`nxd_ckpt.parts`) has its state stored
@@ -34,14 +35,21 @@ import torch
 from nxd_ckpt.layout._context import RankContext
 from nxd_ckpt.layout._model_tensors import LocalTensor, model_tensors
 from nxd_layers.checkpoint_shards import tensor_shard_spec
-from nxd_state.shards import FlatBucket, FlatShardedState, FlatShardGroup, ShardSpec
+from nxd_state.shards import (
+    FlatBucket,
+    FlatShardedState,
+    FlatShardGroup,
+    MasterWeightsLayout,
+    MasterWeightsState,
+    ShardSpec,
+)
 
 __all__ = [
     "FlatPiece",
     "OptimizerView",
     "ZeroBucket",
+    "checked_masters",
     "flat_pieces",
-    "nxd_optimizer_masters",
     "resolve_optimizer",
     "zero1_parts",
 ]
@@ -85,17 +93,13 @@ def zero1_parts(zeros: list[FlatShardGroup]) -> list[tuple[torch.optim.Optimizer
     return [(group.inner, bucket) for group in zeros for bucket in group.buckets]
 
 
-def nxd_optimizer_masters(wrapper: Any) -> dict[torch.Tensor, torch.Tensor]:
-    """{model param: fp32 master} of an ``NxDOptimizer`` without ZeRO-1 (low-precision params
-    stepped through fp32 copies), from its public ``master_weights_by_param()``, checked to be
-    what the saved layout assumes: same-shaped floating-point tensors the inner optimizer steps.
-    """
-    accessor = getattr(wrapper, "master_weights_by_param", None)
-    if accessor is None:
-        return {}
-    masters = accessor()
-    stepped = {id(p) for group in wrapper.optimizer.param_groups for p in group["params"]}
-    for param, master in masters.items():
+def checked_masters(layout: MasterWeightsLayout) -> dict[torch.Tensor, torch.Tensor]:
+    """``{model param: fp32 master}`` of an optimizer wrapper without ZeRO-1
+    (:class:`nxd_state.shards.MasterWeightsState`: low-precision params stepped through fp32
+    copies), checked to be what the saved layout assumes: same-shaped floating-point tensors
+    the inner optimizer steps."""
+    stepped = {id(p) for group in layout.inner.param_groups for p in group["params"]}
+    for param, master in layout.masters.items():
         if (
             not isinstance(master, torch.Tensor)
             or not master.is_floating_point()
@@ -103,12 +107,12 @@ def nxd_optimizer_masters(wrapper: Any) -> dict[torch.Tensor, torch.Tensor]:
             or id(master) not in stepped
         ):
             raise RuntimeError(
-                f"NxDOptimizer.master_weights_by_param() maps a parameter of shape "
+                f"the optimizer's master_checkpoint_layout() maps a parameter of shape "
                 f"{tuple(param.shape)} to {type(master).__name__} "
                 f"{tuple(getattr(master, 'shape', ()))}, which is not a same-shaped "
                 f"floating-point master stepped by the inner optimizer"
             )
-    return masters
+    return layout.masters
 
 
 @dataclass
@@ -212,14 +216,6 @@ def _view(kind: str, optimizer: Any, names: dict, tensors: dict, **rest: Any) ->
     return OptimizerView(kind, optimizer, names=names, tensors=tensors, targets=targets, **rest)
 
 
-def _is_nxd_optimizer(optimizer: Any) -> bool:
-    """``NxDOptimizer`` (without ZeRO-1 here): wraps a torch optimizer as ``.optimizer`` and
-    may step fp32 masters of its params (``master_weights_by_param``)."""
-    return isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer) and hasattr(
-        optimizer, "master_weights_by_param"
-    )
-
-
 def resolve_optimizer(
     optimizer: Any, model: Any, ctx: RankContext, *, walked: list[LocalTensor] | None = None
 ) -> OptimizerView:
@@ -242,8 +238,9 @@ def resolve_optimizer(
             masters_in_ckpt=layout.masters_in_checkpoint,
             flat_class=layout.optimizer_class,
         )
-    wrapper = optimizer if _is_nxd_optimizer(optimizer) else None
-    core = wrapper.optimizer if wrapper is not None else optimizer
+    wrapper = optimizer if isinstance(optimizer, MasterWeightsState) else None
+    masters_layout = wrapper.master_checkpoint_layout() if wrapper is not None else None
+    core = masters_layout.inner if masters_layout is not None else optimizer
     if not isinstance(core, torch.optim.Optimizer):
         raise TypeError(
             f"optimizer must be a torch.optim.Optimizer, an nxd_optim.NxDOptimizer or a "
@@ -251,10 +248,10 @@ def resolve_optimizer(
         )
     model_param: dict[int, torch.Tensor] = {}
     masters_in_ckpt = False
-    if wrapper is not None:
-        masters = nxd_optimizer_masters(wrapper)
+    if masters_layout is not None:
+        masters = checked_masters(masters_layout)
         model_param = {id(master): param for param, master in masters.items()}
-        masters_in_ckpt = bool(masters) and wrapper.mixed_precision.use_master_weights_in_ckpt
+        masters_in_ckpt = bool(masters) and masters_layout.masters_in_checkpoint
     inner_params = [p for group in core.param_groups for p in group["params"]]
     names, tensors = _param_names(
         model, [model_param.get(id(p), p) for p in inner_params], ctx, walked

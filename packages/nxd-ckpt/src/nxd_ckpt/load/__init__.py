@@ -1,5 +1,7 @@
 """The one load pipeline: plan the reads, read and check the boxes, then restore.
 
+``_load`` is one load of an nxd-ckpt tag, top to bottom (match, check and read, apply).
+
 Every source is read through a :class:`~nxd_ckpt.load._reader.CheckpointReader` (an index
 and the files its chunks name: nxd-ckpt's own tags, or an index built in memory for NxD's
 files, Hugging Face folders and legacy files). ``_load_model`` and ``_optim_load`` plan the

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from nxd_ckpt.format import FormatError
+from nxd_state.shards import json_checkpoint_state
 
 __all__ = ["apply_scheduler", "snapshot"]
 
@@ -41,14 +42,16 @@ def snapshot(scheduler: Any) -> Callable[[], None]:
 
 
 def apply_scheduler(scheduler: Any, state: Any, where: str) -> Callable[[], None]:
-    """Load ``state`` into ``scheduler``; returns the call that undoes it. A scheduler that
-    rejects the state (another type, saved before types were recorded) is put back as it was
-    and the error names the tag and the scheduler."""
+    """Load ``state`` into ``scheduler`` (:func:`nxd_state.shards.json_checkpoint_state`: its
+    ``load_checkpoint_json``, or torch's ``load_state_dict``); returns the call that undoes
+    it. A scheduler that rejects the state (another type, saved before types were recorded)
+    is put back as it was and the error names the tag and the scheduler."""
     if scheduler is None:
         return lambda: None
+    target = json_checkpoint_state(scheduler)  # (TypeError: a scheduler without state)
     restore = snapshot(scheduler)
     try:
-        scheduler.load_state_dict(state)
+        target.load_checkpoint_json(state)
     except Exception as error:
         restore()
         raise FormatError(

@@ -26,7 +26,7 @@ from nxd_ckpt.layout._items import DenseSource, TensorItem, is_writer, pieces
 from nxd_ckpt.layout._model_tensors import LocalTensor, model_tensors
 from nxd_ckpt.layout._sharding import ShardSpec, rank_local_name, rank_local_spec
 from nxd_ckpt.save._optim_save import optimizer_save_items
-from nxd_state.shards import CheckpointMetadata
+from nxd_state.shards import CheckpointMetadata, json_checkpoint_state
 
 __all__ = ["RankPlan", "WriteChunk", "build_plan"]
 
@@ -118,6 +118,14 @@ def _add_json(plan: RankPlan, category: str, value: Any, what: str) -> None:
         plan.add(_whole(category, path, tensor))
 
 
+def _add_json_state(plan: RankPlan, category: str, owner: Any) -> None:
+    """An object's JSON state (:func:`nxd_state.shards.json_checkpoint_state`: the protocol, or
+    torch's ``state_dict()``) and its class name, which a load checks."""
+    state = json_checkpoint_state(owner).checkpoint_json()
+    _add_json(plan, category, state, f"the {category} state")
+    plan.meta[f"{category}_class"] = type(owner).__name__
+
+
 def _add_metadata(plan: RankPlan, metadata: dict[str, Any]) -> None:
     """The model's own index entries (:class:`nxd_state.shards.CheckpointMetadata`: LoRA's
     ``lora``), each under a key nxd-ckpt does not use itself."""
@@ -185,8 +193,7 @@ def build_plan(
             plan.add(_whole("rng", f"rank{ctx.rank:05d}/{key}", state.detach().cpu()))
     if ctx.rank == 0:
         if scheduler is not None:
-            _add_json(plan, "scheduler", scheduler.state_dict(), "the scheduler state")
-            plan.meta["scheduler_class"] = type(scheduler).__name__
+            _add_json_state(plan, "scheduler", scheduler)
         if user_content is not None:
             _add_json(plan, "user_content", user_content, "user_content")
     return plan

@@ -1,10 +1,10 @@
-"""One save, synchronous or in the background, and its commit.
+"""Running one save: synchronously or in a background thread, with its errors agreed.
 
-A :class:`SaveJob` has two phases. *Write*: this rank's data file and manifest (under a host
-slot, ``num_workers`` per host). *Commit* (rank 0 only): wait until every rank's manifest
-exists, merge them into ``index.json`` (atomic replace: the commit point), write ``done``,
-remove data of older saves of the tag and apply ``num_kept_ckpts``. Once ``done`` is written
-the save has succeeded: a problem while cleaning up or removing old tags is a
+A :class:`SaveJob` holds one save's plan and runs its two phases, whose steps
+:mod:`nxd_ckpt.save._save` defines. *Write* (every rank): this rank's data file and
+manifest. *Commit* (rank 0 only): merge the manifests into ``index.json`` (atomic replace:
+the commit point), write ``done``, remove older data. Once ``done`` is written the save has
+succeeded: a problem while cleaning up or removing old tags is a
 :class:`~nxd_ckpt.format._tags.RetentionWarning` (and a log line), never the save's error.
 
 Synchronously, ranks agree on the write outcome before rank 0 commits, and on the commit
@@ -23,38 +23,29 @@ import shutil
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from nxd_ckpt.format import DONE_MARKER, INDEX_NAME, _tags
+from nxd_ckpt.format import DONE_MARKER
 from nxd_ckpt.format._contain import real_dir
-from nxd_ckpt.format._slots import host_slot
-from nxd_ckpt.format._stfile import FilePlan, write_text_atomic
+from nxd_ckpt.format._stfile import FilePlan
 from nxd_ckpt.layout._context import RankContext, agree
 from nxd_ckpt.save import _step_gate
 from nxd_ckpt.save._plan import RankPlan
-from nxd_ckpt.save._write import (
-    DeferredCopy,
-    copy_deferred,
-    manifest_path,
-    merge_manifests,
-    write_rank,
-)
+from nxd_ckpt.save._write import DeferredCopy
 
 __all__ = ["SaveJob", "pending_job", "wait_pending"]
 
 logger = logging.getLogger(__name__)
-_COMMIT_POLL_S = 0.01
-
-
-class SaveAborted(RuntimeError):
-    """Rank 0 stopped waiting for the other ranks' manifests (a rank failed)."""
 
 
 @dataclass
 class SaveJob:
+    """One save: where it goes, this rank's plan, and the state of its two phases."""
+
     root: Path
     tag: str
     tag_dir: Path
@@ -63,6 +54,10 @@ class SaveJob:
     plan: RankPlan
     num_kept: int | None
     num_workers: int
+    write_step: Callable[[SaveJob], None]
+    """Every rank: write this rank's file and manifest (``_save.write_files``)."""
+    commit_step: Callable[[SaveJob], None]
+    """Rank 0, after every rank wrote: merge, commit, mark done, clean up (``_save.commit``)."""
     file_plan: FilePlan | None = None
     staged: list[torch.Tensor] | None = None
     deferred: list[DeferredCopy] | None = None
@@ -79,24 +74,12 @@ class SaveJob:
     def ctx(self) -> RankContext:
         return self.plan.ctx
 
-    # Phases ------------------------------------------------------------------------------
-    def prepare(self) -> None:
-        """Rank 0 creates the tag and its start marker; every rank its data folder."""
-        if self.ctx.rank == 0:
-            _tags.begin_tag(self.tag_dir, self.tag)
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-
+    # Phases (the steps are nxd_ckpt.save._save's; here their errors are kept) -------------
     def write(self) -> None:
+        """Every rank: :attr:`write_step`; an error is kept as :attr:`write_error` and marked
+        in the data folder for rank 0."""
         try:
-            try:  # the deferred copy first (no I/O before it): the next step waits for it
-                if self.deferred:
-                    copy_deferred(self.deferred)
-            finally:
-                self.deferred = None
-                _step_gate.open_gate()
-            self.prepare()
-            with host_slot(self.num_workers, self.ctx.local_rank, f"rank {self.ctx.rank} save"):
-                write_rank(self.plan, self.tag_dir, self.data_dir, self.file_plan, self.staged)
+            self.write_step(self)
         except BaseException as error:
             self.write_error = error
             self._mark_failed(error)
@@ -114,53 +97,11 @@ class SaveJob:
             pass
 
     def commit(self) -> None:
-        """Rank 0: merge the manifests into the index, mark the tag done, clean up."""
+        """Rank 0: :attr:`commit_step`; an error is kept as :attr:`commit_error`."""
         try:
-            self._wait_for_manifests()
-            index = merge_manifests(
-                self.data_dir,
-                self.ctx.world_size,
-                self.tag,
-                self.save_id,
-                self.plan.meta.get("parallel", {}),
-            )
-            write_text_atomic(self.tag_dir / INDEX_NAME, index.to_json())
-            _tags.mark_done(self.tag_dir)
+            self.commit_step(self)
         except BaseException as error:
             self.commit_error = error
-            return
-        try:  # committed: what follows is cleanup, whose problems are warnings
-            _tags.remove_stale_data(self.tag_dir, keep=self.data_dir.name)
-            if self.num_kept is not None:
-                _tags.apply_num_kept(self.root, self.num_kept)
-        except Exception as error:
-            _tags.retention_warning(
-                f"checkpoint {self.tag_dir} was saved, but removing old data or tags "
-                f"(num_kept_ckpts={self.num_kept}) failed: {type(error).__name__}: {error}"
-            )
-        logger.info(
-            "checkpoint %s complete (%.2fs, %d files)",
-            self.tag_dir,
-            time.perf_counter() - self.started,
-            len(index.files),
-        )
-
-    def _wait_for_manifests(self) -> None:
-        deadline = time.monotonic() + self.commit_timeout_s
-        missing = list(range(self.ctx.world_size))
-        while missing:
-            failed = sorted(self.data_dir.glob("failed_rank_*"))
-            if failed or self.cancel.is_set():
-                names = [p.name for p in failed]
-                raise SaveAborted(f"save of {self.tag_dir} abandoned: failed ranks {names}")
-            missing = [r for r in missing if not manifest_path(self.data_dir, r).exists()]
-            if missing:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"save of {self.tag_dir}: ranks {missing} wrote no manifest within "
-                        f"{self.commit_timeout_s:.0f}s"
-                    )
-                time.sleep(_COMMIT_POLL_S)
 
     # Running -----------------------------------------------------------------------------
     def discard(self) -> None:

@@ -25,7 +25,13 @@ from nxd_ckpt.format import (
     FormatError,
     TensorRecord,
 )
-from nxd_ckpt.format._stfile import FilePlan, plan_file, write_planned, write_text_atomic
+from nxd_ckpt.format._stfile import (
+    FileDigest,
+    FilePlan,
+    plan_file,
+    write_planned,
+    write_text_atomic,
+)
 from nxd_ckpt.save._memcopy import copy_into
 from nxd_ckpt.save._plan import RankPlan, WriteChunk
 
@@ -191,26 +197,35 @@ def write_rank(
                 ctx.dp_rank,
             ).__dict__,
         }
-        entries = {entry.key: entry for entry in file_plan.entries}
-        for chunk in plan.chunks:
-            manifest["chunks"].append(
-                {
-                    "category": chunk.category,
-                    "name": chunk.name,
-                    "file": relative,
-                    "key": chunk.key,
-                    "offsets": list(chunk.box.offsets),
-                    "shape": list(chunk.box.shape),
-                    "crc32": digest.block_crcs[chunk.key],
-                    "crc_rows": entries[chunk.key].crc_rows,
-                    "tp_rank": ctx.tp_rank,
-                    "pp_rank": ctx.pp_rank,
-                    "dp_rank": ctx.dp_rank,
-                }
-            )
+        manifest["chunks"] = _chunk_records(plan, relative, file_plan, digest)
     path = manifest_path(data_dir, ctx.rank)  # read by rank 0 now, folded into the index:
     write_text_atomic(path, json.dumps(manifest), durable=False)  # atomic, no fsync needed
     return path
+
+
+def _chunk_records(
+    plan: RankPlan, relative: str, file_plan: FilePlan, digest: FileDigest
+) -> list[dict[str, Any]]:
+    """The manifest's record of each chunk written: where it lies in its global tensor, its
+    block in the file ``relative`` and that block's CRCs."""
+    ctx = plan.ctx
+    entries = {entry.key: entry for entry in file_plan.entries}
+    return [
+        {
+            "category": chunk.category,
+            "name": chunk.name,
+            "file": relative,
+            "key": chunk.key,
+            "offsets": list(chunk.box.offsets),
+            "shape": list(chunk.box.shape),
+            "crc32": digest.block_crcs[chunk.key],
+            "crc_rows": entries[chunk.key].crc_rows,
+            "tp_rank": ctx.tp_rank,
+            "pp_rank": ctx.pp_rank,
+            "dp_rank": ctx.dp_rank,
+        }
+        for chunk in plan.chunks
+    ]
 
 
 def _merge_optimizer(target: dict[str, Any] | None, meta: dict[str, Any]) -> dict[str, Any]:
