@@ -1,41 +1,38 @@
-"""Process groups the optimizer creates from NxD's rank lists get nxd's group timeout.
+"""Process groups the optimizer needs from NxD's rank lists come from the parallel state.
 
-torch's ``new_group`` does not inherit the default group's timeout; ParallelState passes
-``nxd_state.health.group_timeout()`` to every group it builds, and so must the optimizer when
-it builds groups from ``as_list`` rank lists that are not the parallel state's own.
+A partition that is one of the state's families is the state's own group; any other is
+created once by :meth:`nxd_state.ParallelState.group_for` (nxd's group timeout; see
+``packages/nxd-state/tests/test_group_for.py``). Without a parallel state, rank lists are
+refused: nothing else may create process groups.
 """
 
 from __future__ import annotations
 
-import datetime
+import pytest
 
 from nxd_state.testing import run_distributed
 
 
-def create_from_lists() -> list[float | None]:
+def resolve_through_the_state() -> dict[str, object]:
     import torch.distributed as dist
 
+    import nxd_state
     from nxd_optim import _groups
-    from nxd_state import health
 
-    health.set_group_timeout(datetime.timedelta(seconds=123))
-    seen: list[float | None] = []
-    real = dist.new_group
-
-    def recording(*args: object, **kwargs: object) -> object:
-        timeout = kwargs.get("timeout")
-        seen.append(timeout.total_seconds() if timeout is not None else None)  # type: ignore[attr-defined]
-        return real(*args, **kwargs)  # type: ignore[arg-type]
-
-    dist.new_group = recording  # type: ignore[assignment]
-    try:
-        group = _groups.resolve_group([[0], [1]], None, "sharding_groups")  # no parallel state
-    finally:
-        dist.new_group = real  # type: ignore[assignment]
-    assert dist.get_process_group_ranks(group) == [dist.get_rank()]
-    return seen
+    with pytest.raises(RuntimeError, match=r"need an nxd_state parallel state"):
+        _groups.resolve_group([[0, 3], [1, 2]], None, "sharding_groups")
+    state = nxd_state.initialize_model_parallel(tensor_model_parallel_size=2)  # DP = 2
+    family = _groups.resolve_group(state.layout.data_parallel_groups(), None, "sharding_groups")
+    other = _groups.resolve_group([[0, 3], [1, 2]], None, "sharding_groups")
+    again = _groups.resolve_group([[0, 3], [1, 2]], None, "grad_norm_groups")
+    mine = next(g for g in ([0, 3], [1, 2]) if dist.get_rank() in g)
+    return {
+        "family_is_state_group": family is state.data_parallel_group,
+        "other_ranks": dist.get_process_group_ranks(other) == mine,
+        "created_once": other is again and other is state.group_for(mine),
+    }
 
 
-def test_groups_from_rank_lists_get_the_group_timeout() -> None:
-    for seen in run_distributed(create_from_lists, 2):
-        assert seen == [123.0, 123.0]  # one group per list, each with nxd's timeout
+def test_rank_lists_resolve_through_the_parallel_state() -> None:
+    for report in run_distributed(resolve_through_the_state, 4):
+        assert report == {"family_is_state_group": True, "other_ranks": True, "created_once": True}

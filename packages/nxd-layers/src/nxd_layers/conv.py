@@ -122,12 +122,25 @@ class BaseParallelConv(ParallelModuleMixin, nn.Module):
         set_tensor_model_parallel_attributes(self.weight, True, partition_dim, 1)
         self.master_weight = master_weight if keep_master_params else None
         self.master_bias = master_bias if keep_master_params else None
-        if not bias:
+        if bias:
+            self._build_bias(master_bias, rank, tp, dtype, device)
+        else:
             self.register_parameter("bias", None)
-            return
-        # Output-channel split: the bias is split with the channels (added before the gather);
-        # input-channel split: replicated, added after the all-reduce.
-        bias_split = partition_dim == CONV_KERNEL_OUTPUT_CHANNEL_DIMENSION
+
+    def _build_bias(
+        self,
+        master_bias: torch.Tensor | None,
+        rank: int,
+        tp: int,
+        dtype: torch.dtype,
+        device: torch.device | str | None,
+    ) -> None:
+        """This rank's bias from the full ``master_bias`` (``None`` on the meta device).
+
+        Output-channel split: the bias is split with the channels (added before the gather);
+        input-channel split: replicated, added after the all-reduce.
+        """
+        bias_split = self.partition_dim == CONV_KERNEL_OUTPUT_CHANNEL_DIMENSION
         self.bias = sharded_parameter(
             master_bias,
             (self.channels_per_partition if bias_split else self.out_channels,),

@@ -160,7 +160,20 @@ class ParallelEmbedding(ParallelModuleMixin, nn.Module):
         if pad_idx is not None and pad_idx < 0:
             pad_idx += num_embeddings  # as nn.Embedding
         self._global_padding_idx = pad_idx
+        self._build_weight(num_embeddings, embedding_dim, pad_idx, rank, dtype, device)
 
+    def _build_weight(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        pad_idx: int | None,
+        rank: int,
+        dtype: torch.dtype,
+        device: torch.device | str | None,
+    ) -> None:
+        """The table: its sharded dimension padded (:meth:`_partition`), the full table drawn
+        from the seed (not on the meta device), this rank's slice kept as ``weight``."""
+        tp = self.tensor_model_parallel_size
         local_shape, sharded, what = self._partition(num_embeddings, embedding_dim, pad_idx, rank)
         self._unpadded_shape = (num_embeddings, embedding_dim)
         master = None

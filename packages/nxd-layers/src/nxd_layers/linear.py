@@ -87,6 +87,34 @@ class BaseParallelLinear(ParallelModuleMixin, nn.Module):
         """W <- init_method(W), or U(-1/sqrt(fan_in), 1/sqrt(fan_in)) as ``torch.nn.Linear``."""
         (self.arg_init_method or default_linear_init)(weight)
 
+    def _build_weight(
+        self,
+        full_shape: tuple[int, int],
+        partition_dim: int,
+        *,
+        rank: int,
+        tp: int,
+        dtype: torch.dtype,
+        device: torch.device | str | None,
+        keep_master_weight: bool,
+    ) -> None:
+        """W <- init_method(W) drawn full (``full_shape``, unpadded; the layer's ``pad_size``
+        zeros appended along ``partition_dim``), this rank's slice kept as ``weight``, the
+        full one as ``master_weight`` with ``keep_master_weight``."""
+        self.weight, master = sharded_weight(
+            full_shape,
+            partition_dim,
+            rank,
+            tp,
+            self.stride,
+            dtype,
+            device,
+            self._init_weight,
+            self.pad_size,
+        )
+        self.keep_master_weight = keep_master_weight
+        self.master_weight = master if keep_master_weight else None
+
     def _build_bias(
         self,
         input_size: int,
@@ -181,19 +209,10 @@ class ColumnParallelLinear(BaseParallelLinear):
         self.stride = stride
         self.arg_init_method = init_method
 
-        self.weight, master = sharded_weight(
-            (output_size, input_size),
-            0,
-            rank,
-            tp,
-            stride,
-            dtype,
-            device,
-            self._init_weight,
-            self.pad_size,
-        )
-        self.keep_master_weight = keep_master_weight
-        self.master_weight = master if keep_master_weight else None
+        self._build_weight(
+            (output_size, input_size), 0, rank=rank, tp=tp, dtype=dtype, device=device,
+            keep_master_weight=keep_master_weight,
+        )  # fmt: skip
         if bias:  # NxD: a gathered output gets the full, replicated bias
             self._build_bias(
                 input_size, output_size, self.pad_size, split=not gather_output,
@@ -326,19 +345,10 @@ class RowParallelLinear(BaseParallelLinear):
         self.stride = stride
         self.arg_init_method = init_method
 
-        self.weight, master = sharded_weight(
-            (output_size, input_size),
-            1,
-            rank,
-            tp,
-            stride,
-            dtype,
-            device,
-            self._init_weight,
-            self.pad_size,
-        )
-        self.keep_master_weight = keep_master_weight
-        self.master_weight = master if keep_master_weight else None
+        self._build_weight(
+            (output_size, input_size), 1, rank=rank, tp=tp, dtype=dtype, device=device,
+            keep_master_weight=keep_master_weight,
+        )  # fmt: skip
         if bias:  # replicated, added after the reduction
             self._build_bias(
                 input_size, output_size, 0, split=False, rank=rank, tp=tp, dtype=dtype,

@@ -2,12 +2,12 @@
 
 Groups may be given as a ``ProcessGroup`` or in NxD's ``as_list`` form (every group of a family
 as lists of global ranks, e.g. ``get_data_parallel_group(as_list=True)``); ``None`` means the
-current nxd_state parallel state's group.
+current nxd_state parallel state's group. The process groups of rank lists come from the parallel
+state (:meth:`~nxd_state.ParallelState.partition_group`), which creates each once.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -16,7 +16,6 @@ from torch.distributed import ProcessGroup
 
 import nxd_state
 from nxd_state import ParallelState
-from nxd_state.health import group_timeout
 
 __all__ = [
     "GroupSpec",
@@ -28,8 +27,6 @@ __all__ = [
     "shard_norm_group",
 ]
 
-logger = logging.getLogger(__name__)
-
 GroupSpec = ProcessGroup | Sequence[Sequence[int]] | None
 
 # Device types each backend moves (gloo also handles CUDA tensors).
@@ -38,9 +35,6 @@ _BACKEND_DEVICE_TYPES: dict[str, tuple[str, ...]] = {
     "nccl": ("cuda",),
     "xla": ("xla",),
 }
-# Groups this module created from rank lists, so repeated optimizers reuse them.
-# ``new_group`` hands a rank outside a group torch's non-member marker, not a ProcessGroup.
-_CREATED: dict[tuple[tuple[int, ...], ...], dict[tuple[int, ...], ProcessGroup | int]] = {}
 
 
 def current_state_or_none() -> ParallelState | None:
@@ -68,40 +62,18 @@ def refuse_expert_parallelism(where: str, params: Iterable[torch.Tensor]) -> Non
     )
 
 
-def _groups_from_lists(lists: Sequence[Sequence[int]], what: str) -> tuple[ProcessGroup, list[int]]:
-    """This rank's group out of a partition of the world given as rank lists (collective)."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    groups = [tuple(int(r) for r in ranks) for ranks in lists]
-    flat = sorted(r for ranks in groups for r in ranks)
-    if flat != list(range(world)):
-        raise ValueError(
-            f"{what} {[list(g) for g in groups]} must partition the world's ranks "
-            f"0..{world - 1} (each rank in exactly one group)"
-        )
-    if len({len(g) for g in groups}) != 1:
-        raise ValueError(f"{what} {[list(g) for g in groups]} have unequal sizes")
-    mine = next(g for g in groups if rank in g)
+def _partition_group(lists: Sequence[Sequence[int]], what: str) -> ProcessGroup:
+    """This rank's group of a partition of the world given as rank lists, from the current
+    parallel state (:meth:`~nxd_state.ParallelState.partition_group`: its own group, or one it
+    creates once; collective on first use)."""
     state = current_state_or_none()
-    if state is not None:  # the state's own groups: reuse them instead of creating new ones
-        for group, all_lists in (
-            (state.data_parallel_group, state.layout.data_parallel_groups()),
-            (state.data_context_parallel_group, state.layout.data_context_parallel_groups()),
-            (state.tensor_parallel_group, state.layout.tensor_parallel_groups()),
-            (state.pipeline_parallel_group, state.layout.pipeline_parallel_groups()),
-        ):
-            # A state built by hand may lack the DP x CP group: then it is not reused.
-            if group is not None and {tuple(g) for g in all_lists} == set(groups):
-                return group, list(mine)
-    key = tuple(groups)
-    if key not in _CREATED:
-        logger.info("creating process groups %s for %s", [list(g) for g in groups], what)
-        # Collective, same order on every rank; with nxd's timeout, as ParallelState's groups
-        # (torch's new_group does not inherit the default group's).
-        _CREATED[key] = {g: dist.new_group(list(g), timeout=group_timeout()) for g in groups}
-    created = _CREATED[key][mine]
-    if not isinstance(created, ProcessGroup):  # this rank is in `mine`: torch gave it its group
-        raise RuntimeError(f"{what}: torch did not create a group for rank {rank} in {list(mine)}")
-    return created, list(mine)
+    if state is None:
+        raise RuntimeError(
+            f"{what} given as rank lists {[list(g) for g in lists]} need an nxd_state parallel "
+            "state to create their process groups: call "
+            "nxd_state.initialize_model_parallel(...) first, or pass a ProcessGroup"
+        )
+    return state.partition_group(lists, what)[0]
 
 
 def resolve_group(spec: GroupSpec, default: ProcessGroup | None, what: str) -> ProcessGroup:
@@ -118,7 +90,7 @@ def resolve_group(spec: GroupSpec, default: ProcessGroup | None, what: str) -> P
         if dist.get_rank() not in ranks:
             raise ValueError(f"{what} {ranks} does not contain this rank ({dist.get_rank()})")
         return spec
-    return _groups_from_lists(spec, what)[0]
+    return _partition_group(spec, what)
 
 
 def resolve_sharding_group(spec: GroupSpec) -> tuple[ProcessGroup, list[int]]:
@@ -176,7 +148,7 @@ def shard_norm_group(sharding_ranks: Sequence[int]) -> ProcessGroup | None:
             f"data x context parallel group {state.data_context_parallel_ranks}, got "
             f"{list(sharding_ranks)}"
         )
-    return _groups_from_lists(lists, "grad norm groups (dp x cp x pp)")[0]
+    return state.partition_group(lists, "grad norm groups (dp x cp x pp)")[0]
 
 
 def check_params_on_backend_device(

@@ -43,6 +43,42 @@ logger = logging.getLogger(__name__)
 _MIB = 2**20
 
 
+def _check_options(
+    *,
+    optimizer_class: type[Optimizer],
+    grad_clipping: bool,
+    max_norm: float | None,
+    norm_type: float,
+    bucket_cap_mb_all_gather: float,
+    bucket_cap_mb_reduce_scatter: float,
+    grad_reduction: str,
+    optimizer_dtype: torch.dtype | None,
+) -> float:
+    """One clear error for a bad ZeRO-1 option; returns ``max_norm`` (1.0 when None)."""
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):
+        raise TypeError(
+            f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}"
+        )
+    max_norm = 1.0 if max_norm is None else float(max_norm)
+    if grad_clipping and not max_norm > 0:  # NaN fails too; inf means measure only
+        raise ValueError(
+            f"max_norm must be positive (math.inf: measure the norm, clip nothing), got {max_norm}"
+        )
+    if not float(norm_type) > 0:
+        raise ValueError(f"norm_type must be positive (or math.inf), got {norm_type}")
+    for name, cap in (
+        ("bucket_cap_mb_all_gather", bucket_cap_mb_all_gather),
+        ("bucket_cap_mb_reduce_scatter", bucket_cap_mb_reduce_scatter),
+    ):
+        if not cap >= 0:
+            raise ValueError(f"{name} must be >= 0 (0: no cap), got {cap}")
+    if grad_reduction not in GRAD_REDUCTIONS:
+        raise ValueError(f"grad_reduction must be one of {GRAD_REDUCTIONS}, got {grad_reduction!r}")
+    if optimizer_dtype is not None and not optimizer_dtype.is_floating_point:
+        raise ValueError(f"optimizer_dtype must be a floating dtype, got {optimizer_dtype}")
+    return max_norm
+
+
 class Zero1Setup(Optimizer):
     """Everything of :class:`~nxd_optim.NeuronZero1Optimizer` except the step."""
 
@@ -73,35 +109,17 @@ class Zero1Setup(Optimizer):
         parameters_as_bucket_view: bool,
         defaults: dict[str, Any],
     ) -> None:
-        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):
-            raise TypeError(
-                f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}"
-            )
-        groups = as_param_groups(params, "NeuronZero1Optimizer")
-        if not self._holds_expert_shards:
-            refuse_expert_parallelism(
-                type(self).__name__, [p for group in groups for p in group["params"]]
-            )
-        max_norm = 1.0 if max_norm is None else float(max_norm)
-        if grad_clipping and not max_norm > 0:  # NaN fails too; inf means measure only
-            raise ValueError(
-                f"max_norm must be positive (math.inf: measure the norm, clip nothing), "
-                f"got {max_norm}"
-            )
-        if not float(norm_type) > 0:
-            raise ValueError(f"norm_type must be positive (or math.inf), got {norm_type}")
-        for name, cap in (
-            ("bucket_cap_mb_all_gather", bucket_cap_mb_all_gather),
-            ("bucket_cap_mb_reduce_scatter", bucket_cap_mb_reduce_scatter),
-        ):
-            if not cap >= 0:
-                raise ValueError(f"{name} must be >= 0 (0: no cap), got {cap}")
-        if grad_reduction not in GRAD_REDUCTIONS:
-            raise ValueError(
-                f"grad_reduction must be one of {GRAD_REDUCTIONS}, got {grad_reduction!r}"
-            )
-        if optimizer_dtype is not None and not optimizer_dtype.is_floating_point:
-            raise ValueError(f"optimizer_dtype must be a floating dtype, got {optimizer_dtype}")
+        max_norm = _check_options(
+            optimizer_class=optimizer_class,
+            grad_clipping=grad_clipping,
+            max_norm=max_norm,
+            norm_type=norm_type,
+            bucket_cap_mb_all_gather=bucket_cap_mb_all_gather,
+            bucket_cap_mb_reduce_scatter=bucket_cap_mb_reduce_scatter,
+            grad_reduction=grad_reduction,
+            optimizer_dtype=optimizer_dtype,
+        )
+        groups = self._param_groups(params)
         self.optimizer_class = optimizer_class
         self._optimizer_dtype = optimizer_dtype
         self.grad_clipping = grad_clipping
@@ -128,6 +146,16 @@ class Zero1Setup(Optimizer):
         self._grad_norm: torch.Tensor | None = None
         self.inited = False
         super().__init__(groups, defaults)
+
+    def _param_groups(self, params: Any) -> list[dict[str, Any]]:
+        """The caller's param groups, checked; expert params refused at EP > 1 unless this is
+        the expert half of :class:`~nxd_optim.NeuronEPZero1Optimizer`."""
+        groups = as_param_groups(params, "NeuronZero1Optimizer")
+        if not self._holds_expert_shards:
+            refuse_expert_parallelism(
+                type(self).__name__, [p for group in groups for p in group["params"]]
+            )
+        return groups
 
     # Lazy initialisation ----------------------------------------------------------------
     def init_zero(self) -> None:

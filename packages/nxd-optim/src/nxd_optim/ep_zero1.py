@@ -124,17 +124,7 @@ class NeuronEPZero1Optimizer(NeuronZero1Optimizer):
             parameters_as_bucket_view=parameters_as_bucket_view,
         )
         self.optimizer_class = optimizer_class
-        self.grad_clipping = grad_clipping
-        self.max_norm = 1.0 if max_norm is None else float(max_norm)
-        self.norm_type = float(norm_type)
-        self.pin_layout = pin_layout
-        self.use_master_weights = use_master_weights
-        self.use_fp32_grad_acc = self.use_grad_acc_hook = use_fp32_grad_acc or use_grad_acc_hook
-        self.use_master_weights_in_ckpt = self.save_master_weights = (
-            use_master_weights_in_ckpt or save_master_weights
-        )
-        self.higher_cc_precision = higher_cc_precision
-        self.grad_reduction = grad_reduction
+        self._expose_options(self._inner_kwargs)
         self._sharding_spec = sharding_groups
         self._grad_norm_spec = grad_norm_groups
         self._inner_defaults = dict(defaults)
@@ -147,6 +137,24 @@ class NeuronEPZero1Optimizer(NeuronZero1Optimizer):
         Optimizer.__init__(self, groups, defaults)
         if not lazy_init:
             self.init_zero()
+
+    def _expose_options(self, options: dict[str, Any]) -> None:
+        """torch-xla's option attributes (as :class:`NeuronZero1Optimizer` has them), from the
+        arguments both halves are built with."""
+        self.grad_clipping = options["grad_clipping"]
+        max_norm = options["max_norm"]
+        self.max_norm = 1.0 if max_norm is None else float(max_norm)
+        self.norm_type = float(options["norm_type"])
+        self.pin_layout = options["pin_layout"]
+        self.use_master_weights = options["use_master_weights"]
+        self.use_fp32_grad_acc = self.use_grad_acc_hook = (
+            options["use_fp32_grad_acc"] or options["use_grad_acc_hook"]
+        )
+        self.use_master_weights_in_ckpt = self.save_master_weights = (
+            options["use_master_weights_in_ckpt"] or options["save_master_weights"]
+        )
+        self.higher_cc_precision = options["higher_cc_precision"]
+        self.grad_reduction = options["grad_reduction"]
 
     # Set-up ----------------------------------------------------------------------------
     def init_zero(self) -> None:

@@ -60,7 +60,7 @@ from nxd_state._traffic import (
     record,
     register_group_name,
 )
-from nxd_state.health import CheckedWork, checked
+from nxd_state.health import CheckedWork, checked, group_timeout
 
 __all__ = [
     "BatchWork",
@@ -81,6 +81,7 @@ __all__ = [
     "group_size",
     "irecv",
     "isend",
+    "new_group",
     "recv",
     "reduce_scatter",
     "register_group_name",
@@ -89,6 +90,24 @@ __all__ = [
 ]
 
 Group = ProcessGroup | None
+
+
+def new_group(ranks: Sequence[int], name: str | None = None) -> ProcessGroup | None:
+    """Create the process group of ``ranks`` (global ranks) on the default group's backend, with
+    nxd's group timeout (:func:`nxd_state.health.group_timeout`: torch's ``new_group`` does not
+    inherit the default group's).
+
+    Collective over the default group: every rank calls it with the same ranks in the same
+    order, members or not. Returns ``None`` on a rank outside ``ranks`` (torch hands those a
+    non-member marker, not a group); a member's group is ``name`` in traffic reports.
+    """
+    group = dist.new_group(list(ranks), timeout=group_timeout())
+    if not isinstance(group, ProcessGroup):  # GroupMember.NON_GROUP_MEMBER, an int
+        return None
+    if name is not None:
+        register_group_name(group, name)
+    return group
+
 
 # Backends found to lack a native op (detected on first use): the op is emulated instead.
 _NO_NATIVE_REDUCE_SCATTER: set[str] = set()  # gloo before torch 2.6

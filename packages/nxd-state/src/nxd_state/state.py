@@ -4,19 +4,22 @@ view.
 Building it creates every group of every family on every rank (``new_group`` is collective over
 the default group, so all ranks make the same calls in the same order); each rank keeps the
 group it belongs to. The KV-shared groups of GQA layers are built later, on demand, by
-:meth:`ParallelState.initialize_kv_groups`, and belong to the same state.
+:meth:`ParallelState.initialize_kv_groups`, and groups of any other rank lists by
+:meth:`ParallelState.group_for`; they belong to the same state. Every group is created by
+:func:`nxd_state.collectives.new_group`.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from nxd_state import health
-from nxd_state.collectives import register_group_name
+from nxd_state.collectives import new_group, register_group_name
 from nxd_state.layout import ParallelLayout, RankCoordinates
 
 __all__ = ["KVSharedGroups", "ParallelState"]
@@ -30,15 +33,44 @@ def _build_family(
     """Create every group of one family (collective: all ranks call this in the same order)."""
     mine: tuple[ProcessGroup, list[int]] | None = None
     for ranks in all_groups:
-        group = dist.new_group(ranks, timeout=health.group_timeout())
+        group = new_group(ranks, name)
         if rank in ranks:
-            # new_group returns GroupMember.NON_GROUP_MEMBER (an int) only to non-members
-            assert isinstance(group, ProcessGroup)
-            register_group_name(group, name)
+            assert group is not None  # a member gets its group
             mine = (group, ranks)
     if mine is None:  # pragma: no cover - the layout covers every rank
         raise RuntimeError(f"rank {rank} is in no {name} group of {all_groups}")
     return mine
+
+
+def _build_families(layout: ParallelLayout, rank: int) -> dict[str, Any]:
+    """Create every group of every family of ``layout`` (collective), as the
+    :class:`ParallelState` fields ``*_group`` and ``*_ranks`` of ``rank``.
+
+    With CP = 1 the DP x CP group is the DP group; with EP = 1 the expert DP group is the
+    DP x CP group (not built twice).
+    """
+    same_as: dict[str, str] = {}
+    if layout.context_parallel_size == 1:
+        same_as["data_context_parallel"] = "data_parallel"
+    if layout.expert_model_parallel_size == 1:
+        same_as["expert_data_parallel"] = "data_context_parallel"
+    fields: dict[str, Any] = {}
+    for family, name, all_groups in (
+        ("tensor_parallel", "tp", layout.tensor_parallel_groups()),
+        ("data_parallel", "dp", layout.data_parallel_groups()),
+        ("pipeline_parallel", "pp", layout.pipeline_parallel_groups()),
+        ("model_parallel", "mp", layout.model_parallel_groups()),
+        ("context_parallel", "cp", layout.context_parallel_groups()),
+        ("data_context_parallel", "dp_cp", layout.data_context_parallel_groups()),
+        ("expert_model_parallel", "ep", layout.expert_model_parallel_groups()),
+        ("expert_data_parallel", "edp", layout.expert_data_parallel_groups()),
+    ):
+        if family in same_as:
+            group, ranks = fields[f"{same_as[family]}_group"], fields[f"{same_as[family]}_ranks"]
+        else:
+            group, ranks = _build_family(name, all_groups, rank)
+        fields[f"{family}_group"], fields[f"{family}_ranks"] = group, ranks
+    return fields
 
 
 def _release(group: ProcessGroup) -> None:
@@ -115,6 +147,10 @@ class ParallelState:
     expert_data_parallel_ranks: list[int] = field(default_factory=list)
     kv_shared: KVSharedGroups | None = None
     """The KV-shared groups, once :meth:`initialize_kv_groups` has built them."""
+    _subgroups: dict[tuple[int, ...], ProcessGroup | None] = field(
+        default_factory=dict, init=False, repr=False
+    )
+    """Groups :meth:`group_for` created, by their rank lists (``None``: this rank is outside)."""
 
     @classmethod
     def build(
@@ -147,20 +183,7 @@ class ParallelState:
         world = dist.GroupMember.WORLD
         assert world is not None  # dist.is_initialized() was checked above
         register_group_name(world, "world")
-        tp, tp_ranks = _build_family("tp", layout.tensor_parallel_groups(), rank)
-        dp, dp_ranks = _build_family("dp", layout.data_parallel_groups(), rank)
-        pp, pp_ranks = _build_family("pp", layout.pipeline_parallel_groups(), rank)
-        mp, mp_ranks = _build_family("mp", layout.model_parallel_groups(), rank)
-        cp, cp_ranks = _build_family("cp", layout.context_parallel_groups(), rank)
-        if layout.context_parallel_size == 1:
-            dcp, dcp_ranks = dp, dp_ranks
-        else:
-            dcp, dcp_ranks = _build_family("dp_cp", layout.data_context_parallel_groups(), rank)
-        ep, ep_ranks = _build_family("ep", layout.expert_model_parallel_groups(), rank)
-        if layout.expert_model_parallel_size == 1:
-            edp, edp_ranks = dcp, dcp_ranks
-        else:
-            edp, edp_ranks = _build_family("edp", layout.expert_data_parallel_groups(), rank)
+        families = _build_families(layout, rank)
         logger.info(
             "rank %d: tp=%d pp=%d dp=%d cp=%d ep=%d at %s",
             rank,
@@ -171,27 +194,7 @@ class ParallelState:
             layout.expert_model_parallel_size,
             layout.coordinates(rank),
         )
-        return cls(
-            layout=layout,
-            rank=rank,
-            coordinates=layout.coordinates(rank),
-            tensor_parallel_group=tp,
-            data_parallel_group=dp,
-            pipeline_parallel_group=pp,
-            model_parallel_group=mp,
-            context_parallel_group=cp,
-            expert_model_parallel_group=ep,
-            tensor_parallel_ranks=tp_ranks,
-            data_parallel_ranks=dp_ranks,
-            pipeline_parallel_ranks=pp_ranks,
-            model_parallel_ranks=mp_ranks,
-            context_parallel_ranks=cp_ranks,
-            data_context_parallel_group=dcp,
-            data_context_parallel_ranks=dcp_ranks,
-            expert_model_parallel_ranks=ep_ranks,
-            expert_data_parallel_group=edp,
-            expert_data_parallel_ranks=edp_ranks,
-        )
+        return cls(layout=layout, rank=rank, coordinates=layout.coordinates(rank), **families)
 
     # Sizes and ranks ------------------------------------------------------------------
     @property
@@ -310,10 +313,64 @@ class ParallelState:
             _release(self.kv_shared.group)
             self.kv_shared = None
 
+    # Groups of other rank lists ------------------------------------------------------------
+    def group_for(self, ranks: Sequence[int]) -> ProcessGroup | None:
+        """The process group of ``ranks`` (global ranks), created once per state, with nxd's
+        group timeout on the default group's backend (:func:`nxd_state.collectives.new_group`);
+        ``None`` on a rank outside ``ranks``.
+
+        Collective the first time a rank list is asked for: every rank calls it with the same
+        ranks in the same order, members or not. Later calls return the same group.
+        """
+        key = tuple(int(r) for r in ranks)
+        if key not in self._subgroups:
+            logger.info("rank %d: creating process group %s", self.rank, list(key))
+            self._subgroups[key] = new_group(key)
+        return self._subgroups[key]
+
+    def partition_group(
+        self, groups: Sequence[Sequence[int]], what: str = "groups"
+    ) -> tuple[ProcessGroup, list[int]]:
+        """This rank's group, and its ranks, of a partition of the world given as rank lists
+        (NxD's ``as_list`` form); ``what`` names them in errors.
+
+        A partition that is one of this state's families (TP, DP, PP, DP x CP) gives the
+        state's own group; any other is created with :meth:`group_for`, list by list
+        (collective on first use: every rank calls it with the same partition).
+        """
+        world = self.layout.world_size
+        lists = [tuple(int(r) for r in ranks) for ranks in groups]
+        if sorted(r for ranks in lists for r in ranks) != list(range(world)):
+            raise ValueError(
+                f"{what} {[list(g) for g in lists]} must partition the world's ranks "
+                f"0..{world - 1} (each rank in exactly one group)"
+            )
+        if len({len(g) for g in lists}) != 1:
+            raise ValueError(f"{what} {[list(g) for g in lists]} have unequal sizes")
+        mine = next(g for g in lists if self.rank in g)
+        for group, family in (
+            (self.data_parallel_group, self.layout.data_parallel_groups()),
+            (self.data_context_parallel_group, self.layout.data_context_parallel_groups()),
+            (self.tensor_parallel_group, self.layout.tensor_parallel_groups()),
+            (self.pipeline_parallel_group, self.layout.pipeline_parallel_groups()),
+        ):
+            # A state built by hand may lack the DP x CP group: then it is not reused.
+            if group is not None and {tuple(g) for g in family} == set(lists):
+                return group, list(mine)
+        created = [self.group_for(g) for g in lists]  # every rank creates every list's group
+        group = created[lists.index(mine)]
+        if group is None:  # pragma: no cover - this rank is in `mine`: torch gave it its group
+            raise RuntimeError(f"{what}: no group was created for rank {self.rank} in {list(mine)}")
+        return group, list(mine)
+
     def destroy(self) -> None:
-        """Destroy this state's groups, KV-shared ones included (the default group stays;
-        gloo groups are dropped: see :func:`_release`)."""
+        """Destroy this state's groups, KV-shared ones and :meth:`group_for`'s included (the
+        default group stays; gloo groups are dropped: see :func:`_release`)."""
         self.destroy_kv_groups()
+        for subgroup in self._subgroups.values():
+            if subgroup is not None:
+                _release(subgroup)
+        self._subgroups.clear()
         for group in {
             self.tensor_parallel_group,
             self.data_parallel_group,

@@ -50,7 +50,7 @@ import traceback
 import types
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from nxd_state._launch import LaunchedRanks, launch_ranks, process_alive
 from nxd_state._rank_pool import (
@@ -223,7 +223,9 @@ def _rank_main(
     os._exit(0)
 
 
-def _raise_rank_error(rank: int, world_size: int, error: BaseException | None, text: str) -> None:
+def _raise_rank_error(
+    rank: int, world_size: int, error: BaseException | None, text: str
+) -> NoReturn:
     cause = RemoteTraceback(f"\n--- rank {rank} of {world_size} ---\n{text}")
     if error is None:
         raise RuntimeError(f"rank {rank} of {world_size} failed") from cause
@@ -343,6 +345,19 @@ def _collect(
             died.append(rank)
         if (errors or died) and grace_until is None:
             grace_until = time.monotonic() + _FAILURE_GRACE_S
+    if died or errors:
+        _raise_root_cause(procs, died, errors, world_size)
+    return [results[rank] for rank in range(world_size)]
+
+
+def _raise_root_cause(
+    procs: list[Any],
+    died: list[int],
+    errors: list[tuple[int, BaseException | None, str]],
+    world_size: int,
+) -> NoReturn:
+    """Raise for the first rank that died without a report (its peers' errors listed after
+    it), else re-raise the first rank's exception."""
     if died:
         rank = died[0]
         procs[rank].join(timeout=1)
@@ -353,9 +368,7 @@ def _collect(
             f"rank {rank} of {world_size} exited with code {procs[rank].exitcode} "
             f"without reporting a result{others}"
         )
-    if errors:
-        _raise_rank_error(errors[0][0], world_size, errors[0][1], errors[0][2])
-    return [results[rank] for rank in range(world_size)]
+    _raise_rank_error(errors[0][0], world_size, errors[0][1], errors[0][2])
 
 
 def _raise_timeout(

@@ -189,12 +189,6 @@ class ExpertMLPs(torch.nn.Module):
             sequence_parallel_mode,
             permute_strategy,
         )
-        self.group = resolve_expert_parallel_group(expert_model_parallel_group)
-        ep = group_size(self.group)
-        if num_experts % ep != 0:
-            raise ValueError(
-                f"num_experts({num_experts}) is not divisible by expert_model_parallel_size({ep})"
-            )
         self.num_experts, self.top_k = num_experts, top_k
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.glu_mlp, self.act_fn = glu_mlp, ACT2FN[hidden_act]
@@ -203,18 +197,11 @@ class ExpertMLPs(torch.nn.Module):
         self.return_bias = False
         self.sequence_parallel_mode = mode
         self.permute_strategy = permute_strategy
-        self.num_local_experts = num_experts // ep
-        self.expert_model_parallel_rank = 0 if ep == 1 else collectives.group_rank(self.group)
         self.last_dropped = 0
         """Assignments this rank dropped for capacity in the last forward pass."""
-        self.tp_group = resolve_tensor_parallel_group(tensor_model_parallel_group)
-        tp = group_size(self.tp_group)
-        if intermediate_size % tp != 0:
-            raise ValueError(
-                f"intermediate_size({intermediate_size}) is not divisible by "
-                f"tensor_parallel_size({tp})"
-            )
-        tp_rank = 0 if tp == 1 else collectives.group_rank(self.tp_group)
+        ep, tp, tp_rank = self._split_over_groups(
+            expert_model_parallel_group, tensor_model_parallel_group
+        )
         self._build_weights(
             tp_rank, tp, init_method, output_layer_init_method, dtype=dtype, device=device
         )
@@ -226,6 +213,32 @@ class ExpertMLPs(torch.nn.Module):
             set_tensor_model_parallel_attributes(
                 param, tp > 1, dim if tp > 1 else -1, stride if tp > 1 else 1
             )
+
+    def _split_over_groups(
+        self,
+        expert_model_parallel_group: ProcessGroup | None,
+        tensor_model_parallel_group: ProcessGroup | None,
+    ) -> tuple[int, int, int]:
+        """Resolve the EP group (``group``: the experts split over it) and the TP group
+        (``tp_group``: the intermediate size split over it), refusing sizes that do not divide;
+        returns ``(ep, tp, tp_rank)``."""
+        self.group = resolve_expert_parallel_group(expert_model_parallel_group)
+        ep = group_size(self.group)
+        if self.num_experts % ep != 0:
+            raise ValueError(
+                f"num_experts({self.num_experts}) is not divisible by "
+                f"expert_model_parallel_size({ep})"
+            )
+        self.num_local_experts = self.num_experts // ep
+        self.expert_model_parallel_rank = 0 if ep == 1 else collectives.group_rank(self.group)
+        self.tp_group = resolve_tensor_parallel_group(tensor_model_parallel_group)
+        tp = group_size(self.tp_group)
+        if self.intermediate_size % tp != 0:
+            raise ValueError(
+                f"intermediate_size({self.intermediate_size}) is not divisible by "
+                f"tensor_parallel_size({tp})"
+            )
+        return ep, tp, 0 if tp == 1 else collectives.group_rank(self.tp_group)
 
     def _build_weights(
         self,

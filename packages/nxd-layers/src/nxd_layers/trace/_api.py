@@ -12,6 +12,7 @@ import logging
 import os
 import tempfile
 import time
+from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 
 from nxd_layers.trace import _artifacts, _neuron
-from nxd_layers.trace._funcref import make_ref
+from nxd_layers.trace._funcref import FuncRef, make_ref
 from nxd_layers.trace._inputs import encode, normalize_args, signature
 from nxd_layers.trace._model import TensorParallelModel
 from nxd_layers.trace._options import ExportOptions, neuron_available, parse_compiler_args
@@ -153,79 +154,193 @@ def parallel_model_trace(
     _eager: bool = False,
 ) -> TensorParallelModel:
     """Launch ``tp_degree`` workers; each calls ``func()`` -> ``(model, state_dict_or_None)``
-    after ``initialize_model_parallel(tp_degree)`` and ``torch.manual_seed(seed)`` (so every
-    rank draws the same master weights), and captures its shard for every bucket.
+    after ``initialize_model_parallel(tp_degree)`` and ``torch.manual_seed(seed)`` (so every rank
+    draws the same master weights), and captures its shard for every bucket.
 
     Portable route (CPU / CUDA): ``torch.export`` per rank, collectives in the graph;
     ``compiler_args``: ``None``, an :class:`ExportOptions` or a dict of its fields
-    (``{"aot_inductor": True}``); neuronx-cc flags given as ``compiler_args`` are ignored
-    there, with a warning. Neuron route (torch-neuronx importable and an XLA device, or a
-    Neuron-only argument: a ``BucketModelConfig``, ``states``): ``torch_neuronx.trace`` per
-    rank, with the neuronx-cc flags. ``bucket_config``: a list of example
-    inputs, one program per bucket (``example_inputs`` is bucket 0), or NxD's
-    ``BucketModelConfig`` with ``example_inputs`` a list of per-bucket inputs; a call is routed
-    by its input shapes. ``max_parallel_compilations`` bounds the ranks capturing at once.
-    ``inline_weights_to_neff=False`` keeps the weights out of the saved programs
-    (``tp_<r>.safetensors``). The second value of ``func()`` is NxD's ``input_output_alias``
-    map: ``None`` or ``{}`` (no aliases, what NxD's examples return; a non-empty alias map, keyed
-    by tensors, is refused); nxd also takes this rank's state dict there (``{name: tensor}``,
-    loaded strictly). nxd's keywords: ``seed``, ``device_type`` (``cpu``/``cuda``, default
-    nxd_state's choice), ``start_method``, ``startup_timeout``, ``call_timeout``.
+    (``{"aot_inductor": True}``); neuronx-cc flags given as ``compiler_args`` are ignored there,
+    with a warning. Neuron route (torch-neuronx importable and an XLA device, or a Neuron-only
+    argument: a ``BucketModelConfig``, ``states``): ``torch_neuronx.trace`` per rank, with the
+    neuronx-cc flags. ``bucket_config``: a list of example inputs, one program per bucket
+    (``example_inputs`` is bucket 0), or NxD's ``BucketModelConfig`` with ``example_inputs`` a
+    list of per-bucket inputs; a call is routed by its input shapes. ``max_parallel_compilations``
+    bounds the ranks capturing at once. ``inline_weights_to_neff=False`` keeps the weights out of
+    the saved programs (``tp_<r>.safetensors``). The second value of ``func()`` is NxD's
+    ``input_output_alias`` map: ``None`` or ``{}`` (no aliases, what NxD's examples return; a
+    non-empty alias map, keyed by tensors, is refused); nxd also takes this rank's state dict
+    there (``{name: tensor}``, loaded strictly). nxd's keywords: ``seed``, ``device_type``
+    (``cpu``/``cuda``, default nxd_state's choice), ``start_method``, ``startup_timeout``,
+    ``call_timeout``.
     """
-    ref = make_ref(func)
-    max_parallel = _check_degree(tp_degree, max_parallel_compilations)
-    buckets = _bucket_inputs(example_inputs, bucket_config)
-    options, neuron_flags = parse_compiler_args(compiler_args)
-    if not isinstance(inline_weights_to_neff, bool):
-        raise ValueError(f"inline_weights_to_neff must be a bool, got {inline_weights_to_neff!r}")
-    device = resolve_device_type(device_type)
-    neuron, neuron_flags = _route(device, options, neuron_flags, bucket_config, states)
-    _check_device(device, tp_degree, neuron)
-    workdir, own_workdir = _workdir(compiler_workdir, options)
-
+    plan = _TracePlan.check(
+        func,
+        example_inputs,
+        compiler_workdir,
+        compiler_args,
+        inline_weights_to_neff,
+        bucket_config,
+        tp_degree,
+        max_parallel_compilations,
+        states,
+        device_type,
+    )
     start = time.perf_counter()
-    pool = WorkerPool(
+    pool = plan.start_workers(start_method, startup_timeout)
+    plan.build_and_capture(pool, seed, _eager)
+    logger.info("traced tp_degree=%d in %.1f s", tp_degree, time.perf_counter() - start)
+    return plan.model(pool, _eager, call_timeout)
+
+
+@dataclass(frozen=True)
+class _TracePlan:
+    """The checked arguments of one :func:`parallel_model_trace`, before any worker starts."""
+
+    ref: FuncRef
+    tp_degree: int
+    max_parallel: int
+    """Ranks capturing at once."""
+    buckets: list[tuple[Any, ...]]
+    """The example inputs of every bucket, bucket 0 first."""
+    options: ExportOptions
+    inline_weights_to_neff: bool
+    states: Any
+    device: str
+    neuron: bool
+    """The Neuron route (``torch_neuronx.trace``), else the portable one (``torch.export``)."""
+    neuron_flags: Any
+    """The neuronx-cc flags (``None`` on the portable route)."""
+    workdir: Path | None
+    own_workdir: tempfile.TemporaryDirectory[str] | None
+    """The temporary folder nxd owns for AOTInductor (kept alive with the model)."""
+
+    @classmethod
+    def check(
+        cls,
+        func: Any,
+        example_inputs: Any,
+        compiler_workdir: str | os.PathLike[str] | None,
+        compiler_args: Any,
+        inline_weights_to_neff: Any,
+        bucket_config: Any,
+        tp_degree: Any,
+        max_parallel_compilations: Any,
+        states: Any,
+        device_type: str | None,
+    ) -> _TracePlan:
+        """Check every argument of :func:`parallel_model_trace` and pick its route."""
+        ref = make_ref(func)
+        max_parallel = _check_degree(tp_degree, max_parallel_compilations)
+        buckets = _bucket_inputs(example_inputs, bucket_config)
+        options, flags = parse_compiler_args(compiler_args)
+        if not isinstance(inline_weights_to_neff, bool):
+            raise ValueError(
+                f"inline_weights_to_neff must be a bool, got {inline_weights_to_neff!r}"
+            )
+        device = resolve_device_type(device_type)
+        neuron, flags = _route(device, options, flags, bucket_config, states)
+        _check_device(device, tp_degree, neuron)
+        workdir, own_workdir = _workdir(compiler_workdir, options)
+        return cls(
+            ref=ref,
+            tp_degree=tp_degree,
+            max_parallel=max_parallel,
+            buckets=buckets,
+            options=options,
+            inline_weights_to_neff=inline_weights_to_neff,
+            states=states,
+            device=device,
+            neuron=neuron,
+            neuron_flags=flags,
+            workdir=workdir,
+            own_workdir=own_workdir,
+        )
+
+    def start_workers(self, start_method: str | None, startup_timeout: float) -> WorkerPool:
+        """The ``tp_degree`` workers, logging to ``workdir/logs`` when there is a workdir."""
+        log_dir = str(self.workdir / "logs") if self.workdir is not None else None
+        return _start_pool(self.tp_degree, self.device, start_method, startup_timeout, log_dir)
+
+    def build_and_capture(self, pool: WorkerPool, seed: int, eager: bool) -> None:
+        """Every worker builds the model (``func()`` after seeding), then captures it, or serves
+        it uncaptured when ``eager``; the workers are closed if a step fails."""
+        try:
+            pool.request("build", {"func": self.ref, "seed": seed})
+            if eager:
+                pool.request("eager", {"buckets": len(self.buckets)})
+            else:
+                self.capture(pool)
+        except BaseException:
+            pool.close()
+            raise
+
+    def capture(self, pool: WorkerPool) -> None:
+        """Every rank captures its programs, at most ``max_parallel`` ranks at once."""
+        payload = self.capture_payload()
+        for first in range(0, self.tp_degree, self.max_parallel):
+            ranks = range(first, min(self.tp_degree, first + self.max_parallel))
+            replies = pool.request("export", payload, ranks=ranks)
+            for rank, reply in sorted(replies.items()):
+                logger.info(
+                    "rank %d: %d bucket(s) captured in %s s",
+                    rank,
+                    len(self.buckets),
+                    reply["seconds"],
+                )
+
+    def capture_payload(self) -> dict[str, Any]:
+        """What every worker's ``export`` command captures from."""
+        workdir = str(self.workdir) if self.workdir is not None else None
+        payload: dict[str, Any] = {
+            "buckets": [encode(args) for args in self.buckets],
+            "workdir": workdir,
+            "neuron": None,
+            **self.options.as_dict(),
+        }
+        if self.neuron:
+            payload["neuron"] = {
+                "compiler_workdir": workdir,
+                "compiler_args": self.neuron_flags,
+                "inline_weights_to_neff": self.inline_weights_to_neff,
+                "states": self.states,
+            }
+        return payload
+
+    def model(
+        self, pool: WorkerPool, eager: bool, call_timeout: float | None
+    ) -> TensorParallelModel:
+        """The traced model its workers serve; a call is routed by its input shapes."""
+        signatures = [signature(args) for args in self.buckets]
+        return TensorParallelModel(pool, signatures, self.info(eager), call_timeout=call_timeout)
+
+    def info(self, eager: bool) -> dict[str, Any]:
+        """The traced model's description (``TensorParallelModel.info``)."""
+        return {
+            "backend": "neuron" if self.neuron else "export",
+            "device_type": self.device,
+            "inline_weights_to_neff": self.inline_weights_to_neff,
+            "compiler": self.options.as_dict(),
+            "eager": eager,
+            "workdir": self.own_workdir,  # kept alive with the model (AOTInductor packages)
+        }
+
+
+def _start_pool(
+    tp_degree: int,
+    device: str,
+    start_method: str | None,
+    startup_timeout: float,
+    log_dir: str | None = None,
+) -> WorkerPool:
+    """Start ``tp_degree`` workers on ``device`` with the caller's environment."""
+    return WorkerPool(
         tp_degree,
         device_type=device,
         threads=_worker_threads(device, tp_degree),
         start_method=start_method,
         startup_timeout=startup_timeout,
         env=_caller_env(),
-        log_dir=str(workdir / "logs") if workdir is not None else None,
-    )
-    try:
-        pool.request("build", {"func": ref, "seed": seed})
-        if _eager:
-            pool.request("eager", {"buckets": len(buckets)})
-        else:
-            payload = {
-                "buckets": [encode(args) for args in buckets],
-                "workdir": str(workdir) if workdir is not None else None,
-                "neuron": None,
-                **options.as_dict(),
-            }
-            if neuron:
-                payload["neuron"] = {
-                    "compiler_workdir": str(workdir) if workdir is not None else None,
-                    "compiler_args": neuron_flags,
-                    "inline_weights_to_neff": inline_weights_to_neff,
-                    "states": states,
-                }
-            _capture(pool, payload, tp_degree, max_parallel, len(buckets))
-    except BaseException:
-        pool.close()
-        raise
-    info = {
-        "backend": "neuron" if neuron else "export",
-        "device_type": device,
-        "inline_weights_to_neff": inline_weights_to_neff,
-        "compiler": options.as_dict(),
-        "eager": _eager,
-        "workdir": own_workdir,  # kept alive with the model (AOTInductor packages live there)
-    }
-    logger.info("traced tp_degree=%d in %.1f s", tp_degree, time.perf_counter() - start)
-    return TensorParallelModel(
-        pool, [signature(args) for args in buckets], info, call_timeout=call_timeout
+        log_dir=log_dir,
     )
 
 
@@ -278,17 +393,6 @@ def _workdir(
     if workdir is not None:
         workdir.mkdir(parents=True, exist_ok=True)
     return workdir, own_workdir
-
-
-def _capture(
-    pool: WorkerPool, payload: dict[str, Any], tp_degree: int, max_parallel: int, buckets: int
-) -> None:
-    """Every rank captures its programs, at most ``max_parallel`` ranks at once."""
-    for first in range(0, tp_degree, max_parallel):
-        ranks = range(first, min(tp_degree, first + max_parallel))
-        replies = pool.request("export", payload, ranks=ranks)
-        for rank, reply in sorted(replies.items()):
-            logger.info("rank %d: %d bucket(s) captured in %s s", rank, buckets, reply["seconds"])
 
 
 def parallel_model_save(model: TensorParallelModel, save_dir: str | os.PathLike[str]) -> None:
@@ -345,39 +449,9 @@ def parallel_model_load(
     manifest = _artifacts.read_manifest(directory)
     tp_degree, device = manifest["tp_degree"], manifest["device_type"]
     neuron = manifest["backend"] == "neuron"
-    if neuron:
-        _neuron.require("loading a Neuron-traced model")
-    else:
-        for entry in manifest["ranks"]:
-            for name in entry["programs"]:
-                _artifacts.check_archive(directory / name)
-    _check_device(device, tp_degree, neuron)
-    use_aoti = use_aot_inductor and any(entry.get("aoti") for entry in manifest["ranks"])
-    if use_aoti and manifest["torch_version"] != torch.__version__:
-        logger.warning(
-            "%s: AOTInductor packages were built with torch %s, this is %s: running the "
-            "exported programs instead",
-            directory,
-            manifest["torch_version"],
-            torch.__version__,
-        )
-        use_aoti = False
-    rank_lists = sorted(
-        {
-            tuple(ranks)
-            for entry in manifest["ranks"]
-            for groups in (entry["groups"], entry.get("aoti_groups", {}))
-            for ranks in groups.values()
-        }
-    )
-    pool = WorkerPool(
-        tp_degree,
-        device_type=device,
-        threads=_worker_threads(device, tp_degree),
-        start_method=start_method,
-        startup_timeout=startup_timeout,
-        env=_caller_env(),
-    )
+    use_aoti = _check_saved(directory, manifest, use_aot_inductor)
+    rank_lists = _captured_rank_lists(manifest)
+    pool = _start_pool(tp_degree, device, start_method, startup_timeout)
     try:
         pool.request(
             "load",
@@ -404,3 +478,41 @@ def parallel_model_load(
         "aot_inductor_loaded": use_aoti,
     }
     return TensorParallelModel(pool, manifest["buckets"], info, call_timeout=call_timeout)
+
+
+def _check_saved(directory: Path, manifest: dict[str, Any], use_aot_inductor: bool) -> bool:
+    """Check every rank's files, and the device, before a worker starts; whether the workers
+    run the saved AOTInductor packages (not under another torch version than theirs)."""
+    tp_degree, device = manifest["tp_degree"], manifest["device_type"]
+    neuron = manifest["backend"] == "neuron"
+    if neuron:
+        _neuron.require("loading a Neuron-traced model")
+    else:
+        for entry in manifest["ranks"]:
+            for name in entry["programs"]:
+                _artifacts.check_archive(directory / name)
+    _check_device(device, tp_degree, neuron)
+    use_aoti = use_aot_inductor and any(entry.get("aoti") for entry in manifest["ranks"])
+    if use_aoti and manifest["torch_version"] != torch.__version__:
+        logger.warning(
+            "%s: AOTInductor packages were built with torch %s, this is %s: running the "
+            "exported programs instead",
+            directory,
+            manifest["torch_version"],
+            torch.__version__,
+        )
+        return False
+    return use_aoti
+
+
+def _captured_rank_lists(manifest: dict[str, Any]) -> list[tuple[int, ...]]:
+    """The rank list of every process group the saved programs communicate on (each worker
+    asks its parallel state for these groups, in this order)."""
+    return sorted(
+        {
+            tuple(ranks)
+            for entry in manifest["ranks"]
+            for groups in (entry["groups"], entry.get("aoti_groups", {}))
+            for ranks in groups.values()
+        }
+    )

@@ -74,6 +74,23 @@ def _default_start_method() -> str:
     return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
 
 
+def _launch_config(tp_degree: int, method: str, log_dir: str) -> LaunchConfig:
+    """The elastic launcher's configuration: ``tp_degree`` processes on this node, a fresh
+    rendezvous on a free local port, no restarts, logs in ``log_dir``."""
+    return LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=tp_degree,
+        run_id=f"nxd-trace-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method=method,
+        logs_specs=DefaultLogsSpecs(log_dir=log_dir),
+    )
+
+
 class WorkerPool:
     """``tp_degree`` worker processes (one per TP rank) serving commands until :meth:`close`."""
 
@@ -102,18 +119,7 @@ class WorkerPool:
         pipes = [context.Pipe(duplex=True) for _ in range(tp_degree)]
         self._conns = [ours for ours, _ in pipes]
         theirs = [child for _, child in pipes]
-        config = LaunchConfig(
-            min_nodes=1,
-            max_nodes=1,
-            nproc_per_node=tp_degree,
-            run_id=f"nxd-trace-{uuid.uuid4().hex[:8]}",
-            rdzv_backend="c10d",
-            rdzv_endpoint="127.0.0.1:0",
-            max_restarts=0,
-            monitor_interval=0.1,
-            start_method=method,
-            logs_specs=DefaultLogsSpecs(log_dir=log_dir or self._tmp.name),  # type: ignore[union-attr]
-        )
+        config = _launch_config(tp_degree, method, log_dir or self._tmp.name)  # type: ignore[union-attr]
         worker_config = _worker.WorkerConfig(
             device_type=device_type, threads=threads, env=env or {}
         )

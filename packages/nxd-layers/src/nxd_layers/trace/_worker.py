@@ -193,26 +193,25 @@ def _save(state: _Rank, payload: dict[str, Any]) -> dict[str, Any]:
 
 
 _GROUPS_BY_RANKS: dict[tuple[int, ...], str] = {}  # this process's group names, by ranks
-_CREATED: set[tuple[int, ...]] = set()  # rank lists new_group was called for (members or not)
 
 
 def _group_names(
     rank_lists: list[list[int]], recorded: dict[str, list[int]], create: bool = True
 ) -> dict[str, str]:
-    """Map each recorded group name to this process's group of the same ranks, creating
-    (on every rank, in the manifest's order, once) a group per rank list first."""
+    """Map each recorded group name to this process's group of the same ranks, asking the
+    parallel state for a group per rank list first (on every rank, in the manifest's order; it
+    creates each once)."""
     world = list(range(dist.get_world_size()))
     world_group = dist.group.WORLD
     assert world_group is not None  # the worker has initialised the default group
     _GROUPS_BY_RANKS.setdefault(tuple(world), world_group.group_name)
     if create:
+        state = nxd_state.get_parallel_state()
         for ranks in rank_lists:
-            if tuple(ranks) in _CREATED or list(ranks) == world:
+            if list(ranks) == world:
                 continue
-            _CREATED.add(tuple(ranks))
-            group = dist.new_group(list(ranks))  # every rank calls it, members or not
-            if dist.get_rank() in ranks:
-                assert not isinstance(group, int)  # members get the group (others NON_GROUP_MEMBER)
+            group = state.group_for(ranks)  # every rank calls it, members or not
+            if group is not None:
                 _GROUPS_BY_RANKS[tuple(ranks)] = group.group_name
     return {name: _GROUPS_BY_RANKS[tuple(ranks)] for name, ranks in recorded.items()}
 
