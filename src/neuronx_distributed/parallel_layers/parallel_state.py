@@ -36,12 +36,10 @@ def initialize_pp_gloo_groups() -> None:
     if _PP_GLOO is not None and _PP_GLOO[0] is state:
         logger.error("pp gloo groups are already initialized!")
         return
-    rank = dist.get_rank()
     mine: dist.ProcessGroup | None = None
-    for ranks in state.layout.pipeline_parallel_groups():
-        group = dist.new_group(ranks=ranks, backend="gloo")
-        if rank in ranks:
-            assert isinstance(group, dist.ProcessGroup)  # a member gets the group itself
+    for ranks in state.layout.pipeline_parallel_groups():  # collective: every list, every rank
+        group = state.group_for(ranks, backend="gloo")
+        if group is not None:
             mine = group
     assert mine is not None
     _PP_GLOO = (state, mine)

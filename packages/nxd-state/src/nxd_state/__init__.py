@@ -93,9 +93,13 @@ from nxd_state.shards import (
     FlatCheckpointLayout,
     FlatShardedState,
     FlatShardGroup,
+    JsonCheckpointState,
+    MasterWeightsLayout,
+    MasterWeightsState,
     RankContext,
     ShardSpec,
     current_rank_context,
+    json_checkpoint_state,
 )
 
 __version__ = _version("nxd-state")
@@ -112,7 +116,10 @@ __all__ = [
     "FlatCheckpointLayout",
     "FlatShardGroup",
     "FlatShardedState",
+    "JsonCheckpointState",
     "KVSharedGroups",
+    "MasterWeightsLayout",
+    "MasterWeightsState",
     "ParallelLayout",
     "ParallelState",
     "RNGStatesTracker",
@@ -179,6 +186,7 @@ __all__ = [
     "is_cpu_mode",
     "is_pipeline_first_stage",
     "is_pipeline_last_stage",
+    "json_checkpoint_state",
     "load_rng_state_dict",
     "mark_step",
     "model_parallel_is_initialized",

@@ -92,16 +92,18 @@ __all__ = [
 Group = ProcessGroup | None
 
 
-def new_group(ranks: Sequence[int], name: str | None = None) -> ProcessGroup | None:
-    """Create the process group of ``ranks`` (global ranks) on the default group's backend, with
-    nxd's group timeout (:func:`nxd_state.health.group_timeout`: torch's ``new_group`` does not
-    inherit the default group's).
+def new_group(
+    ranks: Sequence[int], name: str | None = None, backend: str | None = None
+) -> ProcessGroup | None:
+    """Create the process group of ``ranks`` (global ranks) on ``backend`` (default: the
+    default group's), with nxd's group timeout (:func:`nxd_state.health.group_timeout`:
+    torch's ``new_group`` does not inherit the default group's).
 
     Collective over the default group: every rank calls it with the same ranks in the same
     order, members or not. Returns ``None`` on a rank outside ``ranks`` (torch hands those a
     non-member marker, not a group); a member's group is ``name`` in traffic reports.
     """
-    group = dist.new_group(list(ranks), timeout=group_timeout())
+    group = dist.new_group(list(ranks), timeout=group_timeout(), backend=backend)
     if not isinstance(group, ProcessGroup):  # GroupMember.NON_GROUP_MEMBER, an int
         return None
     if name is not None:

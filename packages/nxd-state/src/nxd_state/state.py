@@ -147,7 +147,7 @@ class ParallelState:
     expert_data_parallel_ranks: list[int] = field(default_factory=list)
     kv_shared: KVSharedGroups | None = None
     """The KV-shared groups, once :meth:`initialize_kv_groups` has built them."""
-    _subgroups: dict[tuple[int, ...], ProcessGroup | None] = field(
+    _subgroups: dict[tuple[tuple[int, ...], str | None], ProcessGroup | None] = field(
         default_factory=dict, init=False, repr=False
     )
     """Groups :meth:`group_for` created, by their rank lists (``None``: this rank is outside)."""
@@ -314,18 +314,19 @@ class ParallelState:
             self.kv_shared = None
 
     # Groups of other rank lists ------------------------------------------------------------
-    def group_for(self, ranks: Sequence[int]) -> ProcessGroup | None:
-        """The process group of ``ranks`` (global ranks), created once per state, with nxd's
-        group timeout on the default group's backend (:func:`nxd_state.collectives.new_group`);
-        ``None`` on a rank outside ``ranks``.
+    def group_for(self, ranks: Sequence[int], backend: str | None = None) -> ProcessGroup | None:
+        """The process group of ``ranks`` (global ranks), created once per state and backend,
+        with nxd's group timeout on ``backend`` (default: the default group's;
+        :func:`nxd_state.collectives.new_group`); ``None`` on a rank outside ``ranks``.
 
         Collective the first time a rank list is asked for: every rank calls it with the same
         ranks in the same order, members or not. Later calls return the same group.
         """
-        key = tuple(int(r) for r in ranks)
+        members = tuple(int(r) for r in ranks)
+        key = (members, backend)
         if key not in self._subgroups:
-            logger.info("rank %d: creating process group %s", self.rank, list(key))
-            self._subgroups[key] = new_group(key)
+            logger.info("rank %d: creating process group %s", self.rank, list(members))
+            self._subgroups[key] = new_group(members, backend=backend)
         return self._subgroups[key]
 
     def partition_group(

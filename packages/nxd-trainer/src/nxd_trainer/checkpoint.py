@@ -13,7 +13,8 @@ takes the trainer's objects as they come:
 * the optimizer: the wrapper of ``initialize_parallel_optimizer`` (ZeRO-1 or not), a
   ``NeuronZero1Optimizer`` or a plain ``torch.optim`` optimizer; its state is saved by
   parameter name when the model is given in the same call (else by position: same layout);
-* the scheduler: anything with ``state_dict`` / ``load_state_dict`` of JSON-safe values.
+* the scheduler: anything with ``state_dict`` / ``load_state_dict`` of JSON-safe values, or
+  implementing :class:`nxd_state.shards.JsonCheckpointState`.
 
 At the same degrees a resumed job continues bitwise on CPU (the tests prove it at TP=2, PP=2,
 TP=2 x PP=2 x DP=2 with ZeRO-1, and EP=2 for Hugging Face MoE models); at other degrees
@@ -26,8 +27,10 @@ import logging
 import os
 from typing import Any
 
+import torch
 from torch import nn
 
+from nxd_state.shards import JsonCheckpointState
 from nxd_trainer.config import NxDConfig
 from nxd_trainer.model import NxDModel
 
@@ -45,7 +48,6 @@ def _model(model: Any) -> Any:
 
 def _check_types(model: Any, optimizer: Any, scheduler: Any) -> None:
     """Argument types, checked on every rank before nxd-ckpt's first collective."""
-    import torch
 
     if model is not None and not isinstance(model, (nn.Module, dict)):
         raise TypeError(
@@ -58,12 +60,15 @@ def _check_types(model: Any, optimizer: Any, scheduler: Any) -> None:
             f"initialize_parallel_optimizer included), got {type(optimizer).__name__}"
         )
     if scheduler is not None and not (
-        callable(getattr(scheduler, "state_dict", None))
-        and callable(getattr(scheduler, "load_state_dict", None))
+        isinstance(scheduler, JsonCheckpointState)
+        or (
+            callable(getattr(scheduler, "state_dict", None))
+            and callable(getattr(scheduler, "load_state_dict", None))
+        )
     ):
         raise TypeError(
-            f"scheduler must have state_dict() and load_state_dict(), got "
-            f"{type(scheduler).__name__}"
+            f"scheduler must have state_dict() and load_state_dict(), or implement "
+            f"nxd_state.shards.JsonCheckpointState, got {type(scheduler).__name__}"
         )
 
 
