@@ -110,7 +110,9 @@ def _pipeline_config(names: list[str]) -> dict[str, Any]:
     return {"num_microbatches": 2, "input_names": names, "pipeline_cuts": ["model.layers.0"]}
 
 
-def cp_pp_step(algorithm: str, zero1: bool, checkpointing: bool, tp: int = 1) -> list[str]:
+def cp_pp_step(
+    algorithm: str, zero1: bool, checkpointing: bool, tp: int = 1, sp: bool = False
+) -> list[str]:
     import nxd_state
     import nxd_trainer as nxd
 
@@ -122,6 +124,7 @@ def cp_pp_step(algorithm: str, zero1: bool, checkpointing: bool, tp: int = 1) ->
         pipeline_config=_pipeline_config(["input_ids", "labels"]),
         optimizer_config={"zero_one_enabled": zero1, "grad_clipping": False},
         activation_checkpoint_config="full" if checkpointing else None,
+        sequence_parallel=sp,
     )
     model = nxd.initialize_parallel_model(cfg, _llama)
     optimizer = nxd.initialize_parallel_optimizer(cfg, torch.optim.SGD, model.parameters(), lr=1.0)
@@ -156,6 +159,7 @@ CP_CASES = {
     "ring": (4, "ring", False, False),
     "all-to-all-zero1-checkpointing": (4, "all_to_all", True, True),
     "tp2-ring-zero1": (8, "ring", True, False, 2),
+    "tp2-sp-ring-checkpointing": (8, "ring", False, True, 2, True),
 }
 
 

@@ -204,13 +204,9 @@ def check_right_padding(
         )
 
 
-def split_context_parallel_inputs(
-    args: tuple[Any, ...], kwargs: dict[str, Any], algorithm: str
-) -> dict[str, Any]:
-    """A causal LM's keyword inputs for this CP rank (see the module docstring): ``input_ids``
-    (or ``inputs_embeds``) and ``position_ids`` split, ``labels`` shifted then split, the
-    loss's ``num_items_in_batch`` set; an ``attention_mask`` dropped where
-    :func:`check_right_padding` proves that exact, refused otherwise."""
+def _inputs_by_name(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The inputs by name (one positional input is ``input_ids``); a tensor the split does not
+    know is refused (nxd cannot know which of its dimensions is the sequence)."""
     if len(args) > 1:
         raise TypeError(
             "with context parallelism pass the model's inputs by name (input_ids=..., "
@@ -228,6 +224,17 @@ def split_context_parallel_inputs(
             f"{unknown} would not be split: compute them inside the model, or use "
             f"context_parallel_size=1"
         )
+    return inputs
+
+
+def split_context_parallel_inputs(
+    args: tuple[Any, ...], kwargs: dict[str, Any], algorithm: str
+) -> dict[str, Any]:
+    """A causal LM's keyword inputs for this CP rank (see the module docstring): ``input_ids``
+    (or ``inputs_embeds``) and ``position_ids`` split, ``labels`` shifted then split, the
+    loss's ``num_items_in_batch`` set; an ``attention_mask`` dropped where
+    :func:`check_right_padding` proves that exact, refused otherwise."""
+    inputs = _inputs_by_name(args, kwargs)
     state = nxd_state.get_parallel_state()
     group, cp = state.context_parallel_group, state.context_parallel_size
     zigzag = zigzag_for(algorithm)

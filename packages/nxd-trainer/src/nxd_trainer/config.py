@@ -199,6 +199,15 @@ class NxDConfig:
         self._check_cross_section_rules()
 
     def _check_cross_section_rules(self) -> None:
+        """The rules between sections, in this order: what each feature needs of the degrees,
+        expert parallelism, the meta initialiser, then the pipeline."""
+        self._check_feature_degrees()
+        self._check_expert_parallel()
+        self._check_param_init()
+        self._check_pipeline()
+
+    def _check_feature_degrees(self) -> None:
+        """Sequence parallelism needs TP > 1; LoRA and ``pad_model`` run at PP = 1."""
         tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
         if self.sequence_parallel and tp == 1:
             raise ValueError(
@@ -215,7 +224,9 @@ class NxDConfig:
                 f"pad_model=True is supported with pipeline_parallel_size=1 only (as in NxD), "
                 f"got pipeline_parallel_size={pp}"
             )
-        self._check_expert_parallel()
+
+    def _check_param_init(self) -> None:
+        """One ``param_init_fn`` (the two sections' agree), and one at all with meta init."""
         init = self.model_init_config
         pipe = self.pipeline_config
         if (
@@ -234,6 +245,11 @@ class NxDConfig:
                 "a model built on the meta device has no values until param_init_fn(module) "
                 "initialises each module's parameters"
             )
+
+    def _check_pipeline(self) -> None:
+        """``pipeline_config`` agrees with ZeRO-1; at PP > 1 it exists, cuts the model into
+        PP x virtual_pipeline_size stages, and fits context parallelism."""
+        pipe, pp = self.pipeline_config, self.pipeline_parallel_size
         if pipe is not None:
             zero1 = self.optimizer_config.zero_one_enabled
             if pipe.use_zero1_optimizer is not None and pipe.use_zero1_optimizer != zero1:
@@ -245,14 +261,6 @@ class NxDConfig:
         if pp == 1:
             return
         cp = self.context_parallel_size
-        if cp > 1 and self.sequence_parallel:
-            raise ValueError(
-                f"sequence_parallel=True with context_parallel_size={cp} and "
-                f"pipeline_parallel_size={pp} is not supported yet: the captured stages do not "
-                f"run the sequence-parallel attention on context-parallel slices (a shape "
-                f"error); set sequence_parallel=False (TP, ZeRO-1 and activation checkpointing "
-                f"work at CP x PP)"
-            )
         if cp > 1 and pipe is not None:
             from nxd_trainer._context_parallel import pipeline_input_names
 
@@ -262,6 +270,12 @@ class NxDConfig:
                 f"pipeline_parallel_size={pp} needs pipeline_config (at least 'pipeline_cuts' "
                 f"or 'auto_partition', and 'input_names' for Hugging Face models)"
             )
+        self._check_stages(pipe)
+
+    def _check_stages(self, pipe: PipelineConfig) -> None:
+        """PP x virtual_pipeline_size stages: that many cuts minus one, or ``auto_partition``
+        (which cuts after transformer layers)."""
+        pp = self.pipeline_parallel_size
         stages = pp * pipe.virtual_pipeline_size
         if not pipe.pipeline_cuts and not pipe.auto_partition:
             raise ValueError(
@@ -356,6 +370,9 @@ def _with_move_factor(model_init_config: Any, sequential_move_factor: int) -> An
     As in NxD the section's own value wins and the keyword fills it when the section lacks it;
     a keyword other than the default 11 that differs from the section's value is an error.
     """
+    check_positive_int(
+        "neuronx_distributed_config", "sequential_move_factor", sequential_move_factor
+    )
     if model_init_config is None:
         return {"sequential_move_factor": sequential_move_factor}
     if isinstance(model_init_config, ModelInitConfig):
@@ -406,28 +423,17 @@ def neuronx_distributed_config(
     "meta_device_init": False, "param_init_fn": None}``, master weights and fp32 gradient
     accumulation on exactly with ZeRO-1.
 
-    Process groups: with a process group the TP/PP/DP groups are built now (the degrees must
-    fit the world). Without one, under a launcher (torchrun: ``RANK`` and ``WORLD_SIZE`` set)
-    the group is created from ``env://`` first; with no launcher (a plain ``python`` run, or a
-    Lightning script before its ``Trainer`` starts the processes) nothing is created, as in NxD:
-    ``initialize_parallel_model`` (or the Lightning strategy) builds the groups later.
+    Process groups: built now with a process group or under a launcher (torchrun); with
+    neither, later by ``initialize_parallel_model``, as in NxD.
 
-    NxD's newer keywords: ``context_parallel_size`` (see
-    :attr:`NxDConfig.context_parallel_size`; nxd's ``context_parallel_algorithm`` picks
-    ``"ring"`` or ``"all_to_all"``), ``sequential_move_factor`` (fills
-    ``model_init_config['sequential_move_factor']`` when the section lacks it; a different
-    non-default value in both is an error) and ``lnc_size`` (validated; no effect off
-    Trainium). nxd's keywords: ``expert_parallel_size`` (see
-    :attr:`NxDConfig.expert_parallel_size`) and ``parallelize_hf_models`` (see
-    :attr:`NxDConfig.parallelize_hf_models`).
+    NxD's newer keywords ``context_parallel_size``, ``lnc_size`` and ``sequential_move_factor``
+    (fills ``model_init_config['sequential_move_factor']`` when the section lacks it; a
+    different non-default value in both is an error), and nxd's ``context_parallel_algorithm``,
+    ``expert_parallel_size`` and ``parallelize_hf_models``: see :class:`NxDConfig`'s fields.
     """
     if unknown:
         reject_unknown_keys("neuronx_distributed_config argument", unknown, NXD_KEYS, TypeError)
-    check_positive_int(
-        "neuronx_distributed_config", "sequential_move_factor", sequential_move_factor
-    )
-    # NxD's dict, parsed as every NxD dict is (its sections become their dataclasses).
-    config = NxDConfig.from_nxd(
+    config = NxDConfig.from_nxd(  # NxD's dict, parsed (into sections) as every NxD dict is
         dict(
             tensor_parallel_size=tensor_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size,
@@ -446,20 +452,26 @@ def neuronx_distributed_config(
             parallelize_hf_models=parallelize_hf_models,
         )
     )
-    if torch.distributed.is_initialized() or _launched():
+    _initialize_if_launched(config)
+    logger.info("NxD config: %s", config)
+    return config.to_nxd()
+
+
+def _initialize_if_launched(config: NxDConfig) -> None:
+    """NxD's moment to build the TP/PP/DP groups: now with a process group (the degrees must
+    fit the world), or under a launcher that gives each process its rank (torchrun: ``RANK``
+    and ``WORLD_SIZE`` set; the group is created from ``env://`` first). With neither (a plain
+    ``python`` run, or a Lightning script before its ``Trainer`` starts the processes) nothing
+    is created, as in NxD: ``initialize_parallel_model`` (or the Lightning strategy) builds the
+    groups later."""
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if torch.distributed.is_initialized() or launched:
         initialize_model_parallel(config)
     else:
         logger.info(
             "no process group and no launcher (RANK/WORLD_SIZE unset): the parallel groups "
             "are built by initialize_parallel_model"
         )
-    logger.info("NxD config: %s", config)
-    return config.to_nxd()
-
-
-def _launched() -> bool:
-    """Whether a launcher that gives each process its rank (torchrun) started this one."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def initialize_model_parallel(config: NxDConfig) -> nxd_state.ParallelState:

@@ -12,10 +12,10 @@ classes, re-exported here). Cross-section rules (ZeRO-1 vs the pipeline's flag, 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nxd_optim import MixedPrecisionConfig, OptimizerConfig
 from nxd_optim.checks import (
@@ -25,6 +25,12 @@ from nxd_optim.checks import (
     parse_section,
     reject_unknown_keys,
 )
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from nxd_pipeline import PipelineOptions
 
 __all__ = ["MixedPrecisionConfig", "ModelInitConfig", "OptimizerConfig", "PipelineConfig"]
 
@@ -242,6 +248,57 @@ class PipelineConfig:
     @property
     def num_cuts(self) -> int:
         return len(self.pipeline_cuts or ())
+
+    def options(
+        self,
+        *,
+        transformer_layer_cls: type | None,
+        leaf_module_cls: Sequence[type],
+        input_names: Sequence[str] | None,
+        tracer_cls: str | type | None,
+        param_init_fn: Callable[[nn.Module], None] | None,
+        use_zero1_optimizer: bool,
+        device: torch.device,
+    ) -> PipelineOptions:
+        """This section as :class:`nxd_pipeline.PipelineOptions`, NxDPPModel's options.
+
+        The section's keys map onto the fields of the same names (its XLA runtime knobs onto
+        ``xla_runtime_options``). The keywords are what needs the model or the rest of NxD's
+        config, resolved by ``initialize_parallel_model``: the layer and leaf classes (names
+        looked up in the model), the captured inputs (context parallelism adds its own), the
+        tracer (``"hf"`` for a Hugging Face model), the meta initialiser
+        (``model_init_config``'s or this section's), whether an optimizer rather than the
+        pipeline averages gradients over DP, and this rank's device. ``use_model_wrapper``,
+        ``use_optimizer_wrapper`` and ``return_loss_on_cpu`` keep NxDPPModel's defaults
+        (:class:`~nxd_trainer.NxDModel` acts on them); ``deallocate_pipeline_outputs`` has no
+        effect and is not passed.
+        """
+        from nxd_pipeline import PipelineOptions
+
+        return PipelineOptions(
+            transformer_layer_cls=transformer_layer_cls,
+            num_microbatches=self.num_microbatches,
+            output_loss_value_spec=self.output_loss_value_spec,
+            return_mb_loss=self.return_mb_loss,
+            broadcast_and_average_loss=self.broadcast_and_average_loss,
+            pipeline_cuts=list(self.pipeline_cuts) if self.pipeline_cuts else None,
+            input_names=list(input_names) if input_names is not None else None,
+            leaf_module_cls=list(leaf_module_cls),
+            autowrap_functions=tuple(self.autowrap_functions or ()),
+            autowrap_modules=tuple(self.autowrap_modules or ()),
+            tracer_cls=tracer_cls,
+            param_init_fn=param_init_fn,
+            trace_file_path=self.trace_file_path,
+            use_zero1_optimizer=use_zero1_optimizer,
+            auto_partition=self.auto_partition,
+            virtual_pipeline_size=self.virtual_pipeline_size,
+            schedule=self.schedule,
+            device=device,
+            async_sends=self.async_sends,
+            fuse_microbatches=self.fuse_microbatches,
+            autowrap_obj_methods=self.autowrap_obj_methods,
+            xla_runtime_options=dict(self.xla_runtime_options),
+        )
 
     @classmethod
     def from_nxd(cls, value: Any) -> PipelineConfig | None:

@@ -39,6 +39,7 @@ from nxd_trainer.model import NxDModel, claim_dp_reduction
 
 if TYPE_CHECKING:
     from nxd_optim import NxDOptimizer
+    from nxd_pipeline import PipelineOptions
 
 __all__ = [
     "initialize_parallel_model",
@@ -101,15 +102,15 @@ def _call_model_fn(
     return model
 
 
-def _pipeline_kwargs(
+def _pipeline_options(
     config: NxDConfig,
     model: nn.Module,
     info: ModelInfo,
     init: Callable[[nn.Module], None] | None,
     device: torch.device,
     extra_leaves: list[type] | None = None,
-) -> dict[str, Any]:
-    """NxDPPModel's arguments from ``pipeline_config``."""
+) -> PipelineOptions:
+    """NxDPPModel's options: ``pipeline_config``'s, with what needs the model resolved."""
     pipe = config.pipeline_config
     assert pipe is not None  # NxDConfig requires it at PP > 1
     tracer = pipe.tracer_cls if pipe.tracer_cls is not None else ("hf" if info.is_hf else None)
@@ -138,30 +139,15 @@ def _pipeline_kwargs(
         from nxd_trainer._context_parallel import pipeline_input_names
 
         names = pipeline_input_names(names)
-    return {
-        "transformer_layer_cls": layer,
-        "num_microbatches": pipe.num_microbatches,
-        "output_loss_value_spec": pipe.output_loss_value_spec,
-        "return_mb_loss": pipe.return_mb_loss,
-        "broadcast_and_average_loss": pipe.broadcast_and_average_loss,
-        "pipeline_cuts": list(pipe.pipeline_cuts) if pipe.pipeline_cuts else None,
-        "input_names": names,
-        "leaf_module_cls": list(leaves),
-        "autowrap_functions": tuple(pipe.autowrap_functions or ()),
-        "autowrap_modules": tuple(pipe.autowrap_modules or ()),
-        "tracer_cls": tracer,
-        "param_init_fn": init,
-        "trace_file_path": pipe.trace_file_path,
-        "use_zero1_optimizer": not pipeline_reduces,
-        "auto_partition": pipe.auto_partition,
-        "virtual_pipeline_size": pipe.virtual_pipeline_size,
-        "schedule": pipe.schedule,
-        "device": device,
-        "async_sends": pipe.async_sends,
-        "fuse_microbatches": pipe.fuse_microbatches,
-        "autowrap_obj_methods": pipe.autowrap_obj_methods,
-        **pipe.xla_runtime_options,
-    }
+    return pipe.options(
+        transformer_layer_cls=layer,
+        leaf_module_cls=leaves,
+        input_names=names,
+        tracer_cls=tracer,
+        param_init_fn=init,
+        use_zero1_optimizer=not pipeline_reduces,
+        device=device,
+    )
 
 
 def _build_local(
@@ -184,8 +170,8 @@ def _build_local(
             from nxd_pipeline import NxDPPModel
 
             leaves = plan.leaves if plan is not None else None
-            kwargs_pp = _pipeline_kwargs(config, model, info, init, device, leaves)
-            pipelined = NxDPPModel(model, **kwargs_pp)
+            options = _pipeline_options(config, model, info, init, device, leaves)
+            pipelined = NxDPPModel(model, options=options)
             for hook in plan.sequence_hooks if plan is not None else ():
                 hook.remove()  # recorded into the stage graphs (hf._swap.Plan.sequence_hooks)
             return pipelined, model, info

@@ -323,7 +323,13 @@ class TrainConfig:
         and exit without training.""",
     )
 
-    def __post_init__(self) -> None:  # noqa: C901 - to split (#26)
+    def __post_init__(self) -> None:
+        self._check_numbers()
+        self._check_text_and_flags()
+        self._check_combinations()
+
+    def _check_numbers(self) -> None:
+        """Each int and float in its range."""
         # Upper bounds where a huge value would hang or exhaust memory before any check:
         # torch seeds are 64-bit and the loader adds the epoch to the seed; no tokenizer has
         # a million-token vocabulary (the BPE trainer allocates per entry).
@@ -364,6 +370,9 @@ class TrainConfig:
             _float(name, getattr(self, name), low, high)
         if self.val_fraction == 0.0:
             raise ConfigError("val_fraction must be above 0 (a validation split is needed)")
+
+    def _check_text_and_flags(self) -> None:
+        """Each string, choice, bool and name list of the right kind."""
         for name in ("name", "runs_dir", "model", "text_field", "prompt"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ConfigError(f"{name} must be a non-empty string, got {getattr(self, name)!r}")
@@ -387,15 +396,11 @@ class TrainConfig:
             raise ConfigError(
                 f"lora_targets must be a list of module names, got {self.lora_targets!r}"
             )
+
+    def _check_combinations(self) -> None:
+        """What the settings need of each other (the world size: :meth:`check_world`)."""
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("sequence_parallel needs tp > 1 (it splits the sequence over TP)")
-        if self.sequence_parallel and self.pp > 1:
-            raise ConfigError(
-                f"sequence_parallel with pp={self.pp} is not supported yet: the captured "
-                f"stages derive the rotary positions from the sequence-split activations (a "
-                f"shape error at the first step); drop --sequence-parallel (tp, pp, dp, zero1, "
-                f"cp and activation checkpointing work)"
-            )
         if self.pp > 1 and self.lora_rank > 0:
             raise ConfigError(f"LoRA (lora_rank={self.lora_rank}) needs pp=1, got pp={self.pp}")
         if self.pp == 1 and self.microbatches > 1:

@@ -215,20 +215,15 @@ def prepare_data(
     """The tokenizer and the train/validation :class:`~nxd_trainer.train.shards.Blocks` of
     the run (memory-mapped).
 
-    With ``build`` this process makes whatever is missing: the plan of the corpus (reading it
-    once to hash it), the tokenizer, the shards (``workers`` processes, default: this
-    machine's cores; resumed if interrupted; reused if another run made them), then the run
-    folder's ``tokenizer/`` and ``data/meta.json``, written under temporary names and renamed
-    (``meta.json`` last), so an error or Ctrl-C leaves the run folder as it was. Without
-    ``build`` it reads what is there.
+    With ``build`` this process makes whatever is missing: the tokenizer, the token shards
+    (``workers`` processes, default: this machine's cores), the run folder's record of them
+    (an error or Ctrl-C leaves the run folder as it was). Without ``build`` it reads what is
+    there.
     """
-    from filelock import FileLock
-
-    from nxd_trainer.train.shards import TokenShards, build_shards
+    from nxd_trainer.train.shards import TokenShards
 
     run = cfg.run_dir
     data_dir = run / "data"
-    meta_path = data_dir / "meta.json"
     tok_dir = run / "tokenizer"
     if (data_dir / "blocks.safetensors").exists():
         raise ConfigError(
@@ -236,55 +231,78 @@ def prepare_data(
             "(data/blocks.safetensors): its checkpoints' data order cannot be rebuilt from "
             "token shards; use another --name (the corpus is prepared once for all runs)"
         )
-    folder = _recorded_shards(cfg, meta_path)
+    folder = _recorded_shards(cfg, data_dir / "meta.json")
     if folder is None or not tok_dir.is_dir():
         if not build:
             raise ConfigError(f"no prepared data in {data_dir}")  # a rank read before the barrier
-        started = time.perf_counter()
-        plan = _plan(cfg)
-        tokenizer = _run_tokenizer(cfg, plan)
-        backend = tokenizer.backend_tokenizer.to_str()
-        key = _hash(plan.key, hashlib.blake2b(backend.encode()).hexdigest())
-        folder = cache_root(cfg) / "tokens" / key
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(folder.parent / f"{key}.lock")):
-            found = (folder / "meta.json").is_file()
-            if not found:
-                build_shards(
-                    plan, backend, tokenizer.eos_token_id, len(tokenizer), folder,
-                    workers=workers, progress=cfg.progress,
-                )  # fmt: skip
-        shards = TokenShards(folder)
-        tokens = shards.meta["tokens"]
-        _check_enough(
-            plan.description, tokens["train"], tokens["valid"], cfg.seq_len, cfg.batch_size
-        )
-        meta = {
-            "format": _DATA_FORMAT,
-            "fingerprint": _fingerprint(cfg),
-            "shards": key,
-            "shards_dir": str(folder.resolve()),
-            "source": plan.description,
-            "split": plan.mode,
-            "documents": shards.meta["documents"],
-            "tokens": tokens,
-            "vocab": len(tokenizer),
-        }
-        _publish(run, tokenizer, meta)
-        seconds = time.perf_counter() - started
-        what = "found" if found else f"made in {seconds:.1f} s"
-        _say(
-            cfg,
-            f"{plan.description}: {sum(shards.meta['documents'].values()):,} documents, "
-            f"{tokens['train']:,} training and {tokens['valid']:,} validation tokens "
-            f"({plan.mode} split); token shards {what}: {folder}",
-        )
+        folder = _make_run_data(cfg, workers)
     tokenizer = load_tokenizer(tok_dir)
     shards = TokenShards(folder)
     tokens = shards.meta["tokens"]
     source = shards.meta["source"]
     _check_enough(source, tokens["train"], tokens["valid"], cfg.seq_len, cfg.batch_size)
     return tokenizer, shards.blocks("train", cfg.seq_len), shards.blocks("valid", cfg.seq_len)
+
+
+def _make_run_data(cfg: TrainConfig, workers: int | None) -> Path:
+    """The run's data, made: the plan of the corpus (reading it once to hash it), the
+    tokenizer, the token shards (:func:`_cached_shards`), then the run folder's ``tokenizer/``
+    and ``data/meta.json``, written under temporary names and renamed (``meta.json`` last), so
+    an error or Ctrl-C leaves the run folder as it was. Returns the shards folder."""
+    from nxd_trainer.train.shards import TokenShards
+
+    started = time.perf_counter()
+    plan = _plan(cfg)
+    tokenizer = _run_tokenizer(cfg, plan)
+    folder, found = _cached_shards(cfg, plan, tokenizer, workers)
+    shards = TokenShards(folder)
+    tokens = shards.meta["tokens"]
+    _check_enough(plan.description, tokens["train"], tokens["valid"], cfg.seq_len, cfg.batch_size)
+    meta = {
+        "format": _DATA_FORMAT,
+        "fingerprint": _fingerprint(cfg),
+        "shards": folder.name,
+        "shards_dir": str(folder.resolve()),
+        "source": plan.description,
+        "split": plan.mode,
+        "documents": shards.meta["documents"],
+        "tokens": tokens,
+        "vocab": len(tokenizer),
+    }
+    _publish(cfg.run_dir, tokenizer, meta)
+    seconds = time.perf_counter() - started
+    what = "found" if found else f"made in {seconds:.1f} s"
+    _say(
+        cfg,
+        f"{plan.description}: {sum(shards.meta['documents'].values()):,} documents, "
+        f"{tokens['train']:,} training and {tokens['valid']:,} validation tokens "
+        f"({plan.mode} split); token shards {what}: {folder}",
+    )
+    return folder
+
+
+def _cached_shards(
+    cfg: TrainConfig, plan: Plan, tokenizer: Any, workers: int | None
+) -> tuple[Path, bool]:
+    """The cache's token shards of (``plan``, ``tokenizer``), and whether they were there
+    already: made under the folder's lock if not (``workers`` processes, default: this
+    machine's cores; resumed if interrupted; reused if another run made them)."""
+    from filelock import FileLock
+
+    from nxd_trainer.train.shards import build_shards
+
+    backend = tokenizer.backend_tokenizer.to_str()
+    key = _hash(plan.key, hashlib.blake2b(backend.encode()).hexdigest())
+    folder = cache_root(cfg) / "tokens" / key
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(folder.parent / f"{key}.lock")):
+        found = (folder / "meta.json").is_file()
+        if not found:
+            build_shards(
+                plan, backend, tokenizer.eos_token_id, len(tokenizer), folder,
+                workers=workers, progress=cfg.progress,
+            )  # fmt: skip
+    return folder, found
 
 
 def _plan(cfg: TrainConfig) -> Plan:

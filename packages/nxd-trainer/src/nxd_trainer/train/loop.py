@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -161,7 +162,6 @@ def _train(cfg: TrainConfig, run: RunDir) -> int:
     import torch.distributed as dist
 
     from nxd_state import collectives
-    from nxd_trainer.train.metrics import Metrics
     from nxd_trainer.train.trainer import Trainer
 
     rank = dist.get_rank()
@@ -170,6 +170,38 @@ def _train(cfg: TrainConfig, run: RunDir) -> int:
     if point is not None:
         trainer.resume(point)
     writer = rank == 0
+    session = _run_steps(cfg, run, trainer, writer)
+    if cfg.export and not session.interrupted and cfg.lora_rank:
+        trainer.save_merged()
+    collectives.barrier()
+    if writer:
+        summary = _summary(run, trainer, session)
+        run.write_summary(summary)
+    if session.interrupted:
+        return EXIT_INTERRUPTED
+    dist.destroy_process_group()
+    if writer:
+        _finish(cfg, run, summary)
+    return 0
+
+
+@dataclass
+class _Session:
+    """What this process's session trained: tokens, seconds, the last loss, and whether a
+    signal stopped it."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    last_loss: float = float("nan")
+    interrupted: bool = False
+
+
+def _run_steps(cfg: TrainConfig, run: RunDir, trainer: Any, writer: bool) -> _Session:
+    """Train up to ``cfg.steps``, evaluating every ``eval_every`` steps and saving every
+    ``save_every``; then the final evaluation and save, unless already done (a signal: the
+    step it stopped at is saved, not evaluated)."""
+    from nxd_trainer.train.metrics import Metrics
+
     metrics = Metrics(run.root, writer=writer, steps=cfg.steps, start=trainer.step,
                       bar=cfg.progress)  # fmt: skip
     if trainer.step and writer:
@@ -181,18 +213,16 @@ def _train(cfg: TrainConfig, run: RunDir) -> int:
                 f"the run is finished: it is at step {trainer.step} (--steps {cfg.steps})"
             )
     stop = _Stop()
+    session = _Session()
     saved_step = trainer.step
     # A finished run rerun trains nothing, and evaluates and saves nothing new.
     evaluated_step = trainer.step if trainer.step >= cfg.steps else -1
-    interrupted = False
-    session_tokens, session_time = 0, 0.0
-    last_loss = float("nan")
     try:
         while trainer.step < cfg.steps:
             result = trainer.train_step(stop.requested)
-            session_tokens += cfg.batch_size * cfg.seq_len
-            session_time += result.seconds
-            last_loss = result.loss
+            session.tokens += cfg.batch_size * cfg.seq_len
+            session.seconds += result.seconds
+            session.last_loss = result.loss
             metrics.train(
                 result.step, result.loss, result.lr, result.grad_norm, trainer.tokens,
                 cfg.batch_size * cfg.seq_len / result.seconds,
@@ -201,43 +231,32 @@ def _train(cfg: TrainConfig, run: RunDir) -> int:
                 metrics.eval(result.step, trainer.evaluate())
                 evaluated_step = result.step
             if result.stop:
-                interrupted = True
+                session.interrupted = True
                 break
             if result.step % cfg.save_every == 0:
                 trainer.save()
                 saved_step = result.step
-        if not interrupted and evaluated_step != trainer.step:
+        if not session.interrupted and evaluated_step != trainer.step:
             metrics.eval(trainer.step, trainer.evaluate())
         if saved_step != trainer.step or run.newest_tag() is None:
             trainer.save()
     finally:
         stop.restore()
         metrics.close()
-    if cfg.export and not interrupted and cfg.lora_rank:
-        trainer.save_merged()
-    collectives.barrier()
-    if writer:
-        summary = _summary(run, trainer, last_loss, session_tokens, session_time, interrupted)
-        run.write_summary(summary)
-    if interrupted:
-        return EXIT_INTERRUPTED
-    dist.destroy_process_group()
-    if writer:
-        _finish(cfg, run, summary)
-    return 0
+    return session
 
 
-def _summary(run: RunDir, trainer: Any, loss: float, tokens: int, seconds: float,
-             interrupted: bool) -> dict[str, Any]:  # fmt: skip
+def _summary(run: RunDir, trainer: Any, session: _Session) -> dict[str, Any]:
     """The run's final figures. A session that trained no step (a rerun of a finished run)
     reports the figures of the session that did: the last logged loss and its tokens/s."""
     previous = run.read_summary() or {}
     trained = [r for r in run.metrics_rows("train") if r.get("step", 0) <= trainer.step]
+    loss = session.last_loss
     last: float | None = loss
     if loss != loss:  # NaN: no step this session
         last = trained[-1]["loss"] if trained else None
-    if seconds:
-        speed: float | None = tokens / seconds
+    if session.seconds:
+        speed: float | None = session.tokens / session.seconds
     elif previous.get("step") == trainer.step:
         speed = previous.get("tokens_per_s")
     else:
@@ -248,7 +267,7 @@ def _summary(run: RunDir, trainer: Any, loss: float, tokens: int, seconds: float
         "tokens_per_s": speed,
         "loss": finite_or_none(last),
         "checkpoint": str(run.checkpoints / tag_name(trainer.step)),
-        "interrupted": interrupted,
+        "interrupted": session.interrupted,
     }
 
 

@@ -39,13 +39,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from nxd_trainer.train.config import ConfigError
 from nxd_trainer.train.corpus import Plan, Task, iter_units
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future, ProcessPoolExecutor
 
 __all__ = ["SPLITS", "Blocks", "TokenFile", "TokenShards", "build_shards", "shard_dtype"]
 
@@ -168,44 +171,13 @@ def build_shards(
         return folder
     partial = folder.with_name(folder.name + ".partial")
     dtype = shard_dtype(vocab)
-    state_path = partial / "progress.json"
-    state = None
-    if state_path.is_file():
-        state = json.loads(state_path.read_text())
-        if state.get("plan") != _plan_digest(plan) or state.get("dtype") != dtype.str:
-            state = None  # another cut of the same content (another nxd-train): start again
-    if state is None:
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-        state = {"plan": _plan_digest(plan), "dtype": dtype.str, "done": 0,
-                 "lengths": {s: [0, 0] for s in SPLITS}, "bytes": 0}  # fmt: skip
-        _write_json(state_path, state)
+    state = _progress_record(plan, partial, dtype)
     files = _Files(partial, dtype.itemsize)
     files.open(state["lengths"])
-    started = time.perf_counter()
-    todo = plan.tasks[state["done"] :]
     bar = _bar(plan, state, progress)
-    made = 0
-    results = _results(plan, todo, tokenizer_json, eos, dtype, workers)
+    results = _results(plan, plan.tasks[state["done"] :], tokenizer_json, eos, dtype, workers)
     try:
-        for task, (ids, ends) in results:
-            lengths = state["lengths"]
-            for s, split in enumerate(SPLITS):
-                files.append(split, ids[s], ends[s] + np.uint64(lengths[split][0]))
-                lengths[split][0] += len(ids[s])
-                lengths[split][1] += len(ends[s])
-            files.flush()
-            state["done"] = task.index + 1
-            state["bytes"] += task.measure
-            _write_json(state_path, state)
-            made += len(ids[0]) + len(ids[1])
-            if bar is not None:
-                bar.update(task.measure)
-                rate = made / max(1e-9, time.perf_counter() - started)
-                bar.set_postfix_str(f"{rate:,.0f} tokens/s", refresh=False)
-            if on_task is not None:
-                on_task(task.index)
-        files.flush(sync=True)
+        _write_tasks(results, files, state, partial / "progress.json", bar, on_task)
     finally:
         results.close()  # an error or Ctrl-C: the workers stop now
         files.close()
@@ -225,11 +197,57 @@ def build_shards(
         "corpus_key": plan.key,
     }
     (partial / "tokenizer.json").write_text(tokenizer_json)
-    state_path.unlink()
+    (partial / "progress.json").unlink()
     _write_json(partial / "meta.json", meta)
     shutil.rmtree(folder, ignore_errors=True)  # an incomplete leftover (no meta.json)
     os.replace(partial, folder)
     return folder
+
+
+def _progress_record(plan: Plan, partial: Path, dtype: np.dtype) -> dict[str, Any]:
+    """``partial/progress.json``: the one an interrupted try of this plan left, else a fresh
+    record in an emptied ``partial`` (tasks done, the files' lengths, input bytes read)."""
+    state_path = partial / "progress.json"
+    state = None
+    if state_path.is_file():
+        state = json.loads(state_path.read_text())
+        if state.get("plan") != _plan_digest(plan) or state.get("dtype") != dtype.str:
+            state = None  # another cut of the same content (another nxd-train): start again
+    if state is None:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        state = {"plan": _plan_digest(plan), "dtype": dtype.str, "done": 0,
+                 "lengths": {s: [0, 0] for s in SPLITS}, "bytes": 0}  # fmt: skip
+        _write_json(state_path, state)
+    return state
+
+
+def _write_tasks(
+    results: Any, files: _Files, state: dict[str, Any], state_path: Path, bar: Any,
+    on_task: Callable[[int], None] | None,
+) -> None:  # fmt: skip
+    """Append each task's ids and document ends (shifted to the split's offset) to the files,
+    then commit it: flush, record the task done and the new lengths in ``state_path``."""
+    started = time.perf_counter()
+    made = 0
+    for task, (ids, ends) in results:
+        lengths = state["lengths"]
+        for s, split in enumerate(SPLITS):
+            files.append(split, ids[s], ends[s] + np.uint64(lengths[split][0]))
+            lengths[split][0] += len(ids[s])
+            lengths[split][1] += len(ends[s])
+        files.flush()
+        state["done"] = task.index + 1
+        state["bytes"] += task.measure
+        _write_json(state_path, state)
+        made += len(ids[0]) + len(ids[1])
+        if bar is not None:
+            bar.update(task.measure)
+            rate = made / max(1e-9, time.perf_counter() - started)
+            bar.set_postfix_str(f"{rate:,.0f} tokens/s", refresh=False)
+        if on_task is not None:
+            on_task(task.index)
+    files.flush(sync=True)
 
 
 def _plan_digest(plan: Plan) -> str:
@@ -269,37 +287,15 @@ def _results(
         finally:
             _STATE.clear()
         return
-    import multiprocessing
-    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+    from concurrent.futures import FIRST_COMPLETED, wait
 
-    # fork where there is one (Linux: as torch's DataLoader and `datasets` do; a script needs no
-    # `if __name__ == "__main__"` guard), else spawn. The tokenizer's threads stay off in the
-    # workers (TOKENIZERS_PARALLELISM, read when they start: also silences its fork warning).
-    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    executor = ProcessPoolExecutor(
-        workers, mp_context=multiprocessing.get_context(method), initializer=_init_worker,
-        initargs=(plan, tokenizer_json, eos, dtype.str),
-    )  # fmt: skip
-    saved_env = os.environ.get("TOKENIZERS_PARALLELISM")
-
-    def submit(task: Task) -> Any:
-        # Workers start during submit, and are born with SIGINT blocked (the mask is
-        # inherited): Ctrl-C in a terminal reaches the whole process group, and only this
-        # process acts on it (it stops the workers).
-        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"
-        try:
-            return executor.submit(tokenize_task, task)
-        finally:
-            _restore_env("TOKENIZERS_PARALLELISM", saved_env)
-            signal.pthread_sigmask(signal.SIG_SETMASK, old)
-
+    executor = _start_pool(plan, tokenizer_json, eos, dtype, workers)
     finished = False
     try:
         queue = iter(todo)
         pending: collections.deque[tuple[Task, Any]] = collections.deque()
         for task in queue:
-            pending.append((task, submit(task)))
+            pending.append((task, _submit(executor, task)))
             if len(pending) >= workers * _PER_WORKER:
                 break
         while pending:
@@ -309,19 +305,56 @@ def _results(
             out = future.result()
             nxt = next(queue, None)
             if nxt is not None:
-                pending.append((nxt, submit(nxt)))
+                pending.append((nxt, _submit(executor, nxt)))
             yield task, out
         finished = True
     finally:
-        if finished:
-            executor.shutdown(wait=True)
-        else:  # an error or an interrupt: stop the workers now
-            processes = list(getattr(executor, "_processes", {}).values())
-            executor.shutdown(wait=False, cancel_futures=True)
-            for process in processes:
-                process.terminate()
-            for process in processes:
-                process.join()
+        _stop_pool(executor, finished)
+
+
+def _start_pool(
+    plan: Plan, tokenizer_json: str, eos: int, dtype: np.dtype, workers: int
+) -> ProcessPoolExecutor:
+    """``workers`` tokenizing processes, forked where there is fork (Linux: as torch's
+    DataLoader and `datasets` do; a script needs no ``if __name__ == "__main__"`` guard), else
+    spawned. The tokenizer's threads stay off in the workers (TOKENIZERS_PARALLELISM, read
+    when they start: also silences its fork warning)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    return ProcessPoolExecutor(
+        workers, mp_context=multiprocessing.get_context(method), initializer=_init_worker,
+        initargs=(plan, tokenizer_json, eos, dtype.str),
+    )  # fmt: skip
+
+
+def _submit(executor: ProcessPoolExecutor, task: Task) -> Future[Any]:
+    """``tokenize_task(task)`` on the pool. Workers start during submit, and are born with
+    SIGINT blocked (the mask is inherited): Ctrl-C in a terminal reaches the whole process
+    group, and only this process acts on it (it stops the workers)."""
+    saved_env = os.environ.get("TOKENIZERS_PARALLELISM")
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        return executor.submit(tokenize_task, task)
+    finally:
+        _restore_env("TOKENIZERS_PARALLELISM", saved_env)
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _stop_pool(executor: ProcessPoolExecutor, finished: bool) -> None:
+    """Shut the pool down: waiting for it after the last task, else (an error or an
+    interrupt) at once, its processes terminated."""
+    if finished:
+        executor.shutdown(wait=True)
+        return
+    processes = list(getattr(executor, "_processes", {}).values())
+    executor.shutdown(wait=False, cancel_futures=True)
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        process.join()
 
 
 def _restore_env(name: str, value: str | None) -> None:
