@@ -12,8 +12,10 @@ gathered over TP, they equal the gradient of ``sum_j L(b_j)`` in one process, th
 compared with the slice (``E/EP`` experts) this rank holds. The weights each rank holds are
 checked against that slice too.
 
-Tolerance: fp32. Logits, losses: rtol 1e-5 / atol 1e-6 (TP splits each row-parallel matmul
-and each expert's down projection into partial sums added in another order: ~1e-7 relative);
+Tolerance: fp32. Logits, losses: rtol 1e-5 / atol 1e-5 (TP splits each row-parallel matmul
+and each expert's down projection into partial sums added in another order: ~1e-7 relative
+per sum, which through two layers, the shared expert's sigmoid gate and the head reaches
+~3e-6 absolute on logits near zero; atol 1e-6 failed on 2 of 1536 Qwen2-MoE logits by that);
 gradients: rtol 1e-4 / atol 1e-6 (small entries pass through more such sums, and the DP sum
 adds the per-batch gradients in another order). Routing is the family's own router on the
 same values, so it is the same choice on both sides; a wrong expert slice, a token sent to the
@@ -32,7 +34,7 @@ from nxd_state.testing import load_sibling, run_distributed
 
 M = load_sibling(__file__, "_moe")
 R = M.R
-OUT_TOL = {"rtol": 1e-5, "atol": 1e-6}
+OUT_TOL = {"rtol": 1e-5, "atol": 1e-5}
 GRAD_TOL = {"rtol": 1e-4, "atol": 1e-6}
 MOE_FAMILIES = M.MOE_FAMILIES
 moe_model, batches = M.moe_model, M.batches
