@@ -581,14 +581,12 @@ def swap_layers(
     }
     plan.memory = MemoryStore({n: t for n, t in originals.items() if not t.is_meta})
     swapper = _Swapper(model, spec, layout, sequence_parallel, plan, fuse_qkv)
-    # Any: the decoder stack is a ModuleList (iterated and indexed), or [model]
-    layers: Any = model.get_submodule(spec.layers) if blocks is None else [model]
     swap = layout.tp > 1 or swap_at_tp1
     if blocks is not None:
         for block in blocks if swap else ():
             swapper.block(block)
     else:
-        for index, layer in enumerate(layers):
+        for index, layer in enumerate(model.get_submodule(spec.layers).children()):
             if swap and (should_parallelize_layer is None or should_parallelize_layer(layer)):
                 swapper.decoder_layer(f"{spec.layers}.{index}")
     if parallelize_embeddings and swap:

@@ -192,14 +192,13 @@ class Parallelizer:
         (:meth:`inspect`)."""
         from nxd_trainer._materialize import build_in_waves
 
-        cls._check_arguments(
-            model,
-            sequence_parallel_enabled=sequence_parallel_enabled,
-            kv_size_multiplier=kv_size_multiplier,
-            fuse_qkv=fuse_qkv,
-            gather_output=gather_output,
-            pipeline_input_names=pipeline_parallel_input_names,
-        )
+        swap: dict[str, Any] = {
+            "sequence_parallel_enabled": sequence_parallel_enabled,
+            "kv_size_multiplier": kv_size_multiplier,
+            "fuse_qkv": fuse_qkv,
+            "gather_output": gather_output,
+        }
+        cls._check_arguments(model, pipeline_input_names=pipeline_parallel_input_names, **swap)
         factor = _local_ranks_per_step(num_local_ranks_per_step)
         device = torch.device(device) if device is not None else nxd_state.current_device()
         folder, sharded = cls._weights_source(model, checkpoint_dir)
@@ -211,14 +210,7 @@ class Parallelizer:
         }
 
         def build() -> nn.Module:
-            cls._parallelize(
-                model,
-                parallelize_embeddings=parallelize_embeddings,
-                sequence_parallel_enabled=sequence_parallel_enabled,
-                kv_size_multiplier=kv_size_multiplier,
-                fuse_qkv=fuse_qkv,
-                gather_output=gather_output,
-            )
+            cls._parallelize(model, parallelize_embeddings=parallelize_embeddings, **swap)
             plan: Plan = model.__dict__["_nxd_plan"]
             return cls._fill(model, plan, device, folder, sharded is not None, pipeline)
 
