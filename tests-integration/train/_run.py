@@ -112,14 +112,20 @@ def reference(run: Path, extra: list[str], plan: list[tuple[int, list[str]]]) ->
     from transformers import AutoModelForCausalLM
 
     from nxd_trainer.train.data import PackedLoader, prepare_data
-    from nxd_trainer.train.model import hf_config
+    from nxd_trainer.train.model import hf_config, model_source
     from nxd_trainer.train.trainer import lr_lambda
 
     cfg = config(run, extra + plan[0][1])
     tokenizer, train, valid = prepare_data(cfg, build=False)
     model_config = hf_config(cfg, len(tokenizer), tokenizer)
     torch.manual_seed(cfg.seed)
-    model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
+    kind, folder = model_source(cfg)
+    if kind == "folder":  # fine-tuning a Hugging Face folder: its weights
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, config=model_config, dtype=torch.float32
+        )
+    else:
+        model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
     model.train()
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay

@@ -36,6 +36,43 @@ def test_dry_run_prints_the_layout(tmp_path: Path, capsys: pytest.CaptureFixture
     assert re.search(r"^rank 1: +\. 1F0 1B0", out, re.M)
 
 
+def test_dry_run_of_a_plan_family(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """GPT-NeoX (parallelised by transformers' plan, its stack at ``gpt_neox.layers``): each
+    stage's TP pair holds its sharded weights once, and twice what TP keeps whole: the
+    LayerNorms (weight and bias) and the row-parallel layers' biases."""
+    from transformers import GPTNeoXConfig
+
+    from nxd_trainer.train import main
+
+    config = GPTNeoXConfig(
+        vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, max_position_embeddings=64,
+    )  # fmt: skip
+    config.save_pretrained(tmp_path / "neox")
+    model = str(tmp_path / "neox" / "config.json")
+    args = ["--dry-run", "--model", model, "--tp", "2", "--pp", "2", "--nproc-per-node", "4",
+            "--microbatches", "2", "--vocab-size", "384"]  # fmt: skip
+    assert main([*args, "--runs-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    total = int(re.search(r"; ([\d,]+) parameters", out).group(1).replace(",", ""))
+    table = re.findall(r"^\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+([\d,]+)$", out, re.M)
+    per_rank = {int(p): int(n.replace(",", "")) for _, _, p, _, _, n in table}
+    norms = (4 * 2 + 1) * 2 * 64  # 2 LayerNorms per layer and the final one
+    row_biases = 4 * 2 * 64  # attention.dense and mlp.dense_4h_to_h
+    assert 2 * (per_rank[0] + per_rank[1]) == total + norms + row_biases
+    # A family with no plan (GPT-2) is refused naming it, by the check the launcher runs
+    # before any write (cli._launcher: hf_config).
+    from transformers import GPT2Config
+
+    from nxd_trainer.train.config import ConfigError, TrainConfig
+    from nxd_trainer.train.model import hf_config
+
+    GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=384).save_pretrained(tmp_path / "gpt2")
+    gpt2 = TrainConfig(model=str(tmp_path / "gpt2" / "config.json"), vocab_size=384)
+    with pytest.raises(ConfigError, match=r"model type 'gpt2'.*no tensor-parallel plan"):
+        hf_config(gpt2, 1)
+
+
 def test_bad_inputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     base = [*R.TINY, "--runs-dir", str(tmp_path)]
     missing = tmp_path / "nowhere"

@@ -1,4 +1,4 @@
-"""``nxd-train``, nxd's main job: train a Llama-family causal LM with any TP/PP/DP mix.
+"""``nxd-train``, nxd's main job: train a causal LM with any TP/PP/DP mix.
 
     nxd-train                      # tiny Llama, TP=2 on 2 CPU processes, stdlib corpus
     nxd-train --tp 2 --pp 2 --nproc-per-node 4 --microbatches 2

@@ -113,7 +113,7 @@ def _plain(text: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="nxd-train",
-        description="Train a Llama-family causal LM with any TP/PP/DP mix (nxd's main job). "
+        description="Train a causal LM with any TP/PP/DP mix (nxd's main job). "
         "Defaults < --config TOML < flags.",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,

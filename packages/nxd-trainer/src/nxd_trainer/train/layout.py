@@ -26,13 +26,43 @@ _TP_SHARDED = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
                "embed_tokens", "lm_head"}  # fmt: skip
 
 
-def _stage_of(name: str, layers: int, pp: int) -> list[int]:
-    if name.startswith("model.layers."):
-        layer = int(name.split(".")[2])
+def _stage_of(name: str, where: tuple[str, str], layers: int, pp: int) -> list[int]:
+    """The stage holding parameter ``name``: ``where`` is (the decoder stack's path, the
+    input embedding's path)."""
+    stack, embedding = where
+    if name.startswith(stack + "."):
+        layer = int(name[len(stack) + 1 :].split(".")[0])
         return [layer * pp // layers]  # the inverse of the even cuts (model._cuts)
-    if name.startswith("model.embed_tokens"):
+    if name.startswith(embedding + "."):
         return [0]
     return [pp - 1]
+
+
+def _plan_sharded(config: Any, model: Any) -> set[str] | None:
+    """The parameters a family's tensor-parallel plan splits over TP (its column layers'
+    weights and biases, its row layers' weights: their biases are whole on every rank, the
+    embedding and the head); None for the Llama-family path (known by module names)."""
+    from nxd_trainer.hf._rules import resolve_plan
+    from nxd_trainer.hf.plan import PlanParallelizer, text_tp_plan
+    from nxd_trainer.train.model import parallelizer_of
+
+    if not issubclass(parallelizer_of(config), PlanParallelizer):
+        return None
+    plan = resolve_plan(model, config.model_type, text_tp_plan(config.model_type, config))
+    sharded = {f"{plan.embed}.weight", f"{plan.lm_head}.weight"}
+    for block in plan.blocks:
+        for child in block.columns:
+            sharded |= {f"{block.path}.{child}.weight", f"{block.path}.{child}.bias"}
+        sharded |= {f"{block.path}.{child}.weight" for child in block.rows}
+    return sharded
+
+
+def _where(config: Any, model: Any) -> tuple[str, str]:
+    from nxd_trainer.train.model import parallelizer_of
+
+    embedding = model.get_input_embeddings()
+    path = next(n for n, m in model.named_modules() if m is embedding)
+    return parallelizer_of(config).spec.layers, path
 
 
 def parameters_per_stage(cfg: TrainConfig, config: Any) -> list[int]:
@@ -45,16 +75,19 @@ def parameters_per_stage(cfg: TrainConfig, config: Any) -> list[int]:
     kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     seen: set[int] = set()
     tied = getattr(config, "tie_word_embeddings", False)
+    plan_sharded, where = _plan_sharded(config, model), _where(config, model)
     for name, param in model.named_parameters(remove_duplicate=False):
         module = name.split(".")[-2] if "." in name else name
         n = param.numel()
-        if module in _TP_SHARDED:
+        if plan_sharded is not None:
+            n = n // cfg.tp if name in plan_sharded else n
+        elif module in _TP_SHARDED:
             replicas = max(1, cfg.tp // kv) if module in ("k_proj", "v_proj") else 1
             n = n * replicas // cfg.tp
-        elif module == "experts" and param.dim() == 3:  # packed (experts, rows, columns)
+        if module == "experts" and param.dim() == 3:  # packed (experts, rows, columns)
             # ep > 1: this rank's experts, TP inside each; ep = 1: kept whole on every rank
             n = n // (cfg.ep * cfg.tp) if cfg.ep > 1 else n
-        stages = _stage_of(name, config.num_hidden_layers, cfg.pp)
+        stages = _stage_of(name, where, config.num_hidden_layers, cfg.pp)
         if id(param) in seen and not (tied and cfg.pp > 1):
             continue
         seen.add(id(param))
@@ -76,6 +109,7 @@ def format_layout(cfg: TrainConfig, config: Any, vocab_note: str = "") -> str:
         context_parallel_size=cfg.cp,
     )
     per_stage = parameters_per_stage(cfg, config)
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     total = sum(p.numel() for p in _full_model(config).parameters())
     micro = cfg.batch_size // (dp * cfg.grad_accum)
     lines = [
@@ -88,7 +122,7 @@ def format_layout(cfg: TrainConfig, config: Any, vocab_note: str = "") -> str:
         + (" sequence-parallel" if cfg.sequence_parallel else "")
         + (" bf16" if cfg.bf16 else ""),
         f"model {cfg.model}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
-        f"{config.num_attention_heads} heads / {config.num_key_value_heads} KV heads, vocab "
+        f"{config.num_attention_heads} heads / {kv_heads} KV heads, vocab "
         f"{config.vocab_size}{vocab_note}; {total:,} parameters",
         f"batch: {cfg.batch_size} sequences x {cfg.seq_len} tokens per step = "
         f"{cfg.batch_size * cfg.seq_len:,} tokens; per rank {micro} sequences x "

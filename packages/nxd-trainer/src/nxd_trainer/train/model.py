@@ -112,13 +112,14 @@ def hf_config(cfg: TrainConfig, vocab: int, tokenizer: Any = None) -> Any:
                 f"the tokenizer has {vocab} tokens but the model's vocab_size is "
                 f"{config.vocab_size}: pass the model's own tokenizer with --tokenizer"
             )
-    from nxd_trainer.hf import ParallelizersManager
     from nxd_trainer.hf._experts import MOE_FAMILIES
 
-    supported = [*ParallelizersManager.get_supported_model_types(), *MOE_FAMILIES]
-    if config.model_type not in supported:
+    parallelizer = parallelizer_of(config)
+    if cfg.pp > 1 and not parallelizer.spec.supports_pipeline_parallel:
         raise ConfigError(
-            f"model type {config.model_type!r} is not supported; supported: {supported}"
+            f"pp={cfg.pp} with model type {config.model_type!r}: transformers declares no "
+            f"pipeline plan (base_model_pp_plan) for it, so nxd does not know where to cut "
+            f"its stages; use pp=1"
         )
     if cfg.ep > 1:
         _check_experts(cfg, config, list(MOE_FAMILIES))
@@ -129,10 +130,34 @@ def hf_config(cfg: TrainConfig, vocab: int, tokenizer: Any = None) -> Any:
         _check_all_to_all_heads(cfg, config)
     if cfg.pp > config.num_hidden_layers:
         raise ConfigError(f"pp({cfg.pp}) exceeds the model's {config.num_hidden_layers} layers")
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = _attention_implementation(config)
     if tokenizer is not None:
         _special_ids_from(tokenizer, config)
     return config
+
+
+def _attention_implementation(config: Any) -> str:
+    """torch's scaled-dot-product attention where the family's model supports it, else the
+    family's eager attention (Gemma 2: soft-capped scores)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    return "sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager"
+
+
+def parallelizer_of(config: Any) -> Any:
+    """The HF parallelizer of the model's family: a registered one (Llama, Mistral, Qwen2,
+    Qwen3), else the one following the tensor-parallel plan transformers declares for it
+    (:mod:`nxd_trainer.hf.plan`); a family with neither is a :class:`ConfigError` naming it.
+    Whether the model itself is reproduced exactly is checked when it is built."""
+    from types import SimpleNamespace
+
+    from nxd_trainer.hf import ParallelizersManager, UnsupportedModelError
+
+    try:
+        return ParallelizersManager.parallelizer_for_model(SimpleNamespace(config=config))
+    except UnsupportedModelError as error:
+        raise ConfigError(str(error)) from None
 
 
 def _check_experts(cfg: TrainConfig, config: Any, families: list[str]) -> None:
@@ -200,9 +225,9 @@ def make_model_fn(cfg: TrainConfig, config: Any) -> Any:
     return model_fn
 
 
-def _cuts(layers: int, pp: int) -> list[str]:
-    """Even stages: cut after layer ``⌈L·i/P⌉ - 1`` for i = 1..P-1."""
-    return [f"model.layers.{-(-layers * i // pp) - 1}" for i in range(1, pp)]
+def _cuts(stack: str, layers: int, pp: int) -> list[str]:
+    """Even stages of the decoder ``stack``: cut after layer ``⌈L·i/P⌉ - 1``, i = 1..P-1."""
+    return [f"{stack}.{-(-layers * i // pp) - 1}" for i in range(1, pp)]
 
 
 def build_nxd_config(cfg: TrainConfig, config: Any, world: int) -> dict[str, Any]:
@@ -215,7 +240,9 @@ def build_nxd_config(cfg: TrainConfig, config: Any, world: int) -> dict[str, Any
         pipeline_config = {
             "num_microbatches": cfg.microbatches,
             "input_names": ["input_ids", "labels"],
-            "pipeline_cuts": _cuts(config.num_hidden_layers, cfg.pp),
+            "pipeline_cuts": _cuts(
+                parallelizer_of(config).spec.layers, config.num_hidden_layers, cfg.pp
+            ),
             "schedule": cfg.schedule,
         }
     checkpointing: Any = None
@@ -295,4 +322,5 @@ def fp32_gradient_sums(cfg: TrainConfig, world: int) -> bool:
 
 def describe(config: Any) -> str:
     keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
-    return json.dumps({k: getattr(config, k) for k in keys} | {"vocab_size": config.vocab_size})
+    sizes = {k: getattr(config, k, None) for k in keys}  # GPT-NeoX has no KV head count
+    return json.dumps(sizes | {"vocab_size": config.vocab_size})
