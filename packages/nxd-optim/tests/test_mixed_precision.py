@@ -152,3 +152,31 @@ def test_bf16_with_fp32_master_weights_tracks_fp32_reference() -> None:
     with tempfile.TemporaryDirectory() as directory:
         results = run_distributed(_suite, 2, directory)
     assert all(error > MASTER_TOL["atol"] for error in results[0])
+
+
+def test_fp32_accumulation_buffers_only_low_precision_params() -> None:
+    """With fp32 accumulation, a bf16 parameter's micro-batch gradients are summed in an fp32
+    buffer; an fp32 parameter keeps summing in its own ``p.grad`` (no second fp32 copy), with
+    the same sums: G = g1 + g2 exactly (both sides add the same two fp32 tensors)."""
+    from nxd_optim._mixed_precision import GradientStore
+
+    full = torch.nn.Parameter(torch.randn(4, 3))
+    half = torch.nn.Parameter(torch.randn(4, 3).to(torch.bfloat16))
+    store = GradientStore([full, half], fp32_accumulation=True)
+    xs = [torch.randn(3), torch.randn(3)]
+    for x in xs:
+        ((full @ x).sum() + (half.float() @ x).sum() ** 2).backward()
+    grads = store.grads([full, half])
+    assert grads[0] is full.grad  # the parameter's own gradient, not a buffer
+    assert grads[1].dtype == torch.float32
+    assert half.grad is None  # moved into the buffer after each backward
+    expected_full = sum(torch.ones(4, 1) * x for x in xs)
+    torch.testing.assert_close(grads[0], expected_full, rtol=0, atol=0)
+    expected_half = sum(
+        (2 * (half.detach().float() @ x).sum() * torch.ones(4, 1) * x).to(torch.bfloat16).float()
+        for x in xs
+    )
+    torch.testing.assert_close(grads[1], expected_half, rtol=0, atol=0)
+    store.zero([full, half])
+    assert full.grad is None
+    assert torch.count_nonzero(store.grads([half])[0]) == 0

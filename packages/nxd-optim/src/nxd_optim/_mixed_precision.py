@@ -27,7 +27,8 @@ def is_low_precision(dtype: torch.dtype) -> bool:
 
 class GradientStore:
     """The gradients of ``params``: ``p.grad``, or buffers of ``dtype`` (fp32 by default) when
-    ``fp32_accumulation``."""
+    ``fp32_accumulation`` for parameters of another dtype (a parameter already in ``dtype``
+    accumulates in its own ``p.grad``, bit for bit the same sums, without a second copy)."""
 
     def __init__(
         self,
@@ -48,6 +49,8 @@ class GradientStore:
             return
         for param in params:
             if param in self._buffers or not param.requires_grad:
+                continue
+            if param.dtype == self.dtype:  # autograd already sums into p.grad in this dtype
                 continue
             self._buffers[param] = torch.zeros_like(param, dtype=self.dtype)
             self._handles.append(param.register_post_accumulate_grad_hook(self._accumulate))
