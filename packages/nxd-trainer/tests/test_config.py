@@ -285,14 +285,14 @@ def test_nxds_newer_keywords() -> None:
             pipeline_parallel_size=2,
             pipeline_config={"pipeline_cuts": ["layers.0"], "input_names": ["input_ids"]},
         )
-    with pytest.raises(ValueError, match=r"sequence_parallel=True with context_parallel_size"):
-        NxDConfig(
-            tensor_parallel_size=2,
-            sequence_parallel=True,
-            context_parallel_size=2,
-            pipeline_parallel_size=2,
-            pipeline_config={"pipeline_cuts": ["layers.0"], "input_names": ["labels"]},
-        )
+    sp_cp_pp = NxDConfig(  # refused before the double sequence split was fixed
+        tensor_parallel_size=2,
+        sequence_parallel=True,
+        context_parallel_size=2,
+        pipeline_parallel_size=2,
+        pipeline_config={"pipeline_cuts": ["layers.0"], "input_names": ["labels"]},
+    )
+    assert sp_cp_pp.sequence_parallel
     ep_pp = NxDConfig(
         expert_parallel_size=2,
         pipeline_parallel_size=2,
