@@ -40,6 +40,7 @@ __all__ = [
     "UnsupportedModelError",
     "forward_signature",
     "inspect_model",
+    "module_list_at",
     "resolve_plan",
 ]
 
@@ -255,6 +256,16 @@ def _check_unplaced_children(
                 f"{sorted(sizes)}, not one head's {head_dim}: a norm across heads, which each "
                 f"rank does not see",
             )
+
+
+def module_list_at(model: nn.Module, path: str) -> nn.ModuleList | None:
+    """The ``nn.ModuleList`` at ``path`` of ``model`` (a decoder stack), or None where the
+    model has no module there or another kind of module."""
+    try:
+        stack = model.get_submodule(path)
+    except AttributeError:
+        return None
+    return stack if isinstance(stack, nn.ModuleList) else None
 
 
 def _head_dim(config: Any) -> int | None:

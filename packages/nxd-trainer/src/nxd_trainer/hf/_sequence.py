@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from nxd_trainer.hf._rules import ModelPlan, UnsupportedModelError, _source
+from nxd_trainer.hf._rules import ModelPlan, UnsupportedModelError, _source, module_list_at
 
 __all__ = [
     "gather_sequence",
@@ -119,11 +119,7 @@ def sequence_parallel_modules(
     """The modules whose parameters act on this rank's slice of the sequence (their
     gradients summed over TP), after checking the model allows sequence parallelism (see the
     module docstring)."""
-    try:
-        stack = model.get_submodule(layers)
-    except AttributeError:
-        stack = None
-    if not isinstance(stack, nn.ModuleList):
+    if module_list_at(model, layers) is None:
         raise UnsupportedModelError(
             family,
             f"sequence parallelism needs the decoder layers as a module list at {layers} "

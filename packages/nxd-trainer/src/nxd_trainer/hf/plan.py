@@ -25,7 +25,13 @@ from torch import nn
 
 import nxd_state
 from nxd_trainer.hf._experts import check_experts, swap_experts
-from nxd_trainer.hf._rules import UnsupportedModelError, _head_dim, inspect_model, resolve_plan
+from nxd_trainer.hf._rules import (
+    UnsupportedModelError,
+    _head_dim,
+    inspect_model,
+    module_list_at,
+    resolve_plan,
+)
 from nxd_trainer.hf._sequence import sequence_parallel_modules
 from nxd_trainer.hf._swap import Layout, swap_layers
 from nxd_trainer.hf.parallelizer import Parallelizer
@@ -203,11 +209,7 @@ def pipeline_layers(model_type: str, config: Any = None) -> str | None:
 def check_pipeline_stack(model: nn.Module, family: str, path: str) -> None:
     """The pipeline plan's ``layers`` is an ``nn.ModuleList`` at ``path`` of ``model``, else an
     :class:`UnsupportedModelError` (a plan naming a stack the model does not have)."""
-    try:
-        stack = model.get_submodule(path)
-    except AttributeError:
-        stack = None
-    if not isinstance(stack, nn.ModuleList):
+    if module_list_at(model, path) is None:
         raise UnsupportedModelError(
             family,
             f"its pipeline plan (base_model_pp_plan) names 'layers', but the model has no "
