@@ -212,9 +212,10 @@ def test_ep2_checkpoint_loads_at_tp2_ep2(family: str, tmp_path: Path) -> None:
 
 
 EVAL_SEED = 99
-LOGITS_TOL = {"rtol": 1e-5, "atol": 1e-6}
+LOGITS_TOL = {"rtol": 1e-5, "atol": 1e-5}
 """fp32: the EP run adds each token's expert outputs after an all-to-all, in the same expert
-order; the one-process model's matmuls run on other row blocks (~1e-7 relative on O(1) logits).
+order; the one-process model's matmuls run on other row blocks (~1e-7 relative on O(1) logits,
+which through two layers reached 1.4e-6 absolute on a logit near zero at transformers 5.4).
 A wrong expert, or gate and up rows swapped, is off by O(1)."""
 
 
