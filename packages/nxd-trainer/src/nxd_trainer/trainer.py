@@ -172,8 +172,8 @@ def _build_local(
             leaves = plan.leaves if plan is not None else None
             options = _pipeline_options(config, model, info, init, device, leaves)
             pipelined = NxDPPModel(model, options=options)
-            for hook in plan.sequence_hooks if plan is not None else ():
-                hook.remove()  # recorded into the stage graphs (hf._swap.Plan.sequence_hooks)
+            if plan is not None:
+                plan.captured()
             return pipelined, model, info
         if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):
             if init is None:

@@ -129,6 +129,13 @@ class Plan:
     def index(self, model: nn.Module) -> None:
         self.names = {id(m): name for name, m in model.named_modules()}
 
+    def captured(self) -> None:
+        """A pipeline has captured the model: remove :attr:`sequence_hooks` (their work is in
+        the stage graphs now)."""
+        for hook in self.sequence_hooks:
+            hook.remove()
+        self.sequence_hooks.clear()
+
     def keep_unswapped(self, model: nn.Module) -> None:
         """Every tensor of the swapped ``model`` without a source yet is kept as it is (its
         whole original tensor), the new modules' buffers (the loss's) included; then index

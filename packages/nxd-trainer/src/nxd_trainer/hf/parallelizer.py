@@ -367,8 +367,7 @@ class Parallelizer:
             use_zero1_optimizer=use_zero1_optimizer,
             device=device,
         )
-        for hook in plan.sequence_hooks:  # now in the stage graphs (see Plan.sequence_hooks)
-            hook.remove()
+        plan.captured()
         if gradient_checkpointing:
             from nxd_trainer.activation_checkpoint import apply_activation_checkpointing
 
