@@ -14,6 +14,7 @@ With ``NXD_HF_COVERAGE_JSON=path`` the outcomes are written there
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 
@@ -212,3 +213,54 @@ def test_plan_families_export_round_trip(tmp_path: pytest.TempPathFactory) -> No
             logits = exported.eval()(input_ids=ids).logits
         torch.testing.assert_close(ranks[0][family], ranks[1][family], rtol=0, atol=0)
         torch.testing.assert_close(logits, ranks[0][family], **R.OUT_TOL)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_sequence_parallel_with_replicated_embeddings(family: str) -> None:
+    """``parallelize(sequence_parallel_enabled=True, parallelize_embeddings=False)``: the
+    embedding and head stay whole on every rank, the sequence is split before the first layer
+    and gathered before the head. Logits, loss and every gradient (norms summed over TP) equal
+    the unsharded model's (``R.OUT_TOL`` / ``R.GRAD_TOL``); Llama through the Llama-family
+    path, Gemma 2 through its tensor-parallel plan."""
+    _skip_if_missing(family)
+    for bad in run_distributed(_replicated_embeddings, 2, family):
+        assert not bad, "\n".join(bad)
+
+
+def _replicated_embeddings(family: str) -> list[str]:
+    import nxd_state
+    from nxd_layers import allreduce_sequence_parallel_gradients
+    from nxd_trainer.hf import ParallelizersManager
+
+    nxd_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    model = R.H.model("llama").eval() if family == "llama" else R.build(family)
+    ids = torch.randint(0, R.VOCAB, (R.BATCH, R.SEQ), generator=torch.Generator().manual_seed(5))
+    reference = copy.deepcopy(model)
+    want = reference(input_ids=ids, labels=ids, use_cache=False)
+    want.loss.backward()
+    parallelizer = ParallelizersManager.parallelizer_for_model(model)
+    parallel = parallelizer.parallelize(
+        model,
+        device=torch.device("cpu"),
+        sequence_parallel_enabled=True,
+        parallelize_embeddings=False,
+    )
+    out = parallel(input_ids=ids, labels=ids, use_cache=False)
+    out.loss.backward()
+    allreduce_sequence_parallel_gradients(list(parallel.parameters()))
+    checks = [
+        ("logits", out.logits, want.logits, R.OUT_TOL),
+        ("loss", out.loss, want.loss, R.OUT_TOL),
+    ]
+    ref_params = dict(reference.named_parameters())
+    for name, param in parallel.named_parameters():
+        grad = R.H.full(param, param.grad, name, parallel.config)
+        ref = ref_params[parallelizer.hf_name(name)].grad
+        checks.append((f"grad {name}", grad, ref, R.GRAD_TOL))
+    bad = []
+    for what, got, expected, tol in checks:
+        try:
+            torch.testing.assert_close(got.detach(), expected.detach(), **tol)
+        except AssertionError as error:
+            bad.append(f"{family} {what}: {error}")
+    return bad
