@@ -23,7 +23,8 @@ operator                    forward                              backward
 
 The process group is an operator argument by its torch name (``ProcessGroup.group_name``,
 what torch's functional collectives use), resolved when the operator runs. The fake
-(meta) implementations give each output's shape from the group's size, so a capture with
+(meta) implementations give each output's shape from the group's size (every output is
+contiguous, in the kernels too, so a compiled graph's views match), so a capture with
 dynamic batch and sequence sizes keeps them symbolic.
 """
 
@@ -70,7 +71,11 @@ def _group(key: str) -> ProcessGroup:
 
 
 def _fresh(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``y``, copied when it shares ``x``'s storage (an operator's output may not alias)."""
+    """``y`` as an operator returns it: contiguous, the strides every fake implementation
+    below gives (a compiled graph views outputs by those strides; a gather or reduce-scatter
+    along dim > 0 ends in ``movedim``), and copied when it shares ``x``'s storage (an
+    operator's output may not alias its input)."""
+    y = y.contiguous()
     same = y.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
     return y.clone() if same else y
 
@@ -203,12 +208,12 @@ def _divided(x: torch.Tensor, dim: int, key: str) -> torch.Tensor:
 
 @torch.library.custom_op(f"{_LIB}::copy_to_tp", mutates_args=())
 def copy_to_tp(x: torch.Tensor, group: str, dtype: torch.dtype | None) -> torch.Tensor:
-    return x.clone()
+    return x.clone(memory_format=torch.contiguous_format)
 
 
 @copy_to_tp.register_fake
 def _(x: torch.Tensor, group: str, dtype: torch.dtype | None) -> torch.Tensor:
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)
 
 
 @torch.library.custom_op(f"{_LIB}::reduce_from_tp", mutates_args=())
@@ -218,7 +223,7 @@ def reduce_from_tp(x: torch.Tensor, group: str) -> torch.Tensor:
 
 @reduce_from_tp.register_fake
 def _(x: torch.Tensor, group: str) -> torch.Tensor:
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)
 
 
 @torch.library.custom_op(f"{_LIB}::split", mutates_args=())
