@@ -20,12 +20,14 @@ on its parameters (untimed, so fp32 accumulation hooks run), then its timed step
 is shuffled every round. The step time of ``nxd`` is compared with ``peer`` *in the same
 round* (median of the paired ratios, quartiles); ``nxd_clip`` with ``peer_clip``. Each
 configuration's step is also profiled once (``torch.profiler``, CPU): the count of top-level
-operators it issues (``aten::`` events without an enclosing operator) and of all operators.
+operators it issues (``aten::`` events without an enclosing operator), of all operators, and
+the bytes they allocate.
 Goal (issue 28 item 4): ``nxd`` ≤ 1.05× ``peer``.
 
     .venv/bin/python bench/optimizer_step.py [--rounds 30] [--before PATH]
 
-``--before`` embeds an earlier run's JSON (of this script at another commit) as ``before``.
+``--before`` embeds an earlier run's JSON (of this script at another commit) as ``before``;
+``--code`` says what ran when it is not the checkout (``PYTHONPATH`` pointing elsewhere).
 Writes bench/results/optimizer_step.json and prints it.
 """
 
@@ -120,14 +122,16 @@ def _build(kind: str) -> tuple[list[nn.Parameter], Any]:
 
 
 def _op_counts(step: Callable[[], Any]) -> dict[str, int]:
-    """Top-level and all ``aten::`` operators of one call of ``step``."""
+    """Top-level and all ``aten::`` operators of one call of ``step``, and the bytes its
+    operators allocate (each allocation counted once, frees not subtracted)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
     events = [e for e in prof.events() if e.name.startswith("aten::")]
     top = [e for e in events if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")]
-    return {"top_level_ops": len(top), "all_ops": len(events)}
+    allocated = sum(max(e.self_cpu_memory_usage, 0) for e in events)
+    return {"top_level_ops": len(top), "all_ops": len(events), "allocated_bytes": allocated}
 
 
 def _ratios(mine: list[float], theirs: list[float]) -> dict[str, Any]:
@@ -181,9 +185,7 @@ def bench_rank(rounds: int, warmup: int) -> dict[str, Any]:
         "ratios": {f"{a}_over_{b}": _ratios(times[a], times[b]) for a, b in PAIRS.items()},
         # the same bf16 params after the same steps: every variant computes the same update
         "params_equal_to_peer": {
-            kind: all(
-                torch.equal(a, b) for a, b in zip(runs[kind][0], reference, strict=True)
-            )
+            kind: all(torch.equal(a, b) for a, b in zip(runs[kind][0], reference, strict=True))
             for kind in ("nxd", "nxd_zero1", "nxd_fp32_acc")
         },
     }
@@ -195,7 +197,8 @@ def _commit() -> str:
             ["git", *args], capture_output=True, text=True, check=False, cwd=Path(__file__).parent
         ).stdout.strip()
 
-    return git("rev-parse", "--short", "HEAD") + (" (dirty)" if git("status", "--porcelain") else "")
+    dirty = " (dirty)" if git("status", "--porcelain") else ""
+    return git("rev-parse", "--short", "HEAD") + dirty
 
 
 def main() -> None:
@@ -205,6 +208,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--before", type=Path, default=None)
+    parser.add_argument("--code", default=None, help="what code ran (default: git HEAD)")
     args = parser.parse_args()
     add_preload("torch._dynamo", "nxd_optim")
     load_before = os.getloadavg()
@@ -214,7 +218,7 @@ def main() -> None:
         "benchmark": "optimizer_step",
         "model": "201 bf16 tensors (Llama h=320, 22 layers, vocab 4096), fp32 masters, AdamW",
         "backend": "CPU, one process, one intra-op thread",
-        "code": _commit(),
+        "code": args.code or _commit(),
         "torch": torch.__version__,
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),

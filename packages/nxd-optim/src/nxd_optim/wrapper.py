@@ -15,6 +15,13 @@ their gradients are summed over the expert-DP group (the n/EP ranks holding the 
 and divided by n, and the norm counts each expert once. ZeRO-1 at EP > 1 is
 :class:`~nxd_optim.NeuronEPZero1Optimizer` (expert state sharded over expert-DP, the same scale).
 
+Without ZeRO-1 the fp32 masters θ32 of the bf16/fp16 params are views of one flat fp32 buffer
+per device, and their gradients views of another, kept between steps
+(:mod:`nxd_optim._flat_masters`): a step casts the gradients in with one multi-tensor copy (with
+``use_fp32_grad_acc`` the accumulation buffers are those views, so nothing is copied), steps
+the masters and rounds them into the params with another; the inner optimizer still sees one
+tensor per param. Resident: 4 bytes per bf16/fp16 param (θ32) plus 4 per trainable one (∇θ32).
+
 Gradients of micro-batches accumulate locally (in fp32 with ``use_fp32_grad_acc``); nothing is
 communicated before :meth:`NxDOptimizer.step`. :meth:`NxDOptimizer.scale_gradients` (``1/k``)
 turns the sum of k micro-batches' gradients into their mean, wherever they are kept.
@@ -210,8 +217,11 @@ class NxDOptimizer(Optimizer, FlatShardedState, MasterWeightsState):
 
         The dict is new on every call; its keys are the model's params and its values the live
         masters, the very tensors in ``param_groups[...]["params"]`` (same shape, float32,
-        tensor-parallel attributes copied from the param). Writing into a master changes what
-        the next step starts from; the param is set to the rounded master only by ``step()``.
+        tensor-parallel attributes copied from the param): views of one flat fp32 buffer per
+        device (per construction / ``add_param_group``), whose ``.grad`` is a view of a flat
+        gradient buffer that stays attached across ``zero_grad`` (None for frozen params).
+        Writing into a master (``copy_``) changes what the next step starts from; the param is
+        set to the rounded master only by ``step()``.
         Empty with ZeRO-1 (its fp32 masters are flat shards per dtype bucket:
         ``optimizer.dtype_buckets[i].master``), without ``use_master_weights``, or when no
         param is bf16/fp16.
@@ -248,6 +258,8 @@ class NxDOptimizer(Optimizer, FlatShardedState, MasterWeightsState):
             self._inner.add_param_group(self._inner_group(group))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """``p.grad`` <- None (zeros with ``set_to_none=False``), fp32 accumulators <- 0. The
+        masters' gradient views stay attached and allocated (the next step overwrites them)."""
         if isinstance(self._inner, NeuronZero1Optimizer):
             self._inner.zero_grad(set_to_none=set_to_none)
             return
