@@ -129,10 +129,9 @@ class NxDOptimizer(Optimizer, FlatShardedState, MasterWeightsState):
         else:
             if mixed.master_weights:
                 self._masters.add(self._params)
+            views = self._masters.gradient_views()  # fp32 accumulation sums into them
             self._grads = GradientStore(
-                self._params,
-                fp32_accumulation=mixed.fp32_grad_acc,
-                buffers=self._masters.gradient_views(),
+                self._params, fp32_accumulation=mixed.fp32_grad_acc, buffers=views
             )
             self._inner = optimizer_class([self._inner_group(g) for g in groups], **defaults)
         logger.info(
