@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -36,23 +36,41 @@ class GradientStore:
         *,
         fp32_accumulation: bool,
         dtype: torch.dtype = torch.float32,
+        buffers: Mapping[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         self.fp32_accumulation = fp32_accumulation
         self.dtype = dtype
         self._buffers: dict[torch.Tensor, torch.Tensor] = {}
         self._handles: list[RemovableHandle] = []
         if fp32_accumulation:
-            self.add_params(params)
+            self.add_params(params, buffers)
 
-    def add_params(self, params: Sequence[torch.Tensor]) -> None:
+    def add_params(
+        self,
+        params: Sequence[torch.Tensor],
+        buffers: Mapping[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        """Accumulate the gradients of ``params`` (those that require grad and are not of
+        ``dtype``) in buffers of ``dtype``: ``buffers[p]`` where given (zeros of p's shape in
+        ``dtype``, e.g. views of the flat fp32 master gradients), else a new zero tensor."""
         if not self.fp32_accumulation:
             return
+        given = buffers or {}
         for param in params:
             if param in self._buffers or not param.requires_grad:
                 continue
             if param.dtype == self.dtype:  # autograd already sums into p.grad in this dtype
                 continue
-            self._buffers[param] = torch.zeros_like(param, dtype=self.dtype)
+            buffer = given.get(param)
+            if buffer is None:
+                buffer = torch.zeros_like(param, dtype=self.dtype)
+            elif buffer.dtype != self.dtype or buffer.shape != param.shape:
+                raise ValueError(
+                    f"GradientStore: the buffer given for a param of shape {tuple(param.shape)} "
+                    f"is {buffer.dtype} {tuple(buffer.shape)}; expected {self.dtype} of the "
+                    f"param's shape"
+                )
+            self._buffers[param] = buffer
             self._handles.append(param.register_post_accumulate_grad_hook(self._accumulate))
         logger.debug("fp32 gradient accumulation on %d params", len(self._buffers))
 
@@ -97,14 +115,17 @@ class GradientStore:
             torch._foreach_mul_(grads, value)
 
     def zero(self, params: Sequence[torch.Tensor], set_to_none: bool = True) -> None:
+        """``p.grad`` <- None (or zeros, ``set_to_none=False``) and every buffer <- 0, the
+        zeros in one multi-tensor op."""
+        zeros = list(self._buffers.values())
         for param in params:
             if param.grad is not None:
                 if set_to_none:
                     param.grad = None
                 else:
-                    param.grad.detach_().zero_()
-        for buffer in self._buffers.values():
-            buffer.zero_()
+                    zeros.append(param.grad.detach_())
+        if zeros:
+            torch._foreach_zero_(zeros)
 
     def remove_hooks(self) -> None:
         for handle in self._handles:

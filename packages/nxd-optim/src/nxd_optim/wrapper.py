@@ -15,6 +15,13 @@ their gradients are summed over the expert-DP group (the n/EP ranks holding the 
 and divided by n, and the norm counts each expert once. ZeRO-1 at EP > 1 is
 :class:`~nxd_optim.NeuronEPZero1Optimizer` (expert state sharded over expert-DP, the same scale).
 
+Without ZeRO-1 the fp32 masters θ32 of the bf16/fp16 params are views of one flat fp32 buffer
+per device, and their gradients views of another, kept between steps
+(:mod:`nxd_optim._flat_masters`): a step casts the gradients in with one multi-tensor copy (with
+``use_fp32_grad_acc`` the accumulation buffers are those views, so nothing is copied), steps
+the masters and rounds them into the params with another; the inner optimizer still sees one
+tensor per param. Resident: 4 bytes per bf16/fp16 param (θ32) plus 4 per trainable one (∇θ32).
+
 Gradients of micro-batches accumulate locally (in fp32 with ``use_fp32_grad_acc``); nothing is
 communicated before :meth:`NxDOptimizer.step`. :meth:`NxDOptimizer.scale_gradients` (``1/k``)
 turns the sum of k micro-batches' gradients into their mean, wherever they are kept.
@@ -32,15 +39,11 @@ import torch
 from torch.optim import Optimizer
 
 import nxd_state
-from nxd_layers import clip_grad_norm, copy_tensor_model_parallel_attributes, get_grad_norm
-from nxd_optim._grad_sync import (
-    all_reduce_bucketed,
-    copy_expert_attributes,
-    is_expert_param,
-    is_sequence_parallel_param,
-)
+from nxd_layers import clip_grad_norm, get_grad_norm
+from nxd_optim._flat_masters import FlatMasters
+from nxd_optim._grad_sync import all_reduce_bucketed, is_expert_param, is_sequence_parallel_param
 from nxd_optim._groups import check_params_on_backend_device
-from nxd_optim._mixed_precision import GradientStore, is_low_precision
+from nxd_optim._mixed_precision import GradientStore
 from nxd_optim._state_io import read_state, write_state
 from nxd_optim.config import MixedPrecisionConfig, OptimizerConfig
 from nxd_optim.ep_zero1 import NeuronEPZero1Optimizer
@@ -102,7 +105,7 @@ class NxDOptimizer(Optimizer, FlatShardedState, MasterWeightsState):
             self._params, self.parallel_state.data_parallel_group, "NxDOptimizer"
         )
         self._grad_norm: torch.Tensor | None = None
-        self._masters: dict[torch.Tensor, torch.Tensor] = {}
+        self._masters = FlatMasters()
         self._inner: Optimizer
         if self.config.zero_one_enabled:
             # NxD's choice: at EP > 1 the EP-aware ZeRO-1 (experts sharded over expert-DP).
@@ -124,7 +127,12 @@ class NxDOptimizer(Optimizer, FlatShardedState, MasterWeightsState):
             )
             self._grads: GradientStore | None = None
         else:
-            self._grads = GradientStore(self._params, fp32_accumulation=mixed.fp32_grad_acc)
+            if mixed.master_weights:
+                self._masters.add(self._params)
+            views = self._masters.gradient_views()  # fp32 accumulation sums into them
+            self._grads = GradientStore(
+                self._params, fp32_accumulation=mixed.fp32_grad_acc, buffers=views
+            )
             self._inner = optimizer_class([self._inner_group(g) for g in groups], **defaults)
         logger.info(
             "NxDOptimizer(%s): zero1=%s clipping=%s max_norm=%s masters=%d fp32_grad_acc=%s",
@@ -132,7 +140,7 @@ class NxDOptimizer(Optimizer, FlatShardedState, MasterWeightsState):
             self.config.zero_one_enabled,
             self.config.grad_clipping,
             self.config.max_grad_norm,
-            len(self._masters),
+            len(self._masters.by_param()),
             mixed.fp32_grad_acc,
         )
 
@@ -154,17 +162,8 @@ class NxDOptimizer(Optimizer, FlatShardedState, MasterWeightsState):
 
     def _inner_group(self, group: Mapping[str, Any]) -> dict[str, Any]:
         """The group the wrapped optimizer steps: fp32 masters stand in for bf16/fp16 params."""
-        params = []
-        for param in group["params"]:
-            if self.mixed_precision.master_weights and is_low_precision(param.dtype):
-                master = param.detach().clone().float()
-                copy_tensor_model_parallel_attributes(master, param)
-                copy_expert_attributes(master, param)  # the norm sums experts over EP
-                self._masters[param] = master
-                params.append(master)
-            else:
-                params.append(param)
-        return {**group, "params": params}
+        masters = self._masters.by_param()
+        return {**group, "params": [masters.get(p, p) for p in group["params"]]}
 
     # torch.optim.Optimizer surface, delegated --------------------------------------------
     @property
@@ -217,13 +216,16 @@ class NxDOptimizer(Optimizer, FlatShardedState, MasterWeightsState):
 
         The dict is new on every call; its keys are the model's params and its values the live
         masters, the very tensors in ``param_groups[...]["params"]`` (same shape, float32,
-        tensor-parallel attributes copied from the param). Writing into a master changes what
-        the next step starts from; the param is set to the rounded master only by ``step()``.
+        tensor-parallel attributes copied from the param): views of one flat fp32 buffer per
+        device (per construction / ``add_param_group``), whose ``.grad`` is a view of a flat
+        gradient buffer that stays attached across ``zero_grad`` (None for frozen params).
+        Writing into a master (``copy_``) changes what the next step starts from; the param is
+        set to the rounded master only by ``step()``.
         Empty with ZeRO-1 (its fp32 masters are flat shards per dtype bucket:
         ``optimizer.dtype_buckets[i].master``), without ``use_master_weights``, or when no
         param is bf16/fp16.
         """
-        return dict(self._masters)
+        return self._masters.by_param()
 
     def master_checkpoint_layout(self) -> MasterWeightsLayout:
         """The wrapped optimizer and :meth:`master_weights_by_param`, for checkpoints
@@ -249,18 +251,19 @@ class NxDOptimizer(Optimizer, FlatShardedState, MasterWeightsState):
         if isinstance(self._inner, NeuronZero1Optimizer):
             self._inner.add_param_group(group)
         else:
-            assert self._grads is not None
-            self._grads.add_params(group["params"])
+            if self.mixed_precision.master_weights:
+                self._masters.add(group["params"])
+            self._store().add_params(group["params"], self._masters.gradient_views())
             self._inner.add_param_group(self._inner_group(group))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """``p.grad`` <- None (zeros with ``set_to_none=False``), fp32 accumulators <- 0. The
+        masters' gradient views stay attached and allocated (the next step overwrites them)."""
         if isinstance(self._inner, NeuronZero1Optimizer):
             self._inner.zero_grad(set_to_none=set_to_none)
             return
-        assert self._grads is not None
-        self._grads.zero(self._params, set_to_none=set_to_none)
-        for master in self._masters.values():
-            master.grad = None
+        self._store().zero(self._params, set_to_none=set_to_none)
+        self._masters.release_gradients()
 
     # The step ------------------------------------------------------------------------
     @torch.no_grad()
@@ -287,12 +290,7 @@ class NxDOptimizer(Optimizer, FlatShardedState, MasterWeightsState):
             self._grad_norm = zero.grad_norm
             return loss
         self._average_over_data_parallel(params, grads)
-        stepped = []
-        for param, grad in zip(params, grads):
-            target = self._masters.get(param, param)
-            if target is not param or grad is not param.grad:
-                target.grad = grad.to(target.dtype)
-            stepped.append(target)
+        stepped = self._masters.gradients(params, grads)  # G <- float32(g): one copy
         if self.config.grad_clipping:
             tp, pp = state.tensor_parallel_group, state.pipeline_parallel_group
             if math.isfinite(self.config.max_grad_norm):
@@ -311,8 +309,7 @@ class NxDOptimizer(Optimizer, FlatShardedState, MasterWeightsState):
                     pipeline_parallel_group=pp,
                 )
         self._inner.step()
-        if self._masters:  # θ <- round(θ32): one multi-tensor copy, not one kernel per param
-            torch._foreach_copy_(list(self._masters), list(self._masters.values()))
+        self._masters.copy_to_params()  # θ <- round(θ32): one multi-tensor copy
         return loss
 
     def _average_over_data_parallel(
@@ -351,8 +348,9 @@ class NxDOptimizer(Optimizer, FlatShardedState, MasterWeightsState):
         """The wrapped optimizer's state dict (this rank's shard with ZeRO-1); with
         ``use_master_weights_in_ckpt`` also ``master_weights`` (in param order)."""
         out = self._inner.state_dict()
-        if self._masters and self.mixed_precision.use_master_weights_in_ckpt:
-            out["master_weights"] = [m.detach().clone() for m in self._masters.values()]
+        masters = self._masters.by_param()
+        if masters and self.mixed_precision.use_master_weights_in_ckpt:
+            out["master_weights"] = [m.detach().clone() for m in masters.values()]
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -364,10 +362,10 @@ class NxDOptimizer(Optimizer, FlatShardedState, MasterWeightsState):
         self._inner.load_state_dict(state_dict)
         with torch.no_grad():
             if masters is not None:
-                for master, saved in zip(self._masters.values(), masters, strict=True):
+                for master, saved in zip(self._masters.by_param().values(), masters, strict=True):
                     master.copy_(saved)
             else:  # rebuild the masters from the model's (already loaded) params
-                for param, master in self._masters.items():
+                for param, master in self._masters.by_param().items():
                     master.copy_(param)
 
     def _unsharded_prefix(self, output_dir: Path) -> Path:
