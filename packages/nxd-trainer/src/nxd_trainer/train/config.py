@@ -299,8 +299,9 @@ class TrainConfig:
 
     async_save: bool = setting(
         True,
-        """Write checkpoints in the background: the save returns at once, the next optimizer
-        step waits until the parameters and optimizer state are copied to host memory
+        """Write checkpoints in the background: the save returns once the buffers, RNG states
+        and user content are copied, the next optimizer step waits until the parameters and
+        optimizer state are copied to host memory
         (nxd-ckpt's ``async_copy="before_step"``; on XLA the copy is made before the save
         returns), and the next save, the end of the run and Ctrl-C wait for the write.
         ``--no-async-save``: every save is written before training continues.""",

@@ -31,6 +31,7 @@ from nxd_trainer.train.rundir import (
     finite_or_none,
     tag_name,
 )
+from nxd_trainer.train.saving import Saver
 
 __all__ = ["EXIT_INTERRUPTED", "PeerFailed", "run_worker", "summary_line"]
 
@@ -255,7 +256,7 @@ def _run_steps(cfg: TrainConfig, run: RunDir, trainer: Any, writer: bool) -> _Se
     return session
 
 
-def _log_saves(metrics: Any, saver: Any) -> None:
+def _log_saves(metrics: Any, saver: Saver) -> None:
     """One line per save whose blocking time is known (the writer rank)."""
     for report in saver.reports():
         metrics.write(report.line())
