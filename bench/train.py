@@ -126,6 +126,9 @@ def save_blocking(args: argparse.Namespace) -> dict[str, object]:
     from nxd_trainer.train import RunDir, Trainer
     from nxd_trainer.train.saving import SYNC, Saver
 
+    # One thread, as each nxd-train rank of a shared machine: OpenMP regions stall while the
+    # cores are busy (the background write takes one), which would time the machine instead.
+    torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as scratch:
         cfg = parse_config([
             "--model", args.model, "--seq-len", str(args.seq_len), "--batch-size",
@@ -135,8 +138,6 @@ def save_blocking(args: argparse.Namespace) -> dict[str, object]:
         data = prepare_data(cfg, build=True)
         nxd_state.init_distributed(device_type="cpu")  # a world of one
         trainer = Trainer(cfg, RunDir.of(cfg), data)
-        state = [*trainer.model.parameters()]
-        state += [v for s in trainer.optimizer.state.values() for v in s.values() if v.dim()]
         sync, background = Saver(SYNC), Saver("before_step")
 
         def timed_step() -> float:
@@ -154,6 +155,8 @@ def save_blocking(args: argparse.Namespace) -> dict[str, object]:
         for _ in range(3):  # warm-up: allocator, page cache, the host buffer's first fill
             timed_step()
         save_with(background)
+        state = [*trainer.model.parameters()]  # and AdamW's moments, made by the first step
+        state += [v for s in trainer.optimizer.state.values() for v in s.values() if v.dim()]
         rounds = []
         for _ in range(args.rounds):
             load = os.getloadavg()[0]
