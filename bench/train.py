@@ -39,6 +39,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -139,6 +140,7 @@ def save_blocking(args: argparse.Namespace) -> dict[str, object]:
         nxd_state.init_distributed(device_type="cpu")  # a world of one
         trainer = Trainer(cfg, RunDir.of(cfg), data)
         sync, background = Saver(SYNC), Saver("before_step")
+        reports: list[Any] = []  # each save's SaveReport: call and wait apart
 
         def timed_step() -> float:
             return trainer.train_step().seconds
@@ -150,6 +152,7 @@ def save_blocking(args: argparse.Namespace) -> dict[str, object]:
             after = timed_step()  # the step after the save: its wait is the save's
             saver.wait()  # the write (untimed; the next save would wait for it)
             (report,) = saver.reports()
+            reports.append(report)
             return report.blocked_s, after
 
         for _ in range(3):  # warm-up: allocator, page cache, the host buffer's first fill
@@ -164,6 +167,7 @@ def save_blocking(args: argparse.Namespace) -> dict[str, object]:
             sync_s, _ = save_with(sync)
             blocked_s, after_s = save_with(background)
             one = {"load_avg_1min": load, "sync_save_s": sync_s, "async_blocked_s": blocked_s,
+                   "async_call_s": reports[-1].call_s, "async_step_waited_s": reports[-1].wait_s,
                    "step_s": quiet, "step_after_async_save_s": after_s}  # fmt: skip
             rounds.append(one)
             print(json.dumps(one), flush=True)
