@@ -14,6 +14,18 @@ same LR schedule, clipping at 1.0, fp32 on CPU.
   what tensor parallelism gives over intra-op threading on the same 2 cores (noted, no goal).
 
 Results in bench/results/train.json. The machine may be shared: the load average is recorded.
+
+    .venv/bin/python bench/train.py --saves [--model small] [--rounds 5]
+
+``--saves``: how long nxd-train's own loop is blocked per checkpoint, async (the default,
+``async_copy="before_step"``) vs a synchronous save of the same state, side by side in one
+process (TP=1, one rank, a world of one). Each round, on the live training state of the
+main job's :class:`~nxd_trainer.train.Trainer`: a step; a synchronous save (blocked: the
+call); a step; an async save (blocked: the call plus what the next optimizer step waited for
+the host copy, the Trainer's own ``SaveReport``), whose write is then waited for, untimed.
+A step without a save nearby and the step after each async save are timed too (the
+background write competes for the cores: a slowdown, not blocked time). Goal: blocked <= 0.1x
+the synchronous save. Results in bench/results/train_saves.json, with the load average.
 """
 
 from __future__ import annotations
@@ -27,6 +39,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -102,6 +115,79 @@ def hf_trainer_step_times(run: Path, common: list[str], steps: int, warmup: int)
     return times[warmup:]
 
 
+def _quartiles(values: list[float]) -> dict[str, float]:
+    ordered = sorted(values)
+    q = statistics.quantiles(ordered, n=4) if len(ordered) > 1 else [ordered[0]] * 3
+    return {"median": statistics.median(ordered), "q1": q[0], "q3": q[2]}
+
+
+def save_blocking(args: argparse.Namespace) -> dict[str, object]:
+    """The loop blocked per save, async vs sync, on one Trainer (see ``--saves``)."""
+    import nxd_state
+    from nxd_trainer.train import RunDir, Trainer
+    from nxd_trainer.train.saving import SYNC, Saver
+
+    # One thread, as each nxd-train rank of a shared machine: OpenMP regions stall while the
+    # cores are busy (the background write takes one), which would time the machine instead.
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as scratch:
+        cfg = parse_config([
+            "--model", args.model, "--seq-len", str(args.seq_len), "--batch-size",
+            str(args.batch_size), "--steps", "1000", "--tp", "1", "--nproc-per-node", "1",
+            "--corpus-mb", "2", "--keep", "1", "--runs-dir", scratch, "--name", "saves",
+        ])  # fmt: skip
+        data = prepare_data(cfg, build=True)
+        nxd_state.init_distributed(device_type="cpu")  # a world of one
+        trainer = Trainer(cfg, RunDir.of(cfg), data)
+        sync, background = Saver(SYNC), Saver("before_step")
+        reports: list[Any] = []  # each save's SaveReport: call and wait apart
+
+        def timed_step() -> float:
+            return trainer.train_step().seconds
+
+        def save_with(saver: Saver) -> tuple[float, float]:
+            """(blocked seconds, the next step's seconds) of one save by ``saver``."""
+            trainer.saver = saver
+            trainer.save()
+            after = timed_step()  # the step after the save: its wait is the save's
+            saver.wait()  # the write (untimed; the next save would wait for it)
+            (report,) = saver.reports()
+            reports.append(report)
+            return report.blocked_s, after
+
+        for _ in range(3):  # warm-up: allocator, page cache, the host buffer's first fill
+            timed_step()
+        save_with(background)
+        state = [*trainer.model.parameters()]  # and AdamW's moments, made by the first step
+        state += [v for s in trainer.optimizer.state.values() for v in s.values() if v.dim()]
+        rounds = []
+        for _ in range(args.rounds):
+            load = os.getloadavg()[0]
+            quiet = timed_step()
+            sync_s, _ = save_with(sync)
+            blocked_s, after_s = save_with(background)
+            one = {"load_avg_1min": load, "sync_save_s": sync_s, "async_blocked_s": blocked_s,
+                   "async_call_s": reports[-1].call_s, "async_step_waited_s": reports[-1].wait_s,
+                   "step_s": quiet, "step_after_async_save_s": after_s}  # fmt: skip
+            rounds.append(one)
+            print(json.dumps(one), flush=True)
+        background.wait(release_host_memory=True)
+    ratio = _quartiles([r["async_blocked_s"] / r["sync_save_s"] for r in rounds])
+    return {
+        "model": args.model,
+        "state_bytes": sum(t.numel() * t.element_size() for t in state),
+        "threads": torch.get_num_threads(),
+        "rounds": rounds,
+        "sync_save_s": _quartiles([r["sync_save_s"] for r in rounds]),
+        "async_blocked_s": _quartiles([r["async_blocked_s"] for r in rounds]),
+        "async_blocked_over_sync_save": ratio,
+        "step_s": _quartiles([r["step_s"] for r in rounds]),
+        "step_after_async_save_s": _quartiles([r["step_after_async_save_s"] for r in rounds]),
+        "goal": "async_blocked_over_sync_save <= 0.1",
+        "goal_met": ratio["median"] <= 0.1,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60)
@@ -110,8 +196,19 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "train.json"))
+    parser.add_argument("--out", default=None, help="default: bench/results/train[_saves].json")
+    parser.add_argument("--saves", action="store_true", help="the loop blocked per save")
     args = parser.parse_args()
+    results_dir = ROOT / "bench" / "results"
+    if args.saves:
+        out = {"load_before": os.getloadavg(), **save_blocking(args)}
+        out["load_after"] = os.getloadavg()
+        path = Path(args.out or results_dir / "train_saves.json")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(out, indent=1) + "\n")
+        print(json.dumps({k: v for k, v in out.items() if k != "rounds"}, indent=1))
+        return
+    args.out = args.out or str(results_dir / "train.json")
     common = [
         "--model", args.model, "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size),
         "--steps", str(args.steps), "--eval-every", "0", "--save-every", str(10 * args.steps),

@@ -34,15 +34,31 @@ def env() -> dict[str, str]:
     return out
 
 
+def fault_env(tmp: Path, spec: str) -> dict[str, str]:
+    """Environment variables that install the save fault ``spec`` (``_save_faults.py``, as
+    the ``sitecustomize`` of every worker) for :func:`nxd_train`'s ``extra_env``."""
+    import shutil
+
+    folder = tmp / "faults"
+    folder.mkdir(exist_ok=True)
+    shutil.copy(Path(__file__).with_name("_save_faults.py"), folder / "sitecustomize.py")
+    path = os.pathsep.join(p for p in (str(folder), os.environ.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": path, "NXD_TEST_SAVE_FAULT": spec}
+
+
 def command(args: list[str]) -> list[str]:
     return [sys.executable, "-m", "nxd_trainer.train", *args]
 
 
-def nxd_train(args: list[str], cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
-    """``nxd-train ARGS`` as a user runs it (the launcher, which spawns the workers)."""
+def nxd_train(
+    args: list[str], cwd: Path, check: bool = True, extra_env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """``nxd-train ARGS`` as a user runs it (the launcher, which spawns the workers);
+    ``extra_env``: more environment variables for every process of the run."""
     done = subprocess.run(
-        command(args), cwd=cwd, env=env(), capture_output=True, text=True, timeout=TIMEOUT
-    )
+        command(args), cwd=cwd, env={**env(), **(extra_env or {})}, capture_output=True,
+        text=True, timeout=TIMEOUT,
+    )  # fmt: skip
     if check and done.returncode != 0:
         raise AssertionError(
             f"nxd-train {' '.join(args)} exited {done.returncode}\n{done.stdout}\n{done.stderr}"

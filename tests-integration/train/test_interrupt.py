@@ -30,10 +30,12 @@ R = load_sibling(__file__, "_run")
 STOP_WITHIN_S = 60.0  # on 2 loaded cores; the tiny step and save take well under a second
 
 
-def _start(args: list[str], cwd: Path) -> subprocess.Popen[str]:
+def _start(
+    args: list[str], cwd: Path, extra_env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        R.command(args), cwd=cwd, env=R.env(), stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, start_new_session=True,
+        R.command(args), cwd=cwd, env={**R.env(), **(extra_env or {})},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
 
 
@@ -136,6 +138,33 @@ def test_interrupted_run_resumes_from_the_saved_step(tmp_path: Path) -> None:
     done = R.nxd_train([*args, "--steps", str(last + 2)], tmp_path)  # the last flag wins
     assert f"(step {last})" in done.stderr
     assert sorted(R.losses(tmp_path / "tiny")) == list(range(1, last + 3))
+
+
+def test_ctrl_c_while_a_save_is_in_flight(tmp_path: Path) -> None:
+    """A save every step, each rank's background write slowed by 1 s, Ctrl-C after step 2:
+    the save in flight completes, then the interrupted step is saved; every tag left is
+    complete and intact, the newest is the last step."""
+    import nxd_ckpt
+
+    args = [*R.TINY, "--steps", "400", "--save-every", "1", "--eval-every", "0",
+            "--runs-dir", str(tmp_path)]  # fmt: skip
+    job = _start(args, tmp_path, R.fault_env(tmp_path, "slow_write:1.0"))
+    metrics = tmp_path / "tiny" / "metrics.jsonl"
+    _wait_for(
+        job, lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= 2, "step 2"
+    )
+    _, err = _ctrl_c(job)
+    line = _check_one_line(job.returncode, err)
+    last = max(R.losses(tmp_path / "tiny"))
+    ckpt = tmp_path / "tiny" / "checkpoints"
+    tags = sorted(p.name for p in ckpt.iterdir())
+    assert tags[-1] == f"step_{last:08d}", tags
+    assert 2 <= len(tags) <= 3  # --keep 3
+    for tag in tags:
+        assert (ckpt / tag / "done").is_file(), tag
+        nxd_ckpt.verify_tag(ckpt, tag)
+    assert f"the newest checkpoint is {ckpt / tags[-1]}" in line
+    assert _temporary_files(tmp_path / "tiny") == []
 
 
 def test_workers_stop_when_the_launcher_dies(tmp_path: Path) -> None:

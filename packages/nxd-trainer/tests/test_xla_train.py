@@ -1,7 +1,8 @@
 """``nxd-train`` end to end on an XLA device (torch-xla's CPU client, the CI stand-in for every
 non-CPU device): train, evaluate, checkpoint, resume, export, as a user runs it.
 
-The same tiny run is made with ``--device xla`` in two commands (2 steps, then resumed to 4)
+The same tiny run is made with ``--device xla`` in two commands (2 steps, then resumed to 4;
+its checkpoints saved asynchronously, copied to host memory before each save returns)
 and with ``--device cpu`` in one (4 steps: a resumed CPU run is bitwise the uninterrupted one,
 which tests-reliability's kill tests prove): the per-step losses, the validation losses and
 the exported weights must agree. Each launch costs a fresh import of torch, transformers and
@@ -63,6 +64,9 @@ def test_nxd_train_on_xla_equals_cpu(tmp_path: Path) -> None:
     resumed = _nxd_train([*common("xla"), "--steps", "4"], tmp_path)
     assert "resumed from" in resumed
     assert "(step 2)" in resumed
+    # Async saves on XLA copy to host memory before the save returns (the log says so).
+    assert "async_copy=before_return" in resumed
+    assert "checkpoint step_00000004: the loop was blocked" in resumed
     _nxd_train([*common("cpu"), "--steps", "4"], tmp_path)
     xla, cpu = tmp_path / "xla", tmp_path / "cpu"
     assert sorted(_rows(xla, "train")) == [1, 2, 3, 4]

@@ -138,6 +138,7 @@ def save_checkpoint(
     use_zero1_dcp: bool = False,
     *,
     nxd_config: dict[str, Any] | NxDConfig | None = None,
+    async_copy: str = "before_return",
 ) -> None:
     """NxD's ``save_checkpoint``: write tag ``tag`` under ``checkpoint_dir_str`` (collective:
     every rank calls it with the same arguments). Returns None.
@@ -154,7 +155,10 @@ def save_checkpoint(
     by tensor). ``nxd_config`` (the reference's sample passes it) is checked against the
     optimizer; ``zero1_optimizer`` is accepted as in NxD (ZeRO-1 is read from the
     optimizer). ``use_zero1_dcp`` is accepted and
-    changes nothing (see :func:`load_checkpoint`).
+    changes nothing (see :func:`load_checkpoint`). ``async_copy`` (nxd's, with ``async_save``):
+    ``"before_return"`` copies the whole state to host memory before returning;
+    ``"before_step"`` returns at once and the next optimizer step waits for the copy of the
+    parameters and optimizer state (``nxd_ckpt.save_checkpoint`` says when that is safe).
     """
     import nxd_ckpt
 
@@ -173,6 +177,7 @@ def save_checkpoint(
         num_kept_ckpts=_kept(num_kept_ckpts),
         async_save=async_save,
         zero1_optimizer=zero1,
+        async_copy=async_copy,
     )
 
 

@@ -6,7 +6,8 @@ as ``--zero1`` / ``--no-zero1``), its help text the field's docstring. Flags are
 (an abbreviation such as ``--step`` is an error, not ``--steps``). Bad input ends with one
 line, ``nxd-train: error: ...`` (with the closest valid flag when one is misspelled), and exit
 status 2, before anything is written; 1 when a worker failed or the disk refused a write (one
-line naming the path); 130 when interrupted (Ctrl-C anywhere, imports included: one line,
+line naming the path; a checkpoint written in the background that failed: one line naming
+its tag); 130 when interrupted (Ctrl-C anywhere, imports included: one line,
 nothing half written). Never a traceback, except for a bug.
 
 This module imports no torch at import time (nor does the ``nxd_trainer`` package), so
@@ -375,10 +376,15 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except Exception as error:
         from nxd_trainer.train.loop import PeerFailed
+        from nxd_trainer.train.saving import SaveFailed
 
         if worker and _signals.was_received():  # a peer stopped by the same interrupt
             return EXIT_INTERRUPTED
         if isinstance(error, PeerFailed):
+            return 1
+        if isinstance(error, SaveFailed):  # a background checkpoint write: it names the tag
+            print(f"nxd-train: error (rank {os.environ.get('RANK', '?')}): {error}",
+                  file=sys.stderr)  # fmt: skip
             return 1
         raise
     if interrupted and not worker:  # a worker stays quiet: its launcher says it

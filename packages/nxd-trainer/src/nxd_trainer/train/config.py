@@ -297,6 +297,16 @@ class TrainConfig:
         "Newest checkpoint tags kept (older ones are deleted).",
     )
 
+    async_save: bool = setting(
+        True,
+        """Write checkpoints in the background: the save returns once the buffers, RNG states
+        and user content are copied, the next optimizer step waits until the parameters and
+        optimizer state are copied to host memory
+        (nxd-ckpt's ``async_copy="before_step"``; on XLA the copy is made before the save
+        returns), and the next save, the end of the run and Ctrl-C wait for the write.
+        ``--no-async-save``: every save is written before training continues.""",
+    )
+
     export: bool = setting(
         True,
         "Write the Hugging Face folder (model + tokenizer) at the end and print a sample.",
@@ -387,7 +397,8 @@ class TrainConfig:
         _choice("cp_algorithm", self.cp_algorithm, CP_ALGORITHMS)
         if self.device is not None:
             _choice("device", self.device, DEVICES)
-        for name in ("zero1", "sequence_parallel", "bf16", "compile", "export", "progress"):
+        for name in ("zero1", "sequence_parallel", "bf16", "compile", "async_save", "export",
+                     "progress"):  # fmt: skip
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.lora_targets, list) or not all(

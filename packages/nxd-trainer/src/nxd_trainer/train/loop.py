@@ -4,6 +4,11 @@ evaluation and checkpoints, and finish (summary, export, sample).
 Ctrl-C (SIGINT, or the SIGTERM of a scheduler) sets a flag that the step's all-reduce carries,
 so every rank finishes the same step, saves it, and exits 130; the launcher prints the one
 line that says so. A second signal is ignored while that save runs.
+
+Checkpoints are written in the background by default (:mod:`nxd_trainer.train.saving`): the
+loop waits for the one in flight before its last save, and for the last one before it
+returns, on the Ctrl-C path too; the summary, the LoRA merge and the export come after. Each
+save's blocking time is one line of the log (rank 0).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from nxd_trainer.train.rundir import (
     finite_or_none,
     tag_name,
 )
+from nxd_trainer.train.saving import Saver
 
 __all__ = ["EXIT_INTERRUPTED", "PeerFailed", "run_worker", "summary_line"]
 
@@ -204,14 +210,14 @@ def _run_steps(cfg: TrainConfig, run: RunDir, trainer: Any, writer: bool) -> _Se
 
     metrics = Metrics(run.root, writer=writer, steps=cfg.steps, start=trainer.step,
                       bar=cfg.progress)  # fmt: skip
-    if trainer.step and writer:
+    if trainer.step:
         metrics.write(
             f"resumed from {run.checkpoints / tag_name(trainer.step)} (step {trainer.step})"
         )
-        if trainer.step >= cfg.steps:
-            metrics.write(
-                f"the run is finished: it is at step {trainer.step} (--steps {cfg.steps})"
-            )
+    if trainer.step >= cfg.steps:
+        metrics.write(f"the run is finished: it is at step {trainer.step} (--steps {cfg.steps})")
+    else:
+        metrics.write(trainer.saver.describe())
     stop = _Stop()
     session = _Session()
     saved_step = trainer.step
@@ -236,14 +242,24 @@ def _run_steps(cfg: TrainConfig, run: RunDir, trainer: Any, writer: bool) -> _Se
             if result.step % cfg.save_every == 0:
                 trainer.save()
                 saved_step = result.step
+            _log_saves(metrics, trainer.saver)  # an async save's: once the next step waited
         if not session.interrupted and evaluated_step != trainer.step:
             metrics.eval(trainer.step, trainer.evaluate())
+        trainer.saver.wait()  # the tag in flight complete (or its error raised) before the check
         if saved_step != trainer.step or run.newest_tag() is None:
             trainer.save()
+        trainer.saver.wait(release_host_memory=True)  # the last tag complete before anything else
+        _log_saves(metrics, trainer.saver)
     finally:
         stop.restore()
         metrics.close()
     return session
+
+
+def _log_saves(metrics: Any, saver: Saver) -> None:
+    """One line per save whose blocking time is known (the writer rank)."""
+    for report in saver.reports():
+        metrics.write(report.line())
 
 
 def _summary(run: RunDir, trainer: Any, session: _Session) -> dict[str, Any]:

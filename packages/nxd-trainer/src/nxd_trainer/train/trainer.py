@@ -14,7 +14,9 @@ global batch), the grad norm, and the Ctrl-C flag, so every rank stops after the
 
 The trainer owns what a checkpoint must restore beyond the model, optimizer, scheduler and
 RNG: ``state_dict()`` (step, tokens, the loader's position, the run's settings) is the
-checkpoint's user content.
+checkpoint's user content. Its :class:`~nxd_trainer.train.saving.Saver` writes the
+checkpoints, in the background by default (``async_save``): the optimizer step after a save
+waits for its copy to host memory, and :meth:`Saver.wait` for its write.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 
 from nxd_trainer.train.config import ConfigError, TrainConfig
 from nxd_trainer.train.rundir import Resume, RunDir, tag_name
+from nxd_trainer.train.saving import Saver, save_mode
 
 __all__ = ["StepResult", "Trainer", "lr_lambda"]
 
@@ -103,6 +106,7 @@ class Trainer:
         # and exists only on the last pipeline stage).
         self.contributes = last_stage and state.tensor_parallel_rank == 0
         self.step, self.tokens = 0, 0
+        self.saver = Saver(save_mode(cfg.async_save, self.device.type))
         self.model.train()
 
     # Checkpointed state ----------------------------------------------------------------
@@ -116,10 +120,10 @@ class Trainer:
         self.step, self.tokens = int(state["step"]), int(state["tokens"])
 
     def save(self) -> None:
-        """Checkpoint ``step_N`` of the run (collective; the oldest beyond ``keep`` go)."""
-        import nxd_trainer as nxd
-
-        nxd.save_checkpoint(
+        """Checkpoint ``step_N`` of the run (collective; the oldest beyond ``keep`` go once it
+        is complete). With ``async_save`` it is written in the background: ``self.saver.wait()``
+        until it is complete."""
+        self.saver.save(
             self.run.checkpoints, tag_name(self.step), model=self.model,
             optimizer=self.optimizer, scheduler=self.scheduler, user_content=self.state_dict(),
             num_kept_ckpts=self.cfg.keep, nxd_config=self.nxd_config,
@@ -156,7 +160,8 @@ class Trainer:
                 count += 1
         if cfg.grad_accum > 1:
             self.optimizer.scale_gradients(1.0 / cfg.grad_accum)
-        self.optimizer.step()
+        with self.saver.step():  # waits for the host copy of a save made since the last step
+            self.optimizer.step()
         lr = float(self.scheduler.get_last_lr()[0])  # a float: LambdaLR over a float lr
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
