@@ -26,6 +26,22 @@ import torch
 from nxd_state.testing import run_distributed
 
 
+def _mismatches(names: tuple[str, ...], eager: tuple, compiled: tuple) -> list[str]:
+    """One line per value of ``compiled`` not close to ``eager`` (see the tolerance above)."""
+    bad = []
+    for name, want, got in zip(names, eager, compiled, strict=True):
+        try:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        except AssertionError as error:
+            bad.append(f"{name}: {error}")
+    return bad
+
+
+def _assert_no_rank_failed(fn: Any) -> None:
+    for rank, bad in enumerate(run_distributed(fn, 2)):
+        assert not bad, f"rank {rank}:\n" + "\n".join(bad)
+
+
 def _opcheck_cases() -> list[str]:
     import nxd_state
     from nxd_layers import _ops
@@ -70,8 +86,7 @@ def _opcheck_cases() -> list[str]:
 
 
 def test_operators_pass_opcheck_at_tp2() -> None:
-    for rank, bad in enumerate(run_distributed(_opcheck_cases, 2)):
-        assert not bad, f"rank {rank}:\n" + "\n".join(bad)
+    _assert_no_rank_failed(_opcheck_cases)
 
 
 class _SequenceParallelMLP(torch.nn.Module):
@@ -120,18 +135,11 @@ def _compiled_loss_matches_eager() -> list[str]:
         loss = fn(x, labels)
         loss.backward()
         results.append((loss.detach(), weight.grad))
-    bad = []
-    for name, eager, got in zip(("loss", "dW"), *results, strict=True):
-        try:
-            torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-6)
-        except AssertionError as error:
-            bad.append(f"{name}: {error}")
-    return bad
+    return _mismatches(("loss", "dW"), *results)
 
 
 def test_parallel_cross_entropy_compiles_and_matches_eager() -> None:
-    for rank, bad in enumerate(run_distributed(_compiled_loss_matches_eager, 2)):
-        assert not bad, f"rank {rank}:\n" + "\n".join(bad)
+    _assert_no_rank_failed(_compiled_loss_matches_eager)
 
 
 def _compiled_matches_eager() -> list[str]:
@@ -152,15 +160,8 @@ def _compiled_matches_eager() -> list[str]:
         loss.backward()
         assert x.grad is not None
         results.append((loss.detach(), x.grad, block.w1.grad, block.w2.grad))
-    bad = []
-    for name, eager, compiled_value in zip(("loss", "dx", "dW1", "dW2"), *results, strict=True):
-        try:
-            torch.testing.assert_close(compiled_value, eager, rtol=1e-5, atol=1e-6)
-        except AssertionError as error:
-            bad.append(f"{name}: {error}")
-    return bad
+    return _mismatches(("loss", "dx", "dW1", "dW2"), *results)
 
 
 def test_sequence_parallel_block_compiles_fullgraph_and_matches_eager() -> None:
-    for rank, bad in enumerate(run_distributed(_compiled_matches_eager, 2)):
-        assert not bad, f"rank {rank}:\n" + "\n".join(bad)
+    _assert_no_rank_failed(_compiled_matches_eager)
