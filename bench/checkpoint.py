@@ -267,12 +267,12 @@ def _loop_blocked(model: nn.Module, optimizer: Any, async_save: Any, wait: Any) 
     """A training step (forward and backward of ``LOOP_BATCH`` rows, ``optimizer.step()``) right
     after an async save in each mode: the loop is blocked for the call plus whatever the
     step waited at the step gate for a deferred copy (measured by the gate itself)."""
-    from nxd_ckpt.save import _step_gate
+    import nxd_ckpt
 
     batch = torch.randn(LOOP_BATCH, HIDDEN)
     out = {}
     for copy in ("before_return", "before_step"):
-        waited = _step_gate.waited_s()
+        waited = nxd_ckpt.async_copy_waited_s()
         start = time.perf_counter()
         async_save(f"loop_{copy}", copy)
         call = time.perf_counter() - start
@@ -280,7 +280,7 @@ def _loop_blocked(model: nn.Module, optimizer: Any, async_save: Any, wait: Any) 
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         out[f"loop_step_s_{copy}"] = time.perf_counter() - start - call
-        out[f"loop_blocked_{copy}_s"] = call + _step_gate.waited_s() - waited
+        out[f"loop_blocked_{copy}_s"] = call + nxd_ckpt.async_copy_waited_s() - waited
         wait()
     return out
 

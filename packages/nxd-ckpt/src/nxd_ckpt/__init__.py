@@ -30,6 +30,7 @@
 from importlib.metadata import version as _version
 
 from nxd_ckpt.checkpoint import (
+    async_copy_waited_s,
     finalize_checkpoint,
     has_checkpoint,
     load_checkpoint,
@@ -64,6 +65,7 @@ __all__ = [
     "RetentionWarning",
     "StoredPart",
     "__version__",
+    "async_copy_waited_s",
     "convert_nxd_checkpoint",
     "export_hf",
     "finalize_checkpoint",

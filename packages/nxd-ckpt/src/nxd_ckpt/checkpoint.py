@@ -20,7 +20,7 @@ from nxd_ckpt.format._contain import check_tag
 from nxd_ckpt.layout._context import current_context
 from nxd_ckpt.load._load import load_native
 from nxd_ckpt.load._reader import CheckpointReader
-from nxd_ckpt.save import _save, _saver
+from nxd_ckpt.save import _save, _saver, _step_gate
 
 __all__ = ["finalize_checkpoint", "has_checkpoint", "load_checkpoint", "save_checkpoint"]
 
@@ -86,6 +86,12 @@ def finalize_checkpoint(*, release_host_memory: bool = True) -> None:
     _saver.wait_pending()
     if release_host_memory:
         _save.STAGING.release()
+
+
+def async_copy_waited_s() -> float:
+    """Seconds this process's optimizer steps have waited, in total, for the host copies of
+    ``async_copy="before_step"`` saves (take the difference around a step to time one wait)."""
+    return _step_gate.waited_s()
 
 
 def has_checkpoint(path: str | os.PathLike[str]) -> bool:

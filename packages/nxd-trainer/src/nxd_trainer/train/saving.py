@@ -164,8 +164,7 @@ class Saver:
 
 
 def _step_gate_waited_s() -> float:
-    """Seconds this process's optimizer steps have waited at nxd-ckpt's step gate for async
-    saves' host copies, in total (the gate's own count; bench/checkpoint.py reads it too)."""
-    from nxd_ckpt.save import _step_gate
+    """Seconds this process's optimizer steps have waited for async saves' host copies."""
+    import nxd_ckpt
 
-    return _step_gate.waited_s()
+    return nxd_ckpt.async_copy_waited_s()
