@@ -22,6 +22,11 @@ import nox
 nox.options.default_venv_backend = "uv"
 nox.options.reuse_venv = "yes"
 nox.options.error_on_missing_interpreters = True
+# Every session's Python caches the bytecode of what it imports (the default). A machine that
+# sets PYTHONDONTWRITEBYTECODE (some CI images do) makes every process compile torch's and
+# transformers' sources again: 15-20 s per process on 2 cores, and the suites start hundreds
+# (each nxd-train run is a launcher and its workers).
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 ROOT = Path(__file__).parent
 # Upstream first: a package's sessions only ever see itself and what it depends on.
