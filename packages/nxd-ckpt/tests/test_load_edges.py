@@ -13,6 +13,7 @@ racing a save of the same tag.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -142,3 +143,50 @@ def test_zero1_moments_round_trip_through_padded_shards(tmp_path: Path) -> None:
             for key in ("exp_avg", "exp_avg_sq"):
                 got = stored[f"{name}/{key}"]
                 assert torch.equal(got, optimizer.state[param][key]), (tag, name, key)
+
+
+# A load racing a save of the same tag -----------------------------------------------------
+
+
+def load_from(paths: list[str]) -> dict[str, Any]:
+    """Load tag ``t`` from ``paths[rank]`` into a model of 7s; the error and whether the
+    model kept its 7s."""
+    import torch.distributed as dist
+
+    model = _model(torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.fill_(7.0)
+    try:
+        load_checkpoint(paths[dist.get_rank()], "t", model=model)
+        error = None
+    except Exception as caught:
+        error = f"{type(caught).__name__}: {caught}"
+    untouched = all(bool(torch.all(p == 7.0)) for p in model.parameters())
+    return {"error": error, "untouched": untouched}
+
+
+def _two_saves(tmp_path: Path) -> tuple[Path, Path]:
+    """Tag ``t`` in ``old`` and, in ``new``, the same tag saved again over a copy of it: what
+    two ranks see when a save commits into the tag between their reads of its index."""
+    old, new = tmp_path / "old", tmp_path / "new"
+    save_checkpoint(old, "t", model=_model(torch.float32, seed=1))
+    shutil.copytree(old, new)
+    save_checkpoint(new, "t", model=_model(torch.float32, seed=2))
+    return old, new
+
+
+def test_ranks_that_read_two_saves_of_a_tag_all_refuse(tmp_path: Path) -> None:
+    old, new = _two_saves(tmp_path)
+    same = run_distributed(load_from, 2, [str(old), str(old)])
+    assert [r["error"] for r in same] == [None, None]  # a copy of the tag per rank: the same save
+    results = run_distributed(load_from, 2, [str(old), str(new)], timeout=60)
+    for result in results:
+        assert result["error"] is not None, result
+        assert result["untouched"], result
+    assert "the tag changed while the ranks opened it" in results[1]["error"]
+    (new / "t" / "index.json").unlink()  # a first save before its commit on one rank's view
+    results = run_distributed(load_from, 2, [str(old), str(new)], timeout=60)
+    for result in results:
+        assert result["error"] is not None, result
+        assert result["untouched"], result
