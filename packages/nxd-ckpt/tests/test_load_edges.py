@@ -4,9 +4,9 @@ racing a save of the same tag.
 * A tag's tensors load into a model of another dtype only when the cast is exact (bf16 ->
   fp32); a narrowing cast (fp32 -> bf16, bf16 -> fp16) is one ``ValueError`` naming the
   tensor and both dtypes, and the model keeps its values.
-* ZeRO-1 state saved at DP = 2 loads at DP = 3 (flat shards padded, shard edges inside
-  parameters) and saved again there holds the same moments bitwise: padding is never read
-  as state and never written.
+* ZeRO-1 state of 43 elements saved at DP = 2 (one padding element) loads at DP = 1 and
+  DP = 3 (two), shard edges inside parameters, and saved again there holds the moments of
+  one process's AdamW bitwise: padding is never read as state and never written.
 * A process loading a tag while another re-saves it gets either a whole checkpoint (all old
   or all new values) or a clear error, never a mix.
 """
@@ -121,6 +121,15 @@ def zero1_dp2_to_dp1_and_back(path: str) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
+def zero1_dp3(path: str) -> dict[str, torch.Tensor]:
+    """Load ``dp2`` at DP=3 (shards of 15: 45 = 43 + 2 padding, edges inside parameters)
+    and save it; return the loaded parameters."""
+    model, optimizer = _zero1(tp=1)
+    load_checkpoint(path, "dp2", model=model, optimizer=optimizer)
+    save_checkpoint(path, "dp3", model=model, optimizer=optimizer)
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
 def _stored_optimizer(tag: Path) -> dict[str, torch.Tensor]:
     with CheckpointReader(tag) as reader:
         names = reader.index.names("optimizer")
@@ -134,10 +143,11 @@ def test_zero1_moments_round_trip_through_padded_shards(tmp_path: Path) -> None:
         _odd_step(model, optimizer, step)
     names = dict(model.named_parameters())
     loaded = run_distributed(zero1_dp2_to_dp1_and_back, 2, str(tmp_path))
+    loaded += run_distributed(zero1_dp3, 3, str(tmp_path))
     for rank in loaded:
         for name, value in rank.items():
             assert torch.equal(value, names[name]), name
-    for tag in ("dp2", "dp1", "back"):
+    for tag in ("dp2", "dp1", "back", "dp3"):
         stored = _stored_optimizer(tmp_path / tag)
         for name, param in names.items():
             for key in ("exp_avg", "exp_avg_sq"):
