@@ -18,8 +18,7 @@ from typing import Any
 from nxd_ckpt.format import INDEX_NAME, _tags
 from nxd_ckpt.format._contain import check_tag
 from nxd_ckpt.layout._context import current_context
-from nxd_ckpt.load._load import load_native
-from nxd_ckpt.load._reader import CheckpointReader
+from nxd_ckpt.load._load import load_native, open_tag
 from nxd_ckpt.save import _save, _saver, _step_gate
 
 __all__ = ["finalize_checkpoint", "has_checkpoint", "load_checkpoint", "save_checkpoint"]
@@ -139,7 +138,8 @@ def load_checkpoint(
     _saver.wait_pending()
     ctx = current_context()
     tag_dir, _ = _tags.resolve_tag_dir(path, tag)
-    if not os.path.lexists(tag_dir / INDEX_NAME):  # (a link is refused by the reader)
+    opened = open_tag(tag_dir)
+    if opened is None:
         from nxd_ckpt.nxd_format import is_nxd_checkpoint, load_nxd_checkpoint
 
         if is_nxd_checkpoint(tag_dir):
@@ -156,5 +156,5 @@ def load_checkpoint(
         )
     if optimizer is not None and model is None:
         logger.info("loading optimizer state without model=: parameters are matched by position")
-    with CheckpointReader(tag_dir) as reader:
+    with opened as reader:
         return load_native(reader, ctx, model, optimizer, scheduler, num_workers, strict, load_rng)

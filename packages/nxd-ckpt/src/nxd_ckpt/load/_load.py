@@ -13,14 +13,18 @@ once it has opened the tag's :class:`~nxd_ckpt.load._reader.CheckpointReader`.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from nxd_ckpt.format import INDEX_NAME, FormatError
 from nxd_ckpt.format._slots import host_slot
-from nxd_ckpt.layout._context import RankContext, agree
+from nxd_ckpt.layout._context import RankContext, agree, broadcast_int
 from nxd_ckpt.load._load_model import ModelReads, load_json, model_reads, rng_names
 from nxd_ckpt.load._optim_load import OptimizerReads, optimizer_reads
 from nxd_ckpt.load._preflight import verify_reads
@@ -28,9 +32,43 @@ from nxd_ckpt.load._reader import CheckpointReader
 from nxd_ckpt.load._restore import apply_scheduler
 from nxd_state.shards import json_checkpoint_state
 
-__all__ = ["load_native"]
+__all__ = ["load_native", "open_tag"]
 
 logger = logging.getLogger(__name__)
+
+
+def open_tag(tag_dir: Path) -> CheckpointReader | None:
+    """The reader of ``tag_dir``'s index, the same save on every rank, or None on every rank
+    when the tag has no index (NxD's layout, or no checkpoint). Collective.
+
+    Each rank reads the index itself, so a save committing into the same tag while the ranks
+    open it (another job re-saving it, or saving it for the first time) could give ranks
+    different saves: a load mixing two checkpoints, or ranks that leave before a collective
+    their peers wait in. So the ranks compare (tag name, save id) with rank 0's and all raise
+    if any differs, naming both."""
+    reader, error = None, None
+    try:
+        if os.path.lexists(tag_dir / INDEX_NAME):  # (a link is refused by the reader)
+            reader = CheckpointReader(tag_dir)
+    except Exception as caught:  # every rank raises: none waits in the broadcast below
+        error = caught
+    agree(error, f"reading {tag_dir / INDEX_NAME}")
+    save = f"save {reader.index.save_id}" if reader is not None else f"no {INDEX_NAME}"
+    digest = hashlib.blake2b(f"{tag_dir.name}\0{save}".encode(), digest_size=8).digest()
+    mine = int.from_bytes(digest, "big") >> 2  # 62 bits: broadcast_int carries 63
+    problem = None
+    if broadcast_int(mine) != mine:
+        problem = FormatError(
+            f"{tag_dir}: this rank read {save} but rank 0 another: the tag changed while the "
+            f"ranks opened it (a save into the same tag?); nothing was loaded"
+        )
+    try:
+        agree(problem, f"opening {tag_dir}")
+    except BaseException:
+        if reader is not None:
+            reader.close()
+        raise
+    return reader
 
 
 @dataclass

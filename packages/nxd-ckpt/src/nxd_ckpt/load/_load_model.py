@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ import torch
 
 from nxd_ckpt.format import _jsonstate
 from nxd_ckpt.format._boxes import Box
+from nxd_ckpt.format._stfile import dtype_from_name
 from nxd_ckpt.layout._context import RankContext, agree, sum_counts
 from nxd_ckpt.layout._items import DenseSource, TensorItem, pieces
 from nxd_ckpt.layout._model_tensors import model_tensors
@@ -28,6 +30,7 @@ from nxd_ckpt.load._reader import CheckpointReader
 __all__ = [
     "ModelReads",
     "check_keys",
+    "exact_cast",
     "json_paths",
     "load_json",
     "load_model",
@@ -46,6 +49,29 @@ def _listing(names: list[str]) -> str:
     return f"[{shown}{more}]"
 
 
+def exact_cast(stored: torch.dtype, target: torch.dtype) -> bool:
+    """Whether every value of dtype ``stored`` is a value of ``target``: the same dtype, a
+    float widened (bf16 or fp16 -> fp32 -> fp64: at least the precision ``eps`` and the range
+    ``max``/``tiny``), an integer widened, an integer of at most ``target``'s significand
+    bits into a float, a bool into anything. Narrowing (fp32 -> bf16, bf16 <-> fp16), float
+    -> integer and complex (unless the same dtype) are not."""
+    if stored == target or stored == torch.bool:
+        return True
+    if stored.is_complex or target.is_complex or target == torch.bool:
+        return False
+    if stored.is_floating_point:
+        if not target.is_floating_point:
+            return False
+        have, want = torch.finfo(stored), torch.finfo(target)
+        return want.eps <= have.eps and want.max >= have.max and want.tiny <= have.tiny
+    have_int = torch.iinfo(stored)
+    if target.is_floating_point:
+        digits = 1 - round(math.log2(torch.finfo(target).eps))  # significand bits
+        return max(have_int.max, -have_int.min) <= 2**digits
+    want_int = torch.iinfo(target)
+    return want_int.min <= have_int.min and want_int.max >= have_int.max
+
+
 def check_keys(
     what: str,
     stored_names: list[str],
@@ -54,14 +80,20 @@ def check_keys(
     mismatched: list[str],
     strict: bool,
     source: str,
+    lossy: list[str] | None = None,
 ) -> None:
-    """Raise on every rank for shape mismatches, and under ``strict`` for missing names
-    (local) or stored names no rank uses (collective)."""
+    """Raise on every rank for shape mismatches and ``lossy`` casts, and under ``strict``
+    for missing names (local) or stored names no rank uses (collective)."""
     counts = sum_counts([int(name in used) for name in stored_names])
     unexpected = [name for name, count in zip(stored_names, counts) if count == 0]
     problems = []
     if mismatched:
         problems.append(f"shape mismatch: {_listing(mismatched)}")
+    if lossy:
+        problems.append(
+            f"dtype mismatch, the model's dtype cannot hold every stored value (load into a "
+            f"model of the stored dtype, then cast it): {_listing(lossy)}"
+        )
     if strict and missing:
         problems.append(f"missing from the checkpoint: {_listing(sorted(missing))}")
     if strict and unexpected:
@@ -110,7 +142,7 @@ def model_reads(model: Any, reader: CheckpointReader, ctx: RankContext, strict: 
     tensors, aliases = model_tensors(model, ctx, for_load=True)
     index = reader.index
     stored = index.category("model")
-    requested, missing, mismatched, used = [], [], [], set()
+    requested, missing, mismatched, lossy, used = [], [], [], [], set()
     names = set(index.names("model"))
     for local in tensors:
         for part, part_spec in local.stored_in(names):  # its own name, or its stored parts
@@ -125,6 +157,11 @@ def model_reads(model: Any, reader: CheckpointReader, ctx: RankContext, strict: 
             if spec is None:
                 mismatched.append(shape_mismatch(part, part_spec, tuple(record.shape)))
                 continue
+            stored_dtype = dtype_from_name(record.dtype)
+            if reader.native and not exact_cast(stored_dtype, local.tensor.dtype):
+                held = str(local.tensor.dtype).removeprefix("torch.")
+                lossy.append(f"{part}: checkpoint {record.dtype}, model {held}")
+                continue
             requested.append((local, target, spec))
     for alias, first in aliases.items():  # tied names: present in the checkpoint or not
         target = index.resolve("model", alias)
@@ -134,7 +171,8 @@ def model_reads(model: Any, reader: CheckpointReader, ctx: RankContext, strict: 
             continue
         else:
             missing.append(alias)
-    check_keys("model", sorted(stored), used, missing, mismatched, strict, str(reader.tag_dir))
+    source = str(reader.tag_dir)
+    check_keys("model", sorted(stored), used, missing, mismatched, strict, source, lossy)
     return ModelReads(requested)
 
 
