@@ -80,20 +80,14 @@ def check_keys(
     mismatched: list[str],
     strict: bool,
     source: str,
-    lossy: list[str] | None = None,
 ) -> None:
-    """Raise on every rank for shape mismatches and ``lossy`` casts, and under ``strict``
-    for missing names (local) or stored names no rank uses (collective)."""
+    """Raise on every rank for shape mismatches, and under ``strict`` for missing names
+    (local) or stored names no rank uses (collective)."""
     counts = sum_counts([int(name in used) for name in stored_names])
     unexpected = [name for name, count in zip(stored_names, counts) if count == 0]
     problems = []
     if mismatched:
         problems.append(f"shape mismatch: {_listing(mismatched)}")
-    if lossy:
-        problems.append(
-            f"dtype mismatch, the model's dtype cannot hold every stored value (load into a "
-            f"model of the stored dtype, then cast it): {_listing(lossy)}"
-        )
     if strict and missing:
         problems.append(f"missing from the checkpoint: {_listing(sorted(missing))}")
     if strict and unexpected:
@@ -142,7 +136,7 @@ def model_reads(model: Any, reader: CheckpointReader, ctx: RankContext, strict: 
     tensors, aliases = model_tensors(model, ctx, for_load=True)
     index = reader.index
     stored = index.category("model")
-    requested, missing, mismatched, lossy, used = [], [], [], [], set()
+    requested, missing, mismatched, rounded, used = [], [], [], [], set()
     names = set(index.names("model"))
     for local in tensors:
         for part, part_spec in local.stored_in(names):  # its own name, or its stored parts
@@ -157,11 +151,9 @@ def model_reads(model: Any, reader: CheckpointReader, ctx: RankContext, strict: 
             if spec is None:
                 mismatched.append(shape_mismatch(part, part_spec, tuple(record.shape)))
                 continue
-            stored_dtype = dtype_from_name(record.dtype)
-            if reader.native and not exact_cast(stored_dtype, local.tensor.dtype):
+            if not exact_cast(dtype_from_name(record.dtype), local.tensor.dtype):
                 held = str(local.tensor.dtype).removeprefix("torch.")
-                lossy.append(f"{part}: checkpoint {record.dtype}, model {held}")
-                continue
+                rounded.append(f"{part}: checkpoint {record.dtype}, model {held}")
             requested.append((local, target, spec))
     for alias, first in aliases.items():  # tied names: present in the checkpoint or not
         target = index.resolve("model", alias)
@@ -172,7 +164,16 @@ def model_reads(model: Any, reader: CheckpointReader, ctx: RankContext, strict: 
         else:
             missing.append(alias)
     source = str(reader.tag_dir)
-    check_keys("model", sorted(stored), used, missing, mismatched, strict, source, lossy)
+    check_keys("model", sorted(stored), used, missing, mismatched, strict, source)
+    if rounded:  # as load_state_dict casts (fine-tuning an fp32 tag in bf16), but said
+        logger.warning(
+            "loading model from %s: %d tensor(s) rounded to the model's dtype, which cannot "
+            "hold every stored value (load into a model of the stored dtype to keep them "
+            "exact): %s",
+            source,
+            len(rounded),
+            _listing(rounded),
+        )
     return ModelReads(requested)
 
 
