@@ -133,3 +133,56 @@ def test_uneven_ignored_labels_match_one_process(case: str) -> None:
     convention, counted, extra = CASES[case]
     for rank, bad in enumerate(run_distributed(step, 2, convention, counted, dict(extra))):
         assert not bad, f"rank {rank}:\n" + "\n".join(bad)
+
+
+# PP2: the pipeline averages its micro-batches' losses (NxD's convention) ----------------------
+def pp_step() -> list[str]:
+    """PP2 (2 ranks), 2 micro-batches of one row (3 and 15 counted targets): the loss and every
+    gradient are the mean of the two rows' token means. ``num_items_in_batch`` is refused with
+    the reason (the pipeline divides each micro-batch's loss by ``num_microbatches``: a count
+    of the whole batch would be off by that factor)."""
+    import nxd_state
+    import nxd_trainer as nxd
+
+    counted = UNEVEN[:2]
+    ids, labels = _data(counted)
+    bad = []
+    cfg = nxd.neuronx_distributed_config(
+        pipeline_parallel_size=2,
+        pipeline_config={
+            "num_microbatches": 2,
+            "input_names": ["input_ids", "labels"],
+            "pipeline_cuts": ["model.layers.0"],
+        },
+        optimizer_config={"zero_one_enabled": False, "grad_clipping": False},
+    )
+    model = nxd.initialize_parallel_model(cfg, _model)
+    try:
+        model.run_train(input_ids=ids, labels=labels, num_items_in_batch=sum(counted))
+        bad.append("num_items_in_batch at PP2: no error")
+    except ValueError as error:
+        if "num_items_in_batch with pipeline parallelism" not in str(error):
+            bad.append(f"num_items_in_batch at PP2: {error}")
+    optimizer = nxd.initialize_parallel_optimizer(cfg, torch.optim.SGD, model.parameters(), lr=1.0)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    loss = model.run_train(input_ids=ids, labels=labels)
+    optimizer.step()
+    ref_loss, ref_grads = _reference("means", counted)
+    checks = []
+    if nxd_state.get_parallel_state().pipeline_parallel_rank == 1:
+        checks.append(("loss", loss, ref_loss))
+    for name, param in model.named_parameters():
+        checks.append((f"grad {name}", before[name] - param.detach(), ref_grads[name]))
+    for what, got, want in checks:
+        try:
+            torch.testing.assert_close(got, want, **TOL)
+        except AssertionError as error:
+            bad.append(f"{what}: {error}")
+    return bad
+
+
+def test_pp2_averages_micro_batch_token_means_and_refuses_num_items() -> None:
+    if not H.pipeline_capture_works():
+        pytest.skip(f"transformers below {H.PIPELINE_FIRST_GOOD_TRANSFORMERS}: no PP capture")
+    for rank, bad in enumerate(run_distributed(pp_step, 2)):
+        assert not bad, f"rank {rank}:\n" + "\n".join(bad)
