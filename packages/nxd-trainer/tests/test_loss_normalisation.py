@@ -135,6 +135,19 @@ def test_uneven_ignored_labels_match_one_process(case: str) -> None:
         assert not bad, f"rank {rank}:\n" + "\n".join(bad)
 
 
+def test_cp_pipeline_loss_of_a_micro_batch_without_counted_targets_is_zero() -> None:
+    """CP x PP's last-stage loss (``pipeline_loss``) on a micro-batch whose labels are all
+    ignored: 0 with a zero gradient on every CP rank (0/0 = NaN before), one process."""
+    from nxd_trainer._context_parallel import pipeline_loss
+
+    logits = torch.randn(1, SEQ // 2, 11, requires_grad=True)
+    shifted = torch.full((1, SEQ), -100)
+    loss = pipeline_loss(logits, shifted, 11, shift_labels=shifted[:, : SEQ // 2])
+    loss.backward()
+    assert loss.item() == 0.0
+    assert logits.grad is not None and not logits.grad.any()
+
+
 # PP2: the pipeline averages its micro-batches' losses (NxD's convention) ----------------------
 def pp_step() -> list[str]:
     """PP2 (2 ranks), 2 micro-batches of one row (3 and 15 counted targets): the loss and every
