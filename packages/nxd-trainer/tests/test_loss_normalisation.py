@@ -145,7 +145,8 @@ def test_cp_pipeline_loss_of_a_micro_batch_without_counted_targets_is_zero() -> 
     loss = pipeline_loss(logits, shifted, 11, shift_labels=shifted[:, : SEQ // 2])
     loss.backward()
     assert loss.item() == 0.0
-    assert logits.grad is not None and not logits.grad.any()
+    assert logits.grad is not None
+    assert not logits.grad.any()
 
 
 # PP2: the pipeline averages its micro-batches' losses (NxD's convention) ----------------------
