@@ -125,6 +125,9 @@ def test_loader_shards_the_global_batch_and_resumes() -> None:
     resumed = PackedLoader(blocks, 4, 1, 2, seed=5)
     resumed.load_state_dict(ranks[1].state_dict())
     assert torch.equal(resumed.next_batch(), ranks[1].next_batch())
+    narrower = PackedLoader(blocks, 4, 0, 1, seed=5)  # DP2 -> DP1: the straight run's batch
+    narrower.load_state_dict(ranks[0].state_dict())  # after 5 steps, as `one`
+    assert torch.equal(narrower.next_batch(), one.next_batch())
     with pytest.raises(ConfigError, match="the data or seed changed"):
         PackedLoader(blocks[:6], 4, 0, 1, seed=5).load_state_dict(one.state_dict())
 

@@ -13,6 +13,8 @@ The loss of one process is the mean over the ``N`` counted tokens of the whole s
 
 the mean over CP that the optimizer wrapper's DP x CP gradient average and the trainer's loss
 report take. ``N`` is counted on the whole (unsplit) labels every CP rank holds: no collective.
+A batch (micro-batch) with no counted target (``N = 0``) has loss 0 and gradient 0: ``N`` is
+taken as 1 there, where one process's mean would be 0/0 = NaN.
 
 At PP > 1 the pipeline splits each batch into micro-batches and averages their losses, so
 ``N`` must be each micro-batch's count, known only after that split: the stages get
@@ -273,8 +275,8 @@ def split_context_parallel_inputs(
         check_right_padding(mask, shifted, ignore, (batch, seq_len))
     if shifted is not None:
         count = inputs.get("num_items_in_batch")
-        if count is None:
-            count = (shifted != ignore).sum()
+        if count is None:  # no counted target: L_r = 0, not 0/0
+            count = (shifted != ignore).sum().clamp(min=1)
         local = split(shifted)
         out["labels"] = out["shift_labels"] = local
         out["num_items_in_batch"] = count / cp
@@ -347,5 +349,5 @@ def pipeline_loss(
         ignore_index=ignore_index,
         reduction="sum",
     )
-    count = (labels != ignore_index).sum()
+    count = (labels != ignore_index).sum().clamp(min=1)  # none counted: 0, not 0/0
     return total * (labels.shape[-1] / shift_labels.shape[-1]) / count

@@ -148,14 +148,27 @@ class NxDModel(nn.Module):
     def _pipeline_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         """The pipeline's keyword inputs: positional ``args`` matched to ``input_names``; at
         context parallelism this CP rank's split (``_context_parallel.split_pipeline_inputs``)
-        of the whole sequences given by the user's ``input_names``."""
-        if self.cp_algorithm is not None:
-            from nxd_trainer._context_parallel import split_pipeline_inputs
-
-            pipe = self.trainer_config.pipeline_config
+        of the whole sequences given by the user's ``input_names``. ``num_items_in_batch`` is
+        refused: the pipeline averages its micro-batches' losses (NxD's convention), so a sum
+        divided by a count of the whole batch would be ``num_microbatches`` times too small."""
+        pipe = self.trainer_config.pipeline_config
+        if self.cp_algorithm is not None:  # the user's names; the stages' add CP's inputs
             names = list(pipe.input_names or ()) if pipe is not None else []
-            return split_pipeline_inputs(self._named(args, kwargs, names), self.cp_algorithm)
-        return self._named(args, kwargs, list(self.module.input_names))
+        else:
+            names = list(self.module.input_names)
+        inputs = self._named(args, kwargs, names)
+        if inputs.get("num_items_in_batch") is not None:
+            raise ValueError(
+                "num_items_in_batch with pipeline parallelism: the pipeline averages its "
+                "micro-batches' losses, each micro-batch's loss its own token mean, so a loss "
+                "divided by num_items_in_batch would be num_microbatches times too small; "
+                "leave it out"
+            )
+        if self.cp_algorithm is None:
+            return inputs
+        from nxd_trainer._context_parallel import split_pipeline_inputs
+
+        return split_pipeline_inputs(inputs, self.cp_algorithm)
 
     @staticmethod
     def _named(args: tuple[Any, ...], kwargs: dict[str, Any], names: list[str]) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 
 Hugging Face's ``ForCausalLMLoss``: labels shifted left by one (the last position gets
 ``ignore_index``), then the mean over non-ignored tokens of ``-log softmax(z_t)[y_{t+1}]``
-(or the sum divided by ``num_items_in_batch``). Here ``z`` holds this rank's columns of the
+(or the sum divided by ``num_items_in_batch``); a batch with no counted target has loss 0
+and gradient 0 where transformers' mean is 0/0 = NaN. Here ``z`` holds this rank's columns of the
 vocabulary (``ColumnParallelLinear`` without gather), and ``parallel_cross_entropy`` reduces
 the softmax's max, normaliser and target logit over TP as per-token scalars: the
 ``(B, S, V)`` logits are never gathered. Columns past the real vocabulary (padding to a
@@ -69,17 +70,16 @@ class ParallelCausalLMLoss(nn.Module):
                 logits, shift_labels.to(logits.device).contiguous(), ignore_index=ignore_index,
                 reduction="sum",
             )  # fmt: skip
-            count = (labels != ignore_index).sum()
+            count = (labels != ignore_index).sum().clamp(min=1)  # none counted: 0, not 0/0
             return total * (labels.shape[-1] / shift_labels.shape[-1]) / count
         if shift_labels is None:
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         shift_labels = shift_labels.to(logits.device).contiguous()
-        reduction = "sum" if num_items_in_batch is not None else "mean"
         loss = parallel_cross_entropy(
-            logits, shift_labels, ignore_index=ignore_index, reduction=reduction
+            logits, shift_labels, ignore_index=ignore_index, reduction="sum"
         )
-        if num_items_in_batch is not None:
-            if torch.is_tensor(num_items_in_batch):
-                num_items_in_batch = num_items_in_batch.to(loss.device)
-            loss = loss / num_items_in_batch
-        return loss
+        if num_items_in_batch is None:  # the token mean; no counted target: 0, not 0/0
+            num_items_in_batch = (shift_labels != ignore_index).sum().clamp(min=1)
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        return loss / num_items_in_batch
