@@ -91,6 +91,18 @@ def full(param: torch.Tensor, tensor: torch.Tensor, name: str, cfg: Any) -> torc
     return out
 
 
+def mismatches(checks: list[tuple[str, Any, Any]], **tolerance: float) -> list[str]:
+    """``"what: error"`` for every ``(what, got, want)`` that ``assert_close`` (with
+    ``tolerance``) rejects: every check runs, so a rank reports all its mismatches at once."""
+    bad = []
+    for what, got, want in checks:
+        try:
+            torch.testing.assert_close(got, want, **tolerance)
+        except AssertionError as error:
+            bad.append(f"{what}: {error}")
+    return bad
+
+
 def full_logits(logits: torch.Tensor, vocab: int) -> torch.Tensor:
     """Vocabulary-sharded logits gathered over TP, padding columns dropped."""
     import nxd_state

@@ -143,12 +143,7 @@ def step(tp: int, cp: int, algorithm: str, extra: dict[str, Any]) -> list[str]:
             checks.append((f"grad {name}", update, ref_grads.get(name, torch.zeros(()))))
         else:  # frozen (the base weights under LoRA): not moved at all
             checks.append((f"frozen {name}", update, torch.zeros_like(update)))
-    for what, got, want in checks:
-        try:
-            torch.testing.assert_close(got, want, **TOL)
-        except AssertionError as error:
-            bad.append(f"{what}: {error}")
-    return bad
+    return bad + H.mismatches(checks, **TOL)
 
 
 CASES = {

@@ -104,12 +104,7 @@ def step(convention: str, counted: tuple[int, ...], extra: dict[str, Any]) -> li
         update = H.full(param, before[name] - param.detach(), name, model.config)
         checks.append((f"grad {name}", update, ref_grads[name]))
     bad = []
-    for what, got, want in checks:
-        try:
-            torch.testing.assert_close(got, want, **TOL)
-        except AssertionError as error:
-            bad.append(f"{what}: {error}")
-    return bad
+    return bad + H.mismatches(checks, **TOL)
 
 
 UNEVEN = (3, 15, 1, 9)  # 3 + 15 on DP rank 0, 1 + 9 on DP rank 1
@@ -187,12 +182,7 @@ def pp_step() -> list[str]:
         checks.append(("loss", loss, ref_loss))
     for name, param in model.named_parameters():
         checks.append((f"grad {name}", before[name] - param.detach(), ref_grads[name]))
-    for what, got, want in checks:
-        try:
-            torch.testing.assert_close(got, want, **TOL)
-        except AssertionError as error:
-            bad.append(f"{what}: {error}")
-    return bad
+    return bad + H.mismatches(checks, **TOL)
 
 
 def test_pp2_averages_micro_batch_token_means_and_refuses_num_items() -> None:

@@ -149,12 +149,7 @@ def cp_pp_step(
         checks.append((f"grad {name}", update, ref_grads[name]))
     if not any(name.startswith("grad") for name, _, _ in checks):
         bad.append("no parameter on this rank")
-    for what, got, want in checks:
-        try:
-            torch.testing.assert_close(got, want, **TOL)
-        except AssertionError as error:
-            bad.append(f"{what}: {error}")
-    return bad
+    return bad + H.mismatches(checks, **TOL)
 
 
 CP_CASES = {
