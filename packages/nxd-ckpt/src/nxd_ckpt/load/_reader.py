@@ -74,10 +74,6 @@ class CheckpointReader:
         self.tag_dir = Path(tag_dir)
         self.index: CheckpointIndex = index if index is not None else read_index(self.tag_dir)
         self._foreign = index is not None
-        self.native = index is None
-        """An nxd-ckpt tag (its own ``index.json``), not foreign files read through an index
-        built in memory (a Hugging Face folder, NxD's layout): only a tag's dtypes are kept
-        exactly on load (foreign weights are cast as ``load_state_dict`` casts them)."""
         self.verify = verify
         self.follow_links = follow_links
         self._files: dict[str, Any] = dict(sources or {})

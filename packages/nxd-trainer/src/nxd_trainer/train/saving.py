@@ -128,9 +128,11 @@ class Saver:
         if report is None:
             yield
             return
-        waited = _step_gate_waited_s()
+        import nxd_ckpt
+
+        waited = nxd_ckpt.async_copy_waited_s()
         yield
-        report.wait_s = _step_gate_waited_s() - waited
+        report.wait_s = nxd_ckpt.async_copy_waited_s() - waited
         self._reports.append(report)
 
     def wait(self, *, release_host_memory: bool = False) -> None:
@@ -161,10 +163,3 @@ class Saver:
         """The saves whose blocking time is known since the last call, oldest first."""
         done, self._reports = self._reports, []
         return done
-
-
-def _step_gate_waited_s() -> float:
-    """Seconds this process's optimizer steps have waited for async saves' host copies."""
-    import nxd_ckpt
-
-    return nxd_ckpt.async_copy_waited_s()
